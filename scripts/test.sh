@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up (idempotent), then lint, type-check and run the test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+source scripts/env.sh
+echo "[test] ruff" >&2
+ruff check dsx3d tests scripts
+echo "[test] mypy" >&2
+mypy
+echo "[test] pytest" >&2
+python -m pytest -q "$@"
