@@ -6,10 +6,15 @@ adjacent, then DP, then PP. Nothing here needs a process group.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+# DeepSpeed's logger writes to stdout and already logs while importing (accelerator detection). Importing it
+# with stdout pointed at stderr binds its handler to stderr, so stdout stays clean for `dsx3d plan --json`.
+with contextlib.redirect_stdout(sys.stderr):
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,8 @@ class DataSection(_Section):
     """Tokenizer directory or hub id; default: the model's, else a byte-level BPE trained on the corpus."""
     tokenizer_vocab_size: int = Field(2048, ge=256)
     """Vocabulary of the tokenizer dsx3d trains when none is given."""
+    cache_dir: str | None = None
+    """Where trained tokenizers and tokenized corpora are cached; default $DSX3D_CACHE_DIR, else ~/.cache/dsx3d."""
 
 
 class Recipe(_Section):

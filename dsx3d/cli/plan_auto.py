@@ -1,13 +1,200 @@
-"""`dsx3d plan --auto`: search layouts for a model and a cluster (filled in by the planner work)."""
+"""`dsx3d plan --auto`: search layouts for a model on a cluster and rank them by predicted tokens/s.
+
+    dsx3d plan --auto --model CONFIG --nodes N --gpus-per-node G --gpu-memory-gb M
+               [--global-batch B --seq-len S] [--top K] [--json] [--write-recipe FILE]
+
+CONFIG is a recipe YAML, an HF config.json or a checkpoint directory. Every candidate passes
+`dsx3d.checker` and fits the usable memory; for every other (dp, tp, pp, ZeRO) family the output says why it
+lost. `--json` prints one JSON object on stdout. The search and the model: `dsx3d.planner`, `dsx3d.estimate`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from dsx3d.cli.cmd_estimate import add_hardware_arguments, add_option, hardware_from, load_model, positive
+from dsx3d.errors import UserError
+from dsx3d.estimate import Setup, shape_from_hf_config
+from dsx3d.planner import Candidate, Cluster, PlanResult, plan_layouts, recipe_for
+from dsx3d.recipe import ModelSection, Recipe, dump_recipe, load_recipe
+
+log = logging.getLogger("dsx3d")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--auto", action="store_true", help="search layouts instead of showing one")
+    """The --auto options, added to `dsx3d plan`'s parser (options it already has are reused)."""
+    add_option(parser, "--auto", action="store_true", help="search layouts for --model on the cluster")
+    group = parser.add_argument_group("--auto search")
+    add_option(group, "--model", metavar="CONFIG", help="recipe YAML, HF config.json or checkpoint directory")
+    add_option(group, "--nodes", type=positive(int), help="nodes of the cluster (default 1)")
+    add_option(group, "--gpus-per-node", type=positive(int), help="devices per node (default 8)")
+    add_option(
+        group, "--global-batch", type=positive(int), default=256, help="sequences per step (default 256)"
+    )
+    add_option(
+        group, "--seq-len", type=positive(int), help="tokens per sequence (default: recipe's, else 4096)"
+    )
+    add_option(group, "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training dtype")
+    add_option(group, "--max-micro-batch", type=positive(int), default=16, help="largest micro-batch tried")
+    add_option(group, "--top", type=positive(int), default=5, help="candidates to show (default 5)")
+    add_option(group, "--write-recipe", metavar="FILE", help="write the chosen layout as a recipe YAML")
+    add_hardware_arguments(group)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("dsx3d plan --auto is not implemented yet")
+    source = args.model or getattr(args, "recipe", None)
+    if not source:
+        raise UserError.single("--model", None, "dsx3d plan --auto needs a model", "add --model CONFIG")
+    if args.gpu_memory_gb is None:
+        raise UserError.single(
+            "--gpu-memory-gb", None, "the search needs the device memory", "add --gpu-memory-gb 80"
+        )
+    model, hf_config, recipe = load_model(source)
+    cluster = Cluster(
+        nodes=args.nodes or 1, gpus_per_node=args.gpus_per_node or 8, gpu_memory_gb=args.gpu_memory_gb
+    )
+    seq_len = args.seq_len or (recipe.train.seq_len if recipe else 4096)
+    shape = shape_from_hf_config(hf_config)
+    hw = hardware_from(args, cluster.gpus_per_node)
+    base = Setup(dtype=args.dtype, flash_attention=args.flash_attention)
+    result = plan_layouts(
+        shape,
+        cluster,
+        global_batch=args.global_batch,
+        seq_len=seq_len,
+        hardware=hw,
+        base=base,
+        model=model,
+        hf_config=hf_config,
+        max_micro_batch=args.max_micro_batch,
+    )
+    if not result.checked:
+        log.warning("dsx3d.checker is not available: candidates were not checked")
+    if args.write_recipe and result.best is not None:
+        _write_recipe(args.write_recipe, result.best, cluster, model, recipe)
+    if args.json:
+        print(json.dumps(_as_json(result, args.top, shape.total_params)))
+    else:
+        print(render(result, args.top, cluster, shape.total_params, args.global_batch, seq_len))
+    if result.best is None:
+        raise UserError.single(
+            "dsx3d plan --auto",
+            source,
+            "no layout fits and passes the checker",
+            "use more or larger devices, a smaller global batch or sequence, or --flash-attention",
+        )
+    return 0
+
+
+def _write_recipe(
+    path: str, best: Candidate, cluster: Cluster, model: ModelSection, recipe: Recipe | None
+) -> None:
+    chosen = recipe_for(best.setup, cluster, model)
+    if recipe is not None:  # keep the given recipe's data, optimizer and output settings
+        train = recipe.train.model_copy(
+            update=chosen.train.model_dump(
+                include={
+                    "micro_batch_size",
+                    "gradient_accumulation_steps",
+                    "seq_len",
+                    "dtype",
+                    "activation_checkpointing",
+                }
+            )
+        )
+        chosen = recipe.model_copy(
+            update={
+                "parallel": chosen.parallel,
+                "cluster": chosen.cluster,
+                "train": train,
+                "zero": chosen.zero,
+            }
+        )
+    Path(path).write_text(dump_recipe(chosen))
+    load_recipe(path)  # what we write must load
+    log.info("wrote %s (%s)", path, best.label())
+
+
+def _candidate_json(c: Candidate) -> dict:
+    e = c.estimate
+    return {
+        "setup": asdict(c.setup),
+        "status": c.status,
+        "reason": c.reason,
+        "warnings": c.warnings,
+        "tokens_per_s": e.tokens_per_s,
+        "step_time_s": e.step_time_s,
+        "mfu": e.mfu,
+        "bubble_fraction": e.bubble_fraction,
+        "total_gb": e.total_gb,
+        "model_states_gb": e.model_states_gb,
+        "activations_gb": e.activations_gb,
+        "peak_stage": e.peak_stage,
+        "stages": [
+            {
+                k: getattr(s, k)
+                for k in ("stage", "layers", "params", "model_states_gb", "activations_gb", "total_gb")
+            }
+            for s in e.stages
+        ],
+    }
+
+
+def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
+    best = result.best
+    return {
+        "total_params": total_params,
+        "checked": result.checked,
+        "chosen": _candidate_json(best) if best else None,
+        "top": [_candidate_json(c) for c in result.ranked[:top]],
+        "families": [
+            {
+                "dp": f.dp,
+                "tp": f.tp,
+                "pp": f.pp,
+                "zero_stage": f.zero_stage,
+                "status": f.status,
+                "reason": f.reason,
+                "best": _candidate_json(f.best),
+            }
+            for f in result.families
+        ],
+        "skipped": result.skipped,
+    }
+
+
+def render(
+    result: PlanResult, top: int, cluster: Cluster, total_params: int, global_batch: int, seq_len: int
+) -> str:
+    """The ranked table, the choice with the checker's warnings, and why every other family lost."""
+    lines = [
+        f"{total_params / 1e9:.2f}B parameters on {cluster.nodes} x {cluster.gpus_per_node} devices of "
+        f"{cluster.gpu_memory_gb:g} GB; global batch {global_batch} x {seq_len} tokens",
+        "",
+    ]
+    head = (
+        f"{'#':>2} {'dp':>3} {'tp':>3} {'pp':>3} {'zero':>4} {'b':>3} {'m':>4} {'ckpt':>4} "
+        f"{'mem GB':>7} {'tokens/s':>10} {'step s':>7} {'MFU':>6} {'bubble':>6}"
+    )
+    lines.append(head)
+    for i, c in enumerate(result.ranked[:top], 1):
+        s, e = c.setup, c.estimate
+        lines.append(
+            f"{i:>2} {s.dp:>3} {s.tp:>3} {s.pp:>3} {s.zero_stage:>4} {s.micro_batch_size:>3} "
+            f"{s.grad_accum:>4} {'on' if s.activation_checkpointing else 'off':>4} {e.total_gb:>7.1f} "
+            f"{e.tokens_per_s:>10,.0f} {e.step_time_s:>7.2f} {e.mfu:>6.1%} {e.bubble_fraction:>6.1%}"
+        )
+    if result.best is not None:
+        lines += ["", "chosen: " + result.best.label()] + [f"  {w}" for w in result.best.warnings]
+    lines += ["", "why the other layouts lost (best of each dp x tp x pp x ZeRO family):"]
+    lines += [
+        f"  dp{f.dp} tp{f.tp} pp{f.pp} zero{f.zero_stage}: {f.reason}"
+        for f in result.families
+        if f.status != "chosen"
+    ]
+    lines += [f"  skipped {note}" for note in result.skipped]
+    return "\n".join(lines)

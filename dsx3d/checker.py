@@ -1,0 +1,310 @@
+"""The recipe checker: every rule that would otherwise fail late, deep in DeepSpeed, or silently.
+
+`check_recipe` is a pure function of the recipe, a world size and the model's HF config. It runs every rule
+and returns every problem at once, so one `dsx3d check` shows all there is to fix. Each rule is a small
+function in `RULES`; each problem names the key path, the value, the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dsx3d.errors import Problem, UserError
+from dsx3d.hf_config import load_hf_config, model_dim
+from dsx3d.layout import bubble_fraction
+from dsx3d.recipe import Recipe
+
+log = logging.getLogger("dsx3d")
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What the rules look at: the recipe, the resolved world and dp, the HF config (None if unreadable)."""
+
+    recipe: Recipe
+    world_size: int
+    world_source: str
+    dp: int  # 0 when parallel.dp cannot be resolved
+    hf_config: Any
+
+    @property
+    def tp(self) -> int:
+        return self.recipe.parallel.tp
+
+    @property
+    def pp(self) -> int:
+        return self.recipe.parallel.pp
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return self.recipe.deepspeed
+
+    def dim(self, name: str) -> int | None:
+        return None if self.hf_config is None else model_dim(self.hf_config, name)
+
+
+Rule = Callable[[_Context], Iterator[Problem]]
+
+
+def _warning(key: str, value: Any, reason: str, fix: str) -> Problem:
+    return Problem(key, value, reason, fix, severity="warning")
+
+
+def _world_size_matches(c: _Context) -> Iterator[Problem]:
+    per_replica = c.tp * c.pp
+    if c.recipe.parallel.dp == "auto":
+        if c.world_size % per_replica:
+            yield Problem(
+                "parallel.dp",
+                "auto",
+                f"tp x pp = {c.tp} x {c.pp} = {per_replica} does not divide the world size {c.world_size} ({c.world_source})",
+                "change parallel.tp / parallel.pp, or the cluster, so that tp x pp divides the world size",
+            )
+    elif c.dp * per_replica != c.world_size:
+        yield Problem(
+            "parallel.dp x parallel.tp x parallel.pp",
+            f"{c.dp} x {c.tp} x {c.pp} = {c.dp * per_replica}",
+            f"must equal the world size {c.world_size} ({c.world_source})",
+            "set parallel.dp: auto, or change the degrees or the cluster",
+        )
+
+
+def _zero_with_pipeline(c: _Context) -> Iterator[Problem]:
+    stage = c.recipe.zero.stage
+    if stage >= 2 and c.pp > 1:
+        yield Problem(
+            "zero.stage",
+            stage,
+            f"ZeRO-{stage} cannot run with a pipeline (parallel.pp = {c.pp}): every micro-batch would need an "
+            "extra reduce-scatter of its gradients before sharding, which the small micro-batches of a pipeline "
+            "cannot afford, and the pipeline already divides gradient memory by pp, so sharding saves little "
+            "(DeepSpeed only asserts this after all process groups exist)",
+            "set zero.stage: 1, or parallel.pp: 1 to use ZeRO-2/3",
+        )
+
+
+def _tp_inside_node(c: _Context) -> Iterator[Problem]:
+    gpn = c.recipe.cluster.gpus_per_node
+    if c.tp > gpn or gpn % c.tp:
+        yield Problem(
+            "parallel.tp",
+            c.tp,
+            f"a TP group would cross a node boundary (cluster.gpus_per_node = {gpn}); tensor parallelism "
+            "all-reduces activations in every layer and needs the fast links inside a node",
+            f"choose parallel.tp among the divisors of gpus_per_node: {_divisors(gpn)}",
+        )
+
+
+def _tp_divides_model(c: _Context) -> Iterator[Problem]:
+    """Each TP rank owns whole attention heads, whole KV heads and an equal slice of the MLP."""
+    dims = {name: c.dim(name) for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
+    valid = [d for d in _divisors(c.recipe.cluster.gpus_per_node) if all(not v or v % d == 0 for v in dims.values())]
+    for name, size in dims.items():
+        if size and size % c.tp:
+            yield Problem(
+                "parallel.tp",
+                c.tp,
+                f"the model's {name} = {size} is not divisible by tp, so the TP ranks cannot split it evenly",
+                f"choose parallel.tp among {valid}",
+            )
+
+
+def _vocab_padding(c: _Context) -> Iterator[Problem]:
+    vocab = c.dim("vocab_size")
+    if vocab and vocab % c.tp:
+        padded = -(-vocab // c.tp) * c.tp
+        yield _warning(
+            "parallel.tp",
+            c.tp,
+            f"the model's vocab_size = {vocab} is not divisible by tp; the engine pads the vocabulary to "
+            f"{padded} (the next multiple of tp) and masks the padding out of the loss",
+            "nothing to do, or pick a tp that divides vocab_size to avoid the padding",
+        )
+
+
+def _layers_vs_stages(c: _Context) -> Iterator[Problem]:
+    layers = c.dim("num_hidden_layers")
+    if layers is not None and layers < c.pp:
+        yield Problem(
+            "parallel.pp",
+            c.pp,
+            f"the model has {layers} decoder layer(s), fewer than its {c.pp} pipeline stages",
+            f"set parallel.pp to at most {layers}",
+        )
+
+
+def _stage_layers(c: _Context) -> Iterator[Problem]:
+    split = c.recipe.parallel.stage_layers
+    if split is None:
+        return
+    key = "parallel.stage_layers"
+    if len(split) != c.pp:
+        yield Problem(key, split, f"has {len(split)} entries but parallel.pp = {c.pp}", "give one count per stage")
+    if any(n < 1 for n in split):
+        yield Problem(key, split, "every stage needs at least one decoder layer", "make every entry >= 1")
+    layers = c.dim("num_hidden_layers")
+    if layers is not None and sum(split) != layers:
+        yield Problem(
+            key,
+            split,
+            f"sums to {sum(split)} but the model has {layers} decoder layers",
+            f"make the entries sum to {layers}, or remove the key for a cost-balanced split",
+        )
+
+
+def _micro_batches_vs_stages(c: _Context) -> Iterator[Problem]:
+    m = c.recipe.train.gradient_accumulation_steps
+    if c.pp > 1 and m < c.pp:
+        yield _warning(
+            "train.gradient_accumulation_steps",
+            m,
+            f"fewer micro-batches than pipeline stages ({c.pp}): the pipeline idles "
+            f"{bubble_fraction(c.pp, m):.0%} of each step, (p-1)/(m+p-1)",
+            f"use at least {c.pp} micro-batches, ideally 4 x pp = {4 * c.pp} or more "
+            f"(bubble {bubble_fraction(c.pp, 4 * c.pp):.0%})",
+        )
+
+
+def _batch_overrides(c: _Context) -> Iterator[Problem]:
+    """accelerate's and transformers' "auto" fill train_batch_size with the world size; with a pipeline
+    DeepSpeed divides by dp instead and fails at start-up, so dsx3d owns these three keys."""
+    train = c.recipe.train
+    m, g = train.micro_batch_size, train.gradient_accumulation_steps
+    owners = {
+        "train_micro_batch_size_per_gpu": ("train.micro_batch_size", m),
+        "gradient_accumulation_steps": ("train.gradient_accumulation_steps", g),
+        "train_batch_size": ("train.micro_batch_size x train.gradient_accumulation_steps x dp", m * g * c.dp),
+    }
+    for key, (source, want) in owners.items():
+        if key not in c.overrides or c.overrides[key] == want or (key == "train_batch_size" and not c.dp):
+            continue
+        yield Problem(
+            f"deepspeed.{key}",
+            c.overrides[key],
+            f"disagrees with {source} = {want} (train_batch_size must be {m} x {g} x {c.dp}: DeepSpeed's "
+            f"world for batch arithmetic is the data-parallel size dp = {c.dp}, not the world size {c.world_size})",
+            f"remove deepspeed.{key}; set train.micro_batch_size and train.gradient_accumulation_steps instead",
+        )
+
+
+def _grad_accum_dtype(c: _Context) -> Iterator[Problem]:
+    if c.recipe.train.dtype != "bf16" or c.pp == 1:
+        return
+    data_types = c.overrides.get("data_types")
+    accum = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    if accum not in (None, "fp32"):
+        yield Problem(
+            "deepspeed.data_types.grad_accum_dtype",
+            accum,
+            "a bf16 pipeline must accumulate gradients in fp32; bf16 accumulation over many micro-batches loses precision",
+            "remove the override (dsx3d sets fp32)",
+        )
+    if c.recipe.zero.stage == 0:
+        yield _warning(
+            "zero.stage",
+            0,
+            "DeepSpeed cannot combine bf16 weights with fp32 gradient accumulation without ZeRO, so this "
+            "pipeline would accumulate its gradients in bf16",
+            "set zero.stage: 1",
+        )
+
+
+def _contradicting_overrides(c: _Context) -> Iterator[Problem]:
+    o = c.overrides
+    if "pipeline_parallel" in o:
+        yield Problem(
+            "deepspeed.pipeline_parallel",
+            o["pipeline_parallel"],
+            "DeepSpeed silently ignores this section; the pipeline comes from the model wrapping",
+            "remove it and set parallel.pp (and parallel.stage_layers)",
+        )
+    if "tensor_parallel" in o:
+        yield Problem(
+            "deepspeed.tensor_parallel",
+            o["tensor_parallel"],
+            "this enables DeepSpeed's AutoTP, which has no pipeline support and would shard the model a second time",
+            "remove it and set parallel.tp",
+        )
+    zero = o.get("zero_optimization")
+    if isinstance(zero, dict) and "stage" in zero and zero["stage"] != c.recipe.zero.stage:
+        yield Problem(
+            "deepspeed.zero_optimization.stage",
+            zero["stage"],
+            f"contradicts zero.stage = {c.recipe.zero.stage}",
+            "remove the override and set zero.stage",
+        )
+    for section in ("bf16", "fp16"):
+        enabled = o.get(section, {}).get("enabled") if isinstance(o.get(section), dict) else None
+        if enabled is not None and bool(enabled) != (c.recipe.train.dtype == section):
+            yield Problem(
+                f"deepspeed.{section}.enabled",
+                enabled,
+                f"contradicts train.dtype = {c.recipe.train.dtype}",
+                "remove the override and set train.dtype",
+            )
+
+
+def _fp16(c: _Context) -> Iterator[Problem]:
+    if c.recipe.train.dtype == "fp16":
+        yield _warning(
+            "train.dtype",
+            "fp16",
+            "DeepSpeed refuses fp16 on CPU ('Type fp16 is not supported on your device'); fp16 also needs loss scaling",
+            "use bf16 (or fp32 on CPU); keep fp16 only for GPUs without bf16",
+        )
+
+
+RULES: list[Rule] = [
+    _world_size_matches,
+    _zero_with_pipeline,
+    _tp_inside_node,
+    _tp_divides_model,
+    _vocab_padding,
+    _layers_vs_stages,
+    _stage_layers,
+    _micro_batches_vs_stages,
+    _batch_overrides,
+    _grad_accum_dtype,
+    _contradicting_overrides,
+    _fp16,
+]
+
+
+def check_recipe(recipe: Recipe, world_size: int | None = None, hf_config: Any = None) -> list[Problem]:
+    """Every problem of `recipe` on `world_size` ranks (default: the cluster's), errors and warnings.
+
+    Without `hf_config` the model's config is read from the recipe; if that fails, the failure is one of
+    the problems and the rules that need the model are skipped.
+    """
+    problems: list[Problem] = []
+    if hf_config is None:
+        try:
+            hf_config = load_hf_config(recipe.model)
+        except UserError as err:
+            problems.extend(err.problems)
+    if world_size is not None:
+        source = f"--world-size {world_size}"
+    else:
+        world_size = recipe.cluster_world_size
+        source = f"cluster.nodes {recipe.cluster.nodes} x cluster.gpus_per_node {recipe.cluster.gpus_per_node}"
+    ctx = _Context(recipe, world_size, source, recipe.resolved_dp(world_size), hf_config)
+    for rule in RULES:
+        problems.extend(rule(ctx))
+    return problems
+
+
+def raise_for_errors(problems: list[Problem]) -> None:
+    """Log the warnings; raise a `UserError` carrying every error, if there is any."""
+    for p in problems:
+        if p.severity != "error":
+            log.warning("%s", p)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        raise UserError(errors)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,47 @@
+"""`dsx3d check RECIPE`: every problem of a recipe at once, before any process starts.
+
+Exit 0 when there is no error (warnings are allowed), 2 when there is at least one.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dsx3d.checker import check_recipe
+from dsx3d.recipe import load_recipe
+
+
+def positive_int(text: str) -> int:
+    """argparse type for sizes: a bad value is a usage error naming the option, not a traceback."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "check",
+        help="check a recipe: layout, model shapes, batch arithmetic, DeepSpeed overrides",
+        description="Report every problem of a recipe at once. Exit 0 if only warnings, 2 on any error.",
+    )
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument(
+        "--world-size",
+        type=positive_int,
+        help="number of ranks (default: cluster.nodes x cluster.gpus_per_node)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    problems = check_recipe(load_recipe(args.recipe), world_size=args.world_size)
+    for problem in problems:
+        print(problem)
+    errors = sum(p.severity == "error" for p in problems)
+    warnings = len(problems) - errors
+    print(f"{args.recipe}: {errors} error(s), {warnings} warning(s)" if problems else f"{args.recipe}: ok")
+    return 2 if errors else 0

@@ -1,0 +1,36 @@
+"""`dsx3d config RECIPE`: write the DeepSpeed JSON of a recipe, after the checker accepted it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dsx3d.checker import check_recipe, raise_for_errors
+from dsx3d.cli.cmd_check import positive_int
+from dsx3d.ds_config import write_ds_config
+from dsx3d.recipe import load_recipe
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "config",
+        help="write the DeepSpeed config JSON of a recipe",
+        description="Check the recipe (errors: exit 2), then write its DeepSpeed JSON.",
+    )
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("-o", "--output", help="output file (default: ds_configs/<recipe name>.json)")
+    p.add_argument(
+        "--world-size",
+        type=positive_int,
+        help="number of ranks (default: cluster.nodes x cluster.gpus_per_node)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.recipe)
+    raise_for_errors(check_recipe(recipe, world_size=args.world_size))
+    output = Path(args.output) if args.output else Path("ds_configs") / f"{Path(args.recipe).stem}.json"
+    path = write_ds_config(recipe, output, world_size=args.world_size)
+    print(path)  # on stdout, for scripts
+    return 0

@@ -1,0 +1,303 @@
+"""`dsx3d estimate`: per-device memory per pipeline stage and step time of one layout, without processes.
+
+    dsx3d estimate RECIPE [--json]
+    dsx3d estimate --params 7.5e9 --dp 64 --zero-stage 1 [--tp T --pp P] [--layers L --hidden H] [--json]
+
+Options given next to a RECIPE override its values. `--json` prints exactly one JSON object on stdout
+(logs go to stderr). Formulas and sources: `dsx3d.estimate` (README: "Estimating memory and step time").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from dsx3d.errors import UserError
+from dsx3d.estimate import (
+    Estimate,
+    Hardware,
+    ModelShape,
+    Setup,
+    estimate,
+    shape_from_hf_config,
+    shape_from_params,
+)
+from dsx3d.recipe import ModelSection, Recipe, load_recipe
+
+log = logging.getLogger("dsx3d")
+
+_SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def count(text: str) -> float:
+    """argparse type for parameter counts: 7.5e9, 7.5B, 350M."""
+    value = text.strip().upper()
+    scale = _SUFFIX.get(value[-1:], 1.0)
+    try:
+        number = float(value[:-1] if value[-1:] in _SUFFIX else value) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count such as 7.5e9 or 7.5B, got {text!r}") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
+    return number
+
+
+def positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+
+    return parse
+
+
+def add_option(parser: argparse._ActionsContainer, *flags: str, **kwargs: Any) -> None:
+    """Add an option unless the parser already has it (`dsx3d plan` defines --json and --gpus-per-node)."""
+    if not any(flag in parser._option_string_actions for flag in flags):
+        parser.add_argument(*flags, **kwargs)
+
+
+def add_hardware_arguments(parser: argparse._ActionsContainer) -> None:
+    d = Hardware()
+    add_option(
+        parser, "--gpu-memory-gb", type=positive(float), help="device memory; flags stages that overflow"
+    )
+    add_option(
+        parser,
+        "--memory-headroom",
+        type=float,
+        default=d.memory_headroom,
+        help=f"fraction of device memory kept free (default {d.memory_headroom})",
+    )
+    add_option(
+        parser,
+        "--peak-tflops",
+        type=positive(float),
+        default=d.peak_tflops,
+        help=f"peak dense TFLOP/s per device at the training dtype (default {d.peak_tflops:g}, H100 bf16)",
+    )
+    add_option(
+        parser,
+        "--efficiency",
+        type=positive(float),
+        default=d.efficiency,
+        help=f"fraction of peak the matmuls reach (default {d.efficiency})",
+    )
+    add_option(
+        parser,
+        "--intra-node-gbps",
+        type=positive(float),
+        default=d.intra_node_gbps,
+        help=f"GB/s per device inside a node (default {d.intra_node_gbps:g})",
+    )
+    add_option(
+        parser,
+        "--inter-node-gbps",
+        type=positive(float),
+        default=d.inter_node_gbps,
+        help=f"GB/s per device between nodes (default {d.inter_node_gbps:g})",
+    )
+    add_option(
+        parser,
+        "--flash-attention",
+        action="store_true",
+        help="fused attention: leave the s x s score term out of the activations",
+    )
+    add_option(parser, "--json", action="store_true", help="print one JSON object on stdout")
+
+
+def hardware_from(args: argparse.Namespace, gpus_per_node: int) -> Hardware:
+    return Hardware(
+        peak_tflops=args.peak_tflops,
+        efficiency=args.efficiency,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+        gpus_per_node=gpus_per_node,
+        gpu_memory_gb=args.gpu_memory_gb,
+        memory_headroom=args.memory_headroom,
+    )
+
+
+def load_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
+    """A model from a recipe YAML, an HF config.json or a checkpoint directory: (model section, HF config,
+    the recipe if one was given)."""
+    from dsx3d.hf_config import load_hf_config  # transformers: a few seconds of import, only when needed
+
+    p = Path(path)
+    if p.suffix in (".yaml", ".yml"):
+        recipe = load_recipe(p)
+        return recipe.model, load_hf_config(recipe.model), recipe
+    if p.is_file():
+        try:
+            data = json.loads(p.read_text())
+        except ValueError as err:
+            raise UserError.single(
+                "--model", path, f"not valid JSON ({err})", "pass an HF config.json"
+            ) from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise UserError.single("--model", path, "an HF config.json needs a model_type", "add model_type")
+        section = ModelSection(config=data)
+        return section, load_hf_config(section), None
+    if p.is_dir():
+        section = ModelSection(name_or_path=str(p))
+        return section, load_hf_config(section), None
+    raise UserError.single(
+        "--model",
+        path,
+        "no such file or directory",
+        "pass a recipe YAML, an HF config.json or a checkpoint directory",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="estimate memory per stage and step time of a layout",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("recipe", nargs="?", help="recipe YAML (or give --params and the layout)")
+    p.add_argument("--params", type=count, help="parameter count without a recipe (7.5e9, 7.5B)")
+    p.add_argument("--layers", type=positive(int), help="decoder layers (with --params: per-stage split)")
+    p.add_argument(
+        "--hidden", type=positive(int), help="hidden size (with --params: activations and traffic)"
+    )
+    p.add_argument("--heads", type=positive(int), help="attention heads (with --params; default hidden/128)")
+    for name in ("dp", "tp", "pp"):
+        p.add_argument(f"--{name}", type=positive(int), help=f"{name} degree")
+    p.add_argument("--zero-stage", type=int, choices=range(4), help="ZeRO stage (default: recipe's, else 1)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="training dtype (default bf16)")
+    p.add_argument("--micro-batch", type=positive(int), help="sequences per micro-batch (default 1)")
+    p.add_argument("--seq-len", type=positive(int), help="tokens per sequence (default 2048)")
+    p.add_argument(
+        "--grad-accum", type=positive(int), help="micro-batches per step and DP rank, m (default 1)"
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="full activation checkpointing (default off)",
+    )
+    p.add_argument("--gpus-per-node", type=positive(int), help="devices per node (default: recipe's, else 8)")
+    p.add_argument(
+        "--fp32-grad-accum",
+        action="store_true",
+        help="count DeepSpeed's unsharded fp32 gradient buffer (bf16 + ZeRO-1 pipelines)",
+    )
+    add_hardware_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _from_recipe(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
+    from dsx3d.checker import check_recipe, raise_for_errors
+    from dsx3d.hf_config import load_hf_config
+
+    if args.params is not None:
+        raise UserError.single("--params", args.params, "given together with a recipe", "drop one of the two")
+    recipe = load_recipe(args.recipe)
+    hf_config = load_hf_config(recipe.model)
+    raise_for_errors(check_recipe(recipe, hf_config=hf_config))
+    t, par = recipe.train, recipe.parallel
+    setup = Setup(
+        dp=recipe.resolved_dp(),
+        tp=par.tp,
+        pp=par.pp,
+        zero_stage=recipe.zero.stage,
+        dtype=t.dtype,
+        micro_batch_size=t.micro_batch_size,
+        seq_len=t.seq_len,
+        grad_accum=t.gradient_accumulation_steps,
+        activation_checkpointing=t.activation_checkpointing,
+        stage_layers=tuple(par.stage_layers) if par.stage_layers else None,
+    )
+    return shape_from_hf_config(hf_config), setup, recipe.cluster.gpus_per_node
+
+
+def _from_flags(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
+    if args.params is None:
+        raise UserError.single("dsx3d estimate", None, "needs a RECIPE or --params", "give one of the two")
+    if args.pp and args.pp > 1 and not args.layers:
+        raise UserError.single(
+            "--layers", None, "the per-stage split with --pp > 1 needs the layer count", "add --layers"
+        )
+    shape = shape_from_params(args.params, args.layers, args.hidden, args.heads)
+    return shape, Setup(seq_len=2048), 8
+
+
+def build(args: argparse.Namespace) -> tuple[ModelShape, Setup, Hardware]:
+    """The estimator's inputs from a recipe or from flags, flags overriding the recipe."""
+    shape, setup, gpus_per_node = _from_recipe(args) if args.recipe else _from_flags(args)
+    overrides = {
+        "dp": args.dp,
+        "tp": args.tp,
+        "pp": args.pp,
+        "zero_stage": args.zero_stage,
+        "dtype": args.dtype,
+        "micro_batch_size": args.micro_batch,
+        "seq_len": args.seq_len,
+        "grad_accum": args.grad_accum,
+        "activation_checkpointing": args.activation_checkpointing,
+    }
+    setup = replace(
+        setup,
+        **{k: v for k, v in overrides.items() if v is not None},
+        flash_attention=args.flash_attention,
+        fp32_grad_accum=args.fp32_grad_accum,
+    )
+    if setup.dp < 1:
+        raise UserError.single(
+            "parallel.dp", "auto", "tp x pp does not divide the world size", "fix the layout"
+        )
+    return shape, setup, hardware_from(args, args.gpus_per_node or gpus_per_node)
+
+
+def run(args: argparse.Namespace) -> int:
+    shape, setup, hw = build(args)
+    result = estimate(shape, setup, hw)
+    if args.json:
+        print(json.dumps({**result.to_dict(), "setup": asdict(setup), "hardware": asdict(hw)}))
+    else:
+        print(render(result, setup))
+    for note in result.assumptions:
+        log.info("%s", note)
+    return 0
+
+
+def render(est: Estimate, setup: Setup) -> str:
+    """A table per stage plus the step-time summary."""
+    s = setup
+    lines = [
+        f"layout dp {s.dp} x tp {s.tp} x pp {s.pp}, ZeRO-{s.zero_stage}, {s.dtype}, micro-batch {s.micro_batch_size} x "
+        f"seq {s.seq_len}, m = {s.grad_accum}, checkpointing {'on' if s.activation_checkpointing else 'off'}; "
+        f"{est.total_params / 1e9:.2f}B parameters",
+        "",
+        f"{'stage':>5} {'layers':>6} {'params':>9} {'weights':>8} {'grads':>8} {'optim':>8} {'states':>8} "
+        f"{'activ':>8} {'total GB':>9}",
+    ]
+    for st in est.stages:
+        lines.append(
+            f"{st.stage:>5} {st.layers:>6} {st.params / 1e9:>8.2f}B {st.params_gb:>8.2f} {st.grads_gb:>8.2f} "
+            f"{st.optimizer_gb:>8.2f} {st.model_states_gb:>8.2f} {st.activations_gb:>8.2f} {st.total_gb:>9.2f}"
+        )
+    if est.usable_gb is not None:
+        verdict = "fits" if est.fits else f"DOES NOT FIT: {est.overflow_gb():.1f} GB over"
+        lines.append(
+            f"peak stage {est.peak_stage}: {est.total_gb:.1f} GB of {est.usable_gb:.1f} GB usable: {verdict}"
+        )
+    t = est.time_s
+    lines += [
+        "",
+        f"step {est.step_time_s:.3f} s = pipeline {t['pipeline']:.3f} (compute {t['compute']:.3f}, tp {t['tp']:.3f}, "
+        f"pp {t['pp']:.3f}, bubble {est.bubble_fraction:.1%}) + dp {t['dp']:.3f} + tied {t['tied']:.3f}",
+        f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}; per-rank traffic per step: "
+        + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in est.comm_bytes.items()),
+    ]
+    return "\n".join(lines)

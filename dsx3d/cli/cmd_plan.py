@@ -1,0 +1,175 @@
+"""`dsx3d plan`: where every rank sits, its groups, which groups cross nodes, and the pipeline bubble.
+
+Two forms: `dsx3d plan RECIPE` (the recipe is checked first; --tp/--pp/--dp/--gpus-per-node override it)
+or `dsx3d plan --world-size N --gpus-per-node G --tp T --pp P [--dp D]` for a layout without a model.
+`--json` prints exactly one JSON object on stdout; everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsx3d.checker import check_recipe
+from dsx3d.cli import plan_auto
+from dsx3d.cli.cmd_check import positive_int
+from dsx3d.errors import Problem, UserError
+from dsx3d.hf_config import load_hf_config
+from dsx3d.layout import Layout, bubble_fraction
+from dsx3d.recipe import load_recipe
+
+log = logging.getLogger("dsx3d")
+
+
+@dataclass
+class Plan:
+    """A layout with what the recipe adds: micro-batches per step and the checker's warnings."""
+
+    layout: Layout
+    micro_batches: int | None = None
+    warnings: list[str] = field(default_factory=list)
+    tied_embeddings: bool = True
+    """False when the model unties embedding and head: then no tied groups exist."""
+
+    def describe(self) -> dict[str, Any]:
+        lay = self.layout
+        data = lay.describe()
+        if not self.tied_embeddings:
+            data["tied_groups"] = []
+        data["cross_node"] = {
+            "tp_groups": [g for g in lay.tp_groups() if lay.crosses_node(g)],
+            "dp_groups": [g for g in lay.dp_groups() if lay.crosses_node(g)],
+            "pp_groups": [g for g in lay.pp_groups() if lay.crosses_node(g)],
+        }
+        data["pp_node_crossings"] = sorted({s for g in lay.pp_groups() for s in lay.node_crossings(g)})
+        data["micro_batches"] = self.micro_batches
+        data["bubble_fraction"] = bubble_fraction(lay.pp, self.micro_batches) if self.micro_batches else None
+        data["warnings"] = list(self.warnings)
+        return data
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="show the placement of every rank for a recipe or for given degrees",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("recipe", nargs="?", help="recipe YAML; without it give the degrees as options")
+    p.add_argument("--world-size", type=positive_int, help="number of ranks (default: the recipe's cluster)")
+    p.add_argument("--gpus-per-node", type=positive_int, help="ranks per node (default: the recipe's, else 8)")
+    p.add_argument("--tp", type=positive_int, help="tensor-parallel degree")
+    p.add_argument("--pp", type=positive_int, help="pipeline stages")
+    p.add_argument("--dp", type=positive_int, help="data-parallel degree (default: world size / (tp x pp))")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
+    p.add_argument("--svg", metavar="FILE", help="also draw the placement to FILE (SVG)")
+    plan_auto.add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "auto", False):
+        return plan_auto.run(args)
+    plan = _plan_from_recipe(args) if args.recipe else _plan_from_flags(args)
+    if args.json:
+        print(json.dumps(plan.describe()))
+    else:
+        print(render_plan(plan))
+    if args.svg:
+        from dsx3d.plan_svg import draw_plan  # matplotlib costs a second of import; only load it when asked
+
+        draw_plan(plan.layout, args.svg)
+        log.info("wrote %s", args.svg)
+    return 0
+
+
+def _plan_from_recipe(args: argparse.Namespace) -> Plan:
+    recipe = load_recipe(args.recipe)
+    for name, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp")):
+        if getattr(args, name) is not None:
+            setattr(recipe.parallel, name, getattr(args, name))
+            log.info("%s = %s (from --%s)", key, getattr(args, name), name)
+    if args.gpus_per_node is not None:
+        recipe.cluster.gpus_per_node = args.gpus_per_node
+    hf_config = load_hf_config(recipe.model)
+    problems = check_recipe(recipe, world_size=args.world_size, hf_config=hf_config)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        raise UserError(errors)
+    return Plan(
+        layout=recipe.layout(args.world_size),
+        micro_batches=recipe.train.gradient_accumulation_steps,
+        warnings=[str(p) for p in problems],
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
+    )
+
+
+def _plan_from_flags(args: argparse.Namespace) -> Plan:
+    missing = [f"--{name}" for name in ("tp", "pp") if getattr(args, name) is None]
+    if args.world_size is None and args.dp is None:
+        missing.append("--world-size (or --dp)")
+    if missing:
+        raise UserError.single(
+            "dsx3d plan", None, f"without a recipe it needs {', '.join(missing)}", "give a recipe, or those options"
+        )
+    per_replica = args.tp * args.pp
+    world = args.world_size if args.world_size is not None else args.dp * per_replica
+    if world % per_replica or (args.dp is not None and args.dp * per_replica != world):
+        raise UserError.single(
+            "--world-size",
+            world,
+            f"is not dp x tp x pp (dp {args.dp or 'auto'}, tp {args.tp}, pp {args.pp})",
+            "choose degrees whose product is the world size, or leave out --dp",
+        )
+    layout = Layout(dp=world // per_replica, tp=args.tp, pp=args.pp, gpus_per_node=args.gpus_per_node or 8)
+    return Plan(layout=layout, warnings=[str(p) for p in _layout_warnings(layout)])
+
+
+def _layout_warnings(layout: Layout) -> list[Problem]:
+    """Without a recipe a cross-node TP group is shown, not refused; `dsx3d check` refuses it."""
+    if not any(layout.crosses_node(g) for g in layout.tp_groups()):
+        return []
+    return [
+        Problem(
+            "--tp",
+            layout.tp,
+            f"TP groups cross nodes (gpus_per_node {layout.gpus_per_node}): every layer would all-reduce over the network",
+            "choose a tp that divides gpus_per_node",
+            severity="warning",
+        )
+    ]
+
+
+def render_plan(plan: Plan) -> str:
+    """The human-readable plan: placement table, groups, node crossings, bubble, warnings."""
+    lay = plan.layout
+    d = plan.describe()
+    lines = [
+        f"world {lay.world_size} = dp {lay.dp} x tp {lay.tp} x pp {lay.pp} "
+        f"on {lay.num_nodes} node(s) x {lay.gpus_per_node} GPUs",
+        "",
+        f"{'rank':>5} {'node':>5} {'local_rank':>10} {'pp':>3} {'dp':>3} {'tp':>3}",
+    ]
+    lines += [f"{p.rank:>5} {p.node:>5} {p.local_rank:>10} {p.pp:>3} {p.dp:>3} {p.tp:>3}" for p in lay.placements()]
+    lines.append("")
+    for title, key in (("TP groups", "tp_groups"), ("DP groups", "dp_groups"), ("pipelines", "pp_groups")):
+        crossing = d["cross_node"][key]
+        where = "all inside a node" if not crossing else f"{len(crossing)} of {len(d[key])} cross nodes"
+        lines.append(f"{title} ({where}): {_groups(d[key])}")
+    if d["pp_node_crossings"]:
+        bounds = ", ".join(f"{a}->{b}" for a, b in d["pp_node_crossings"])
+        lines.append(f"pipelines change node between stages {bounds}")
+    if d["tied_groups"]:
+        lines.append(f"tied embedding groups (first and last stage): {_groups(d['tied_groups'])}")
+    if plan.micro_batches:
+        m, p = plan.micro_batches, lay.pp
+        lines.append(f"bubble with m = {m} micro-batches: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {d['bubble_fraction']:.1%}")
+    lines += [f"{w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def _groups(groups: list[list[int]]) -> str:
+    return " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)

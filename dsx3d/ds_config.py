@@ -1,0 +1,141 @@
+"""The DeepSpeed JSON of a recipe: batch arithmetic over dp, precision, optimizer, schedule, pipeline knobs.
+
+DeepSpeed's world for batch arithmetic is the data-parallel size, so dsx3d writes `train_batch_size`
+itself instead of leaving "auto" to transformers or accelerate (which would fill in the whole world).
+The layout travels in a top-level "dsx3d" section, which DeepSpeed ignores and accelerate passes along.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dsx3d.recipe import Recipe, TrainSection
+
+# Sections dsx3d never writes: DeepSpeed ignores the first silently; the second turns on AutoTP.
+_NEVER_EMIT = ("pipeline_parallel", "tensor_parallel")
+STEPS_PER_PRINT = 1_000_000_000  # dsx3d logs itself; keep DeepSpeed's own step log quiet
+
+
+def build_ds_config(recipe: Recipe, world_size: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for `recipe` on `world_size` ranks (default: the cluster's), overrides merged."""
+    layout = recipe.layout(world_size)
+    train = recipe.train
+    config: dict[str, Any] = {
+        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * layout.dp,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "gradient_clipping": train.grad_clip,
+        "steps_per_print": STEPS_PER_PRINT,
+        "zero_optimization": {"stage": recipe.zero.stage},
+        "bf16": {"enabled": train.dtype == "bf16"},
+        "fp16": {"enabled": train.dtype == "fp16"},
+        "optimizer": _optimizer(train),
+        "scheduler": _scheduler(train),
+        "pipeline": {
+            # Stages exchange tuples of tensors; partitioning them over TP ranks only handles one tensor.
+            "pipe_partitioned": False,
+            "grad_partitioned": False,
+            # Re-entrant checkpointing fails on the embedding's integer input.
+            "use_reentrant": False,
+            "activation_checkpoint_interval": 1 if train.activation_checkpointing else 0,
+        },
+        "dsx3d": {
+            "dp": layout.dp,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "nodes": layout.num_nodes,
+            "gpus_per_node": layout.gpus_per_node,
+            "world_size": layout.world_size,
+            "stage_layers": recipe.parallel.stage_layers,
+            "seq_len": train.seq_len,
+            "activation_checkpointing": train.activation_checkpointing,
+            "dtype": train.dtype,
+        },
+    }
+    if train.dtype == "bf16" and recipe.zero.stage >= 1:
+        # Accumulate bf16 gradients in fp32. Without ZeRO DeepSpeed rejects this mix (NotImplementedError).
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    merged = deep_merge(config, recipe.deepspeed)
+    for key in _NEVER_EMIT:
+        merged.pop(key, None)
+    return merged
+
+
+def _optimizer(train: TrainSection) -> dict[str, Any]:
+    return {
+        "type": "AdamW",
+        "params": {
+            "lr": train.lr,
+            "betas": list(train.betas),
+            "eps": train.eps,
+            "weight_decay": train.weight_decay,
+            "torch_adam": True,  # no fused-op build on CPU
+            "adam_w_mode": True,
+        },
+    }
+
+
+def _scheduler(train: TrainSection) -> dict[str, Any]:
+    """DeepSpeed's schedules (runtime/lr_schedules.py) with linear warm-up over train.warmup_steps.
+
+    DeepSpeed needs at least one warm-up step; with warmup_steps 0 the warm-up starts at the full rate.
+    """
+    warmup = max(1, train.warmup_steps)
+    if train.lr_schedule == "cosine":
+        return {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": train.steps,
+                "warmup_num_steps": warmup,
+                "warmup_min_ratio": 0.0 if train.warmup_steps else 1.0,
+                "cos_min_ratio": train.min_lr / train.lr,
+                "warmup_type": "linear",
+            },
+        }
+    params: dict[str, Any] = {
+        "warmup_min_lr": 0.0 if train.warmup_steps else train.lr,
+        "warmup_max_lr": train.lr,
+        "warmup_num_steps": warmup,
+        "warmup_type": "linear",
+    }
+    if train.lr_schedule == "constant":
+        return {"type": "WarmupLR", "params": params}
+    return {"type": "WarmupDecayLR", "params": {"total_num_steps": train.steps, **params}}
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` on top: mappings merge key by key, anything else replaces. Inputs untouched."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def render_ds_config(config: dict[str, Any]) -> str:
+    """The canonical text of a config: stable key order, so regenerated files diff cleanly."""
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def write_ds_config(recipe: Recipe, path: str | Path, world_size: int | None = None) -> Path:
+    """Write the config atomically (temp file + rename), so a crash never leaves half a JSON behind."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = render_ds_config(build_ds_config(recipe, world_size))
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a config is meant to be read by the launcher and others
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

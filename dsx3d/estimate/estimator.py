@@ -1,0 +1,307 @@
+"""`estimate(shape, setup, hardware)`: memory per pipeline stage and step time of one layout.
+
+Pure arithmetic on values; the formulas and their sources are in `memory.py` and `timing.py`.
+GB here is 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from dsx3d.errors import UserError
+from dsx3d.estimate import memory, timing
+from dsx3d.estimate.model import ModelShape, ParamCount
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The accelerator and links. Defaults: an H100-class node (989 dense bf16 TFLOP/s, NVLink about
+    400 GB/s per direction, one 400 Gb/s NIC = 50 GB/s per GPU)."""
+
+    peak_tflops: float = 989.0
+    efficiency: float = 0.5
+    """Fraction of peak the matmuls achieve (Megatron reports about 52% at scale, Narayanan et al. 2021)."""
+    intra_node_gbps: float = 400.0
+    """GB/s one GPU sends to a peer in its node."""
+    inter_node_gbps: float = 50.0
+    """GB/s one GPU sends to another node."""
+    gpus_per_node: int = 8
+    gpu_memory_gb: float | None = None
+    memory_headroom: float = 0.1
+    """Fraction of device memory kept free for the CUDA context, allocator fragmentation, comm buffers."""
+
+    @property
+    def usable_gb(self) -> float | None:
+        return None if self.gpu_memory_gb is None else self.gpu_memory_gb * (1 - self.memory_headroom)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training configuration: the layout and the per-step work."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 1
+    dtype: str = "bf16"
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    """Micro-batches per optimizer step and DP rank: the pipeline's m."""
+    activation_checkpointing: bool = False
+    stage_layers: tuple[int, ...] | None = None
+    """Explicit decoder layers per stage; otherwise `split` decides."""
+    split: str = "cost"
+    """"cost": fewest layers on the last stage that balance the head's FLOPs (`memory.balanced_layers`, what
+    dsx3d's pipeline does by default); "even": equal layer counts (`memory.split_layers`)."""
+    flash_attention: bool = False
+    fp32_grad_accum: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+
+@dataclass
+class StageEstimate:
+    stage: int
+    layers: int
+    params: int
+    """Parameters of the whole stage (all TP shards)."""
+    params_per_device: float
+    params_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    model_states_gb: float
+    activations_gb: float
+    total_gb: float
+    micro_batch_time_s: float
+    """Compute + TP + p2p time of one micro-batch on this stage."""
+    time_s: dict[str, float]
+    """Seconds per step by kind: compute, tp, pp (m micro-batches, no bubble) and dp (once per step)."""
+    comm_bytes: dict[str, float]
+    """Bytes one rank of this stage sends per step, by group type (tp, pp, dp, tied)."""
+
+
+@dataclass
+class Estimate:
+    stages: list[StageEstimate]
+    model_states_gb: float
+    activations_gb: float
+    total_gb: float
+    """Maxima over stages (each on its own stage)."""
+    peak_stage: int
+    step_time_s: float
+    bubble_fraction: float
+    mfu: float
+    tokens_per_s: float
+    tokens_per_step: int
+    model_flops_per_step: float
+    comm_bytes: dict[str, float]
+    time_s: dict[str, float]
+    """Step time by kind: pipeline ((m + p - 1) x the slowest stage's micro-batch), dp and tied exchanges,
+    and for the slowest stage its compute, tp and pp seconds per step (parts of the pipeline time)."""
+    total_params: int
+    usable_gb: float | None = None
+    fits: bool | None = None
+    assumptions: list[str] = field(default_factory=list)
+
+    def overflow_gb(self) -> float:
+        """How far the fullest stage is over the usable memory (<= 0 when it fits)."""
+        return 0.0 if self.usable_gb is None else self.total_gb - self.usable_gb
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _validate(shape: ModelShape, setup: Setup) -> list[int]:
+    for name in ("dp", "tp", "pp", "micro_batch_size", "seq_len", "grad_accum"):
+        if getattr(setup, name) < 1:
+            raise UserError.single(
+                name, getattr(setup, name), "must be a positive integer", f"set {name} >= 1"
+            )
+    if setup.zero_stage > 1 and setup.pp > 1:
+        raise UserError.single(
+            "zero_stage",
+            setup.zero_stage,
+            "ZeRO-2/3 cannot run with pipeline parallelism",
+            "use zero_stage 1 with pp > 1, or pp 1",
+        )
+    if setup.stage_layers is None:
+        if setup.split == "even":
+            return memory.split_layers(shape.num_layers, setup.pp)
+        if setup.split != "cost":
+            raise UserError.single("split", setup.split, "unknown stage split", 'use "cost" or "even"')
+        layer_cost = 2 * shape.layer_flop_params + 4 * setup.seq_len * shape.attention_width
+        return memory.balanced_layers(shape.num_layers, setup.pp, layer_cost, 2 * shape.head)
+    layers = list(setup.stage_layers)
+    if len(layers) != setup.pp or sum(layers) != shape.num_layers or min(layers) < 0:
+        raise UserError.single(
+            "stage_layers",
+            layers,
+            f"needs {setup.pp} counts summing to {shape.num_layers}",
+            "fix parallel.stage_layers or drop it",
+        )
+    return layers
+
+
+def _stage(
+    shape: ModelShape, setup: Setup, hw: Hardware, stage: int, layers: int, params: ParamCount
+) -> StageEstimate:
+    s, b, t, m = setup.seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
+    width = memory.dtype_bytes(setup.dtype)
+    per_device = params.per_device(t)
+    states = memory.model_state_bytes(
+        per_device,
+        dp=setup.dp,
+        zero_stage=setup.zero_stage,
+        dtype=setup.dtype,
+        fp32_grad_accum=setup.fp32_grad_accum,
+    )
+    acts = memory.stage_activation_bytes(
+        shape,
+        stage=stage,
+        layers=layers,
+        pp=setup.pp,
+        micro_batches=m,
+        seq_len=s,
+        micro_batch=b,
+        tp=t,
+        dtype=setup.dtype,
+        checkpointing=setup.activation_checkpointing,
+        flash_attention=setup.flash_attention,
+    )
+    place = timing.Placement(setup.dp, t, setup.pp, hw.gpus_per_node)
+    last = stage == setup.pp - 1
+    flops = timing.stage_flops_per_micro_batch(
+        layer_flop_params=shape.layer_flop_params,
+        layers=layers,
+        head_params=shape.head if last else 0,
+        attention_width=shape.attention_width,
+        seq_len=s,
+        micro_batch=b,
+        checkpointing=setup.activation_checkpointing,
+    )
+    compute = flops / (t * hw.peak_tflops * 1e12 * hw.efficiency)
+    tp_bw = hw.inter_node_gbps if place.tp_crosses_node() else hw.intra_node_gbps
+    tp_bytes = timing.tp_bytes_per_micro_batch(
+        layers=layers,
+        tp=t,
+        seq_len=s,
+        micro_batch=b,
+        hidden=shape.hidden_size,
+        width=width,
+        checkpointing=setup.activation_checkpointing,
+    )
+    message = s * b * shape.hidden_size * width
+    p2p_time, p2p_bytes = 0.0, 0.0
+    for boundary in ([stage] if not last else []) + ([stage - 1] if stage > 0 else []):
+        bw = hw.inter_node_gbps if place.boundary_crosses_node(boundary) else hw.intra_node_gbps
+        p2p_time += message / (bw * GB)
+        p2p_bytes += message
+    grad_width = 4 if setup.fp32_grad_accum else width
+    dp_bytes = timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * per_device * grad_width
+    dp_bw = hw.inter_node_gbps if place.dp_crosses_node(stage) else hw.intra_node_gbps
+    return StageEstimate(
+        stage=stage,
+        layers=layers,
+        params=params.total,
+        params_per_device=per_device,
+        params_gb=states.params / GB,
+        grads_gb=states.grads / GB,
+        optimizer_gb=states.optimizer / GB,
+        model_states_gb=states.total / GB,
+        activations_gb=acts / GB,
+        total_gb=(states.total + acts) / GB,
+        micro_batch_time_s=compute + tp_bytes / (tp_bw * GB) + p2p_time,
+        time_s={
+            "compute": compute * m,
+            "tp": tp_bytes / (tp_bw * GB) * m,
+            "pp": p2p_time * m,
+            "dp": dp_bytes / (dp_bw * GB),
+        },
+        comm_bytes={"tp": tp_bytes * m, "pp": p2p_bytes * m, "dp": dp_bytes},
+    )
+
+
+def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) -> Estimate:
+    """Memory per stage and step time for `setup` on `hardware` (see the package docstring)."""
+    hw = hardware or Hardware()
+    layers = _validate(shape, setup)
+    params = memory.stage_params(shape, layers)
+    stages = [_stage(shape, setup, hw, i, n, params[i]) for i, n in enumerate(layers)]
+    m, p = setup.grad_accum, setup.pp
+    slowest = max(stages, key=lambda st: st.micro_batch_time_s)
+    pipeline = (m + p - 1) * slowest.micro_batch_time_s
+    dp_time = max(st.time_s["dp"] for st in stages)
+    tied_time = 0.0
+    if shape.tie_word_embeddings and p > 1:
+        # 2-rank all-reduce of the tied V*h/t shard between the first and last stage: factor 2*(2-1)/2 = 1.
+        tied_bytes = (
+            shape.embedding / setup.tp * (4 if setup.fp32_grad_accum else memory.dtype_bytes(setup.dtype))
+        )
+        place = timing.Placement(setup.dp, setup.tp, p, hw.gpus_per_node)
+        tied_bw = hw.inter_node_gbps if place.ends_cross_node() else hw.intra_node_gbps
+        tied_time = tied_bytes / (tied_bw * GB)
+        for st in (stages[0], stages[-1]):
+            st.comm_bytes["tied"] = tied_bytes
+    step = pipeline + dp_time + tied_time
+    tokens = setup.global_batch * setup.seq_len
+    flops = (
+        timing.model_flops_per_token(
+            flop_params=shape.flop_params,
+            num_layers=shape.num_layers,
+            attention_width=shape.attention_width,
+            seq_len=setup.seq_len,
+        )
+        * tokens
+    )
+    peak = max(stages, key=lambda st: st.total_gb)
+    usable = hw.usable_gb
+    return Estimate(
+        stages=stages,
+        model_states_gb=max(st.model_states_gb for st in stages),
+        activations_gb=max(st.activations_gb for st in stages),
+        total_gb=peak.total_gb,
+        peak_stage=peak.stage,
+        step_time_s=step,
+        bubble_fraction=timing.bubble_fraction(p, m),
+        mfu=flops / (step * setup.world_size * hw.peak_tflops * 1e12),
+        tokens_per_s=tokens / step,
+        tokens_per_step=tokens,
+        model_flops_per_step=flops,
+        comm_bytes={k: max(st.comm_bytes.get(k, 0.0) for st in stages) for k in ("tp", "pp", "dp", "tied")},
+        time_s={
+            "pipeline": pipeline,
+            "dp": dp_time,
+            "tied": tied_time,
+            **{k: slowest.time_s[k] for k in ("compute", "tp", "pp")},
+        },
+        total_params=shape.total_params,
+        usable_gb=usable,
+        fits=None if usable is None else peak.total_gb <= usable,
+        assumptions=_assumptions(shape, setup),
+    )
+
+
+def _assumptions(shape: ModelShape, setup: Setup) -> list[str]:
+    notes = []
+    if shape.hidden_size == 0:
+        notes.append(
+            "hidden size unknown: activations, TP/PP traffic and attention FLOPs left out "
+            "(give --layers and --hidden)"
+        )
+    if setup.dtype == "fp32":
+        notes.append(
+            "fp32: 4+4+8 bytes per parameter without ZeRO, optimizer K=12 with ZeRO >= 1 "
+            "(DeepSpeed keeps an fp32 partition copy)"
+        )
+    if setup.flash_attention:
+        notes.append("flash attention: the 5*a*s/h score term of the activations is left out")
+    return notes

@@ -1,0 +1,188 @@
+"""Per-device memory: model states after ZeRO, and activations of a 1F1B pipeline stage.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 3.1 and 5): mixed-precision Adam holds, per parameter,
+2 bytes of 16-bit weights, 2 bytes of 16-bit gradients and K = 12 bytes of optimizer states (fp32 master
+weights, momentum, variance). Stage 1 divides the K bytes by dp, stage 2 also the gradients, stage 3 also
+the weights:
+
+    baseline (2 + 2 + K) * N,  P_os 4N + K*N/dp,  P_os+g 2N + (2 + K)*N/dp,  P_os+g+p (4 + K)*N/dp
+
+fp32 training (our choice, matching what DeepSpeed does): 4 bytes weights + 4 bytes gradients + 8 bytes of
+Adam moments without ZeRO; with ZeRO >= 1 DeepSpeed's optimizer keeps its own fp32 copy of the partition
+even when the model is fp32 (measured), so K = 12 there too. `fp32_grad_accum` adds the 4 bytes per
+parameter of the unsharded fp32 gradient buffer DeepSpeed's BF16_Optimizer keeps (bf16 + ZeRO-1 with
+`data_types.grad_accum_dtype: fp32`); the paper's model leaves it out.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+Sec. 4, eq. 2 and the TP variant): one transformer layer keeps, per micro-batch, in 16-bit
+
+    s*b*h*(34 + 5*a*s/h)  bytes,  and with tensor parallelism t (no sequence parallelism)
+    s*b*h*(10 + 24/t + 5*a*s/(h*t))
+
+(the 10*s*b*h of norm inputs and dropout masks outside the TP regions stays replicated; the rest is
+split). `flash_attention` drops the 5*a*s/h term (the s x s scores a fused kernel never stores). fp32
+scales everything by 2 (an approximation: dropout masks stay 1 byte). Full activation checkpointing keeps
+only each layer's 2*s*b*h input plus one layer's working set during its recomputation. The last stage
+adds the head: the final norm and head inputs (2 * 2*s*b*h) and fp32 logits for the loss, 4*s*b*V/t.
+A synchronous 1F1B pipeline holds min(pp - stage, m) micro-batches in flight on a stage (Narayanan et
+al. 2021), so stage 0 holds the most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsx3d.errors import UserError
+from dsx3d.estimate.model import ModelShape, ParamCount
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ADAM_K_MIXED = 12  # fp32 master weights + momentum + variance
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise UserError.single("dtype", dtype, "unknown dtype", f"use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one device holds for its parameters, their gradients and the optimizer states."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(
+    num_params: float, *, dp: int, zero_stage: int, dtype: str = "bf16", fp32_grad_accum: bool = False
+) -> StateBytes:
+    """Model states for `num_params` parameters replicated over `dp` ranks (ZeRO paper, Sec. 5)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise UserError.single("zero_stage", zero_stage, "ZeRO stage must be 0, 1, 2 or 3", "pick 0-3")
+    width = dtype_bytes(dtype)
+    if dtype == "fp32":
+        optimizer_k = 12 if zero_stage >= 1 else 8
+    else:
+        optimizer_k = ADAM_K_MIXED
+    params = width * num_params / (dp if zero_stage >= 3 else 1)
+    grads = width * num_params / (dp if zero_stage >= 2 else 1)
+    if fp32_grad_accum and dtype != "fp32":
+        grads += 4 * num_params
+    optimizer = optimizer_k * num_params / (dp if zero_stage >= 1 else 1)
+    return StateBytes(params, grads, optimizer)
+
+
+def split_layers(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers per stage, as even as possible. Extra layers go to the inner stages first (they
+    carry neither the embedding nor the head), then to stage 0, then to the last stage."""
+    _check_stages(num_layers, pp)
+    base, extra = divmod(num_layers, pp)
+    order = list(range(1, pp - 1)) + [0, pp - 1] if pp > 1 else [0]
+    counts = [base] * pp
+    for stage in order[:extra]:
+        counts[stage] += 1
+    return counts
+
+
+def balanced_layers(num_layers: int, pp: int, layer_cost: float, head_cost: float) -> list[int]:
+    """Decoder layers per stage minimising the most loaded stage when the last stage also runs the head
+    (cost = forward FLOPs per token; the embedding lookup costs nothing). The last stage takes k layers,
+    the others split the rest evenly (`split_layers`); k is the one with the smallest maximum, the largest
+    such k on ties (stage 0 already holds the most in-flight activations). Every stage keeps >= 1 layer."""
+    _check_stages(num_layers, pp)
+    if pp == 1:
+        return [num_layers]
+    best_k, best_cost = num_layers - pp + 1, float("inf")
+    for k in range(num_layers - pp + 1, 0, -1):
+        rest = num_layers - k
+        cost = max(-(-rest // (pp - 1)) * layer_cost, k * layer_cost + head_cost)
+        if cost < best_cost:
+            best_k, best_cost = k, cost
+    return _spread(num_layers - best_k, pp - 1) + [best_k]
+
+
+def _spread(layers: int, stages: int) -> list[int]:
+    """Even split with the extra layers on the later stages (stage 0 holds the most activations)."""
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i >= stages - extra else 0) for i in range(stages)]
+
+
+def _check_stages(num_layers: int, pp: int) -> None:
+    if pp > num_layers:
+        raise UserError.single(
+            "parallel.pp", pp, f"more stages than the model's {num_layers} layers", f"use pp <= {num_layers}"
+        )
+
+
+def stage_params(shape: ModelShape, layers: list[int]) -> list[ParamCount]:
+    """Parameters of each stage: its decoder layers, the embedding on stage 0, final norm and head on the
+    last. A tied embedding/head lives on both end stages when pp > 1 (both hold a copy), once when pp == 1."""
+    pp = len(layers)
+    result = []
+    for stage, n in enumerate(layers):
+        count = shape.layer * n
+        if stage == 0:
+            count += ParamCount(sharded=shape.embedding)
+        if stage == pp - 1:
+            count += ParamCount(replicated=shape.final_norm)
+            if not (shape.tie_word_embeddings and pp == 1):
+                count += ParamCount(sharded=shape.head)
+        result.append(count)
+    return result
+
+
+def layer_activation_bytes(
+    shape: ModelShape, *, seq_len: int, micro_batch: int, tp: int, dtype: str, flash_attention: bool = False
+) -> float:
+    """Korthikanti eq. 2 with TP: s*b*h*(10 + 24/t + 5*a*s/(h*t)), scaled by bytes/2 for fp32."""
+    s, b, h, a = seq_len, micro_batch, shape.hidden_size, shape.num_heads
+    if h == 0:
+        return 0.0
+    per_token_width = 10 + 24 / tp + (0 if flash_attention else 5 * a * s / (h * tp))
+    return s * b * h * per_token_width * dtype_bytes(dtype) / 2
+
+
+def head_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch: int, tp: int, dtype: str) -> float:
+    """The last stage's extra: final-norm and head inputs (2 * s*b*h at the dtype width) and fp32 logits
+    for the cross-entropy, 4*s*b*V/t (Korthikanti Sec. 4.3)."""
+    s, b = seq_len, micro_batch
+    return 2 * s * b * shape.hidden_size * dtype_bytes(dtype) + 4 * s * b * shape.vocab_size / tp
+
+
+def in_flight(stage: int, pp: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a 1F1B stage holds at its peak: min(pp - stage, m)."""
+    return min(pp - stage, micro_batches)
+
+
+def stage_activation_bytes(
+    shape: ModelShape,
+    *,
+    stage: int,
+    layers: int,
+    pp: int,
+    micro_batches: int,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    dtype: str,
+    checkpointing: bool,
+    flash_attention: bool = False,
+) -> float:
+    """Peak activation bytes on one device of `stage` (see the module docstring for the model)."""
+    one_layer = layer_activation_bytes(
+        shape, seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype=dtype, flash_attention=flash_attention
+    )
+    held = in_flight(stage, pp, micro_batches)
+    if checkpointing:
+        layer_input = seq_len * micro_batch * shape.hidden_size * dtype_bytes(dtype)
+        total = held * layers * layer_input + (one_layer if layers else 0.0)
+    else:
+        total = held * layers * one_layer
+    if stage == pp - 1 and shape.hidden_size:
+        total += head_activation_bytes(shape, seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype=dtype)
+    return total

@@ -1,0 +1,124 @@
+"""Step time: FLOPs over achieved throughput, the pipeline bubble, and TP / PP / DP traffic over links.
+
+FLOPs per token (Kaplan et al. 2020; Narayanan et al. 2021, Sec. 5.1): 6*N for the matmuls (forward 2N,
+backward 4N; N = decoder parameters a token passes through plus the head) and 12*L*h*s for attention
+(QK^T and AV: 4*s*h per token and layer forward, times 3). Full activation checkpointing recomputes the
+forward of the decoder layers: 8*N and 16*L*h*s there. A stage's time per micro-batch is its FLOPs over
+tp * peak * efficiency plus its TP and p2p traffic; a synchronous 1F1B step takes (m + p - 1) of the
+slowest stage's micro-batch times, i.e. T_ideal / (1 - bubble) with bubble = (p - 1) / (m + p - 1) when
+stages are balanced.
+
+Traffic (bytes one rank sends, ring collectives: an all-reduce over g ranks moves 2*(g-1)/g of the
+buffer, an all-gather or reduce-scatter (g-1)/g):
+  TP (Megatron-style, Shoeybi et al. 2019): 4 all-reduces of b*s*h per layer and micro-batch (2 forward,
+     2 backward), 6 with checkpointing (the recomputed forward); over the intra-node link.
+  PP: b*s*h activations forward and the same gradient backward per stage boundary and micro-batch.
+  DP, of the stage's per-device parameters P, with s' = (d-1)/d: ZeRO-0 all-reduces the gradients once per
+     step, 2s'*P; ZeRO-1 3s'*P (DeepSpeed all-reduces the whole gradient at the accumulation boundary, then
+     all-gathers the updated partition: measured 1.5x DDP); ZeRO-2 reduce-scatters in every micro-batch's
+     backward (its gradients are partitioned, DeepSpeed's stage_1_and_2.py) and all-gathers the updated
+     weights once, (m+1)s'*P; ZeRO-3 gathers the weights for every forward and backward and
+     reduce-scatters every micro-batch, 3m*s'*P. For m = 1 these are the ZeRO paper's 2x, 2x and 3x
+     (Sec. 7). Counted as not overlapped with compute (a pessimistic bound).
+  Tied embedding/head (pp > 1): an all-reduce of V*h/t over the first and last stage.
+A group uses the inter-node bandwidth when its ranks span nodes (rank order pipe, data, model as in
+`dsx3d.layout`), else the intra-node one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def ring_allreduce_factor(group: int) -> float:
+    """Bytes a rank sends per byte of buffer in a ring all-reduce: 2*(g-1)/g."""
+    return 2 * (group - 1) / group
+
+
+def dp_traffic_factor(zero_stage: int, dp: int, micro_batches: int = 1) -> float:
+    """Bytes a rank sends per step per byte of its parameters in the DP exchange (module docstring)."""
+    if dp == 1:
+        return 0.0
+    shard = (dp - 1) / dp
+    m = micro_batches
+    return {0: 2 * shard, 1: 3 * shard, 2: (m + 1) * shard, 3: 3 * m * shard}[zero_stage]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Ranks laid out as DeepSpeed's PipeModelDataParallelTopology does: rank = (p*dp + d)*tp + t."""
+
+    dp: int
+    tp: int
+    pp: int
+    gpus_per_node: int
+
+    def rank(self, p: int, d: int, t: int) -> int:
+        return (p * self.dp + d) * self.tp + t
+
+    def _spans(self, ranks: list[int]) -> bool:
+        return len({r // self.gpus_per_node for r in ranks}) > 1
+
+    def tp_crosses_node(self) -> bool:
+        return any(
+            self._spans([self.rank(p, d, t) for t in range(self.tp)])
+            for p in range(self.pp)
+            for d in range(self.dp)
+        )
+
+    def dp_crosses_node(self, stage: int) -> bool:
+        return any(self._spans([self.rank(stage, d, t) for d in range(self.dp)]) for t in range(self.tp))
+
+    def boundary_crosses_node(self, stage: int) -> bool:
+        """Whether the link from `stage` to `stage + 1` leaves a node (for any pipeline)."""
+        return any(
+            self._spans([self.rank(stage, d, t), self.rank(stage + 1, d, t)])
+            for d in range(self.dp)
+            for t in range(self.tp)
+        )
+
+    def ends_cross_node(self) -> bool:
+        """Whether the first and last stage of a pipeline (the tied-weight pair) sit on different nodes."""
+        return any(
+            self._spans([self.rank(0, d, t), self.rank(self.pp - 1, d, t)])
+            for d in range(self.dp)
+            for t in range(self.tp)
+        )
+
+
+def stage_flops_per_micro_batch(
+    *,
+    layer_flop_params: int,
+    layers: int,
+    head_params: int,
+    attention_width: int,
+    seq_len: int,
+    micro_batch: int,
+    checkpointing: bool,
+) -> float:
+    """(6*N_layers + 12*layers*h*s) * b*s (x 4/3 with checkpointing) + 6*N_head * b*s."""
+    tokens = seq_len * micro_batch
+    decoder = float(6 * layer_flop_params * layers + 12 * layers * attention_width * seq_len) * tokens
+    if checkpointing:
+        decoder *= 4 / 3
+    return decoder + 6 * head_params * tokens
+
+
+def model_flops_per_token(*, flop_params: int, num_layers: int, attention_width: int, seq_len: int) -> float:
+    """6*N + 12*L*h*s: the FLOPs MFU counts (no recomputation)."""
+    return 6 * flop_params + 12 * num_layers * attention_width * seq_len
+
+
+def tp_bytes_per_micro_batch(
+    *, layers: int, tp: int, seq_len: int, micro_batch: int, hidden: int, width: int, checkpointing: bool
+) -> float:
+    """(4 or 6) all-reduces of b*s*h per layer, 2*(t-1)/t of each sent per rank."""
+    if tp == 1:
+        return 0.0
+    count = 6 if checkpointing else 4
+    return count * layers * ring_allreduce_factor(tp) * seq_len * micro_batch * hidden * width
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """Idle fraction of a synchronous 1F1B pipeline: (p - 1) / (m + p - 1)."""
+    return (pp - 1) / (micro_batches + pp - 1)

@@ -1,0 +1,76 @@
+"""The Hugging Face config of the recipe's model: from `model.config` (train from scratch) or a checkpoint.
+
+The checker needs head counts, layer counts and the vocabulary before any weight exists, so this reads the
+config only. Failures become `UserError`s naming the recipe key, never a transformers traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+from dsx3d.errors import UserError
+from dsx3d.recipe import ModelSection
+
+# Attribute spellings across families (gpt2 says n_head, falcon num_kv_heads, ...), first present wins.
+_ATTRIBUTE_NAMES = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
+    "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def load_hf_config(model: ModelSection) -> PretrainedConfig:
+    """The model's `PretrainedConfig`; raises `UserError` naming `model.config...` or `model.name_or_path`."""
+    if model.config is not None:
+        return _from_mapping(model.config)
+    path = model.name_or_path
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError.single(
+            "model.name_or_path",
+            path,
+            f"no readable Hugging Face config there ({_summary(err)})",
+            "point it at a local checkpoint directory holding config.json, or use model.config",
+        ) from None
+
+
+def _from_mapping(cfg: dict[str, Any]) -> PretrainedConfig:
+    kwargs = dict(cfg)
+    model_type = kwargs.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except ValueError as err:
+        if "Unrecognized model identifier" in str(err):
+            raise UserError.single(
+                "model.config.model_type",
+                model_type,
+                "transformers knows no model of this type",
+                "use a model_type of transformers 5.x, for example llama, qwen3 or mistral",
+            ) from None
+        raise _invalid_config(err) from None
+    except Exception as err:  # transformers validates configs with its own (non-ValueError) exception types
+        raise _invalid_config(err) from None
+
+
+def _invalid_config(err: Exception) -> UserError:
+    return UserError.single("model.config", None, f"transformers rejects it ({_summary(err)})", "fix model.config")
+
+
+def _summary(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(err).__name__
+
+
+def model_dim(hf_config: PretrainedConfig, name: str) -> int | None:
+    """One dimension of the text model (`num_attention_heads`, ...) under any family's spelling, or None."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    for attr in _ATTRIBUTE_NAMES.get(name, (name,)):
+        value = getattr(text, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None

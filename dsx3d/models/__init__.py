@@ -1,0 +1,1 @@
+"""Hugging Face causal LMs as tensor-parallel-sharded DeepSpeed pipeline stages."""

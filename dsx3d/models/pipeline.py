@@ -1,0 +1,100 @@
+"""HF causal LM -> `deepspeed.pipe.PipelineModule` whose stages hold TP-sharded HF layers.
+
+Pipeline layers: [embedding, decoder 0 .. L-1, epilogue (final norm), head]. With tied embeddings the first
+and last items are `TiedLayerSpec`s of one key, so DeepSpeed all-reduces the shared weight's gradient over
+the (first stage, last stage) pair of each (dp, tp) index.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from transformers import PretrainedConfig
+
+from dsx3d.dist import comm
+from dsx3d.layout import Layout
+from dsx3d.models.plans import FamilyPlan, resolve_family
+from dsx3d.models.stages import (
+    DecoderStage,
+    EmbeddingStage,
+    EpilogueStage,
+    HeadStage,
+    StageBuilder,
+    TiedEmbeddingStage,
+    tied_head_forward,
+)
+from dsx3d.models.tp_context import TPContext
+from dsx3d.models.weights import WeightSource
+from dsx3d.partition import balanced_bounds, bounds_from_stage_layers, layer_costs
+
+
+class StagedPipelineModule(PipelineModule):
+    """A PipelineModule with our stage bounds, and the TP context bound to DeepSpeed's own grid before any
+    layer is built (the grid is created inside PipelineModule.__init__, right before partitioning)."""
+
+    def __init__(self, layers: list[Any], *, bounds: list[int], tp: TPContext, builder: StageBuilder, **kwargs: Any):
+        self.__dict__["_dsx3d_bounds"] = bounds
+        self.__dict__["_dsx3d_tp"] = tp
+        self.__dict__["dsx3d_builder"] = builder
+        super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method: str = "") -> None:
+        self.parts = list(self._dsx3d_bounds)
+        self._dsx3d_tp.bind(self._grid)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def stage_bounds(config: PretrainedConfig, pp: int, seq_len: int, stage_layers: list[int] | None) -> list[int]:
+    """Boundaries over [embedding, L decoder layers, epilogue, head]."""
+    num_layers = config.get_text_config().num_hidden_layers
+    if stage_layers is not None:
+        return bounds_from_stage_layers(stage_layers, num_extra_first=1, num_extra_last=2)
+    embed, layer, head = layer_costs(config, seq_len)
+    costs = [embed, *([layer] * num_layers), 0.0, head]
+    return balanced_bounds(costs, pp)
+
+
+def pipeline_specs(builder: StageBuilder, plan: FamilyPlan, pp: int) -> list[Any]:
+    n = builder.skeleton.num_layers
+    if plan.tied:
+        first: Any = TiedLayerSpec("embed", TiedEmbeddingStage, builder, True, pp == 1, tied_weight_attr=["embed.weight"])
+        last: Any = TiedLayerSpec(
+            "embed", TiedEmbeddingStage, builder, pp == 1, True, forward_fn=tied_head_forward, tied_weight_attr=["embed.weight"]
+        )
+    else:
+        first, last = LayerSpec(EmbeddingStage, builder), LayerSpec(HeadStage, builder)
+    return [first, *(LayerSpec(DecoderStage, builder, i) for i in range(n)), LayerSpec(EpilogueStage, builder), last]
+
+
+def build_pipeline(
+    config: PretrainedConfig,
+    layout: Layout,
+    source: WeightSource,
+    *,
+    seq_len: int,
+    stage_layers: list[int] | None = None,
+    activation_checkpointing: bool = False,
+) -> StagedPipelineModule:
+    """Build this rank's stage. Needs an initialised process group (dsx3d.dist.comm.init_distributed)."""
+    plan = resolve_family(config)
+    tp = TPContext(rank=layout.placement(comm.get_rank()).tp, size=layout.tp)
+    builder = StageBuilder(config, plan, tp, source)
+    bounds = stage_bounds(config, layout.pp, seq_len, stage_layers)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return builder.loss(logits, labels)
+
+    return StagedPipelineModule(
+        pipeline_specs(builder, plan, layout.pp),
+        bounds=bounds,
+        tp=tp,
+        builder=builder,
+        topology=layout.topology,
+        loss_fn=loss_fn,
+        partition_method="dsx3d",
+        activation_checkpoint_interval=1 if activation_checkpointing else 0,
+        checkpointable_layers=["DecoderStage"],
+    )

@@ -1,0 +1,128 @@
+"""A parameter-free copy of the HF model that runs the family's own code around the layers we own.
+
+The base model's forward computes everything a decoder layer is called with (rotary cos/sin, per-layer-type
+masks, embedding scaling, ...). Re-implementing that per family gets it wrong, so we run the real forward on a
+skeleton whose parameters are on the meta device and whose decoder layers are `_Recorder`s: they keep the
+(args, kwargs) each layer is called with and stop the forward after the last one. The head runs the
+CausalLM's own forward (logit scaling, soft-capping) with the base model replaced by a stub that returns the
+hidden states it is given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from dsx3d.models.plans import FamilyPlan
+
+LayerCall = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for decoder layer `index`; keeps the attributes the base forward reads (attention_type...)."""
+
+    def __init__(self, layer: nn.Module, index: int, sink: dict[int, LayerCall], stop_after: list[int]):
+        super().__init__()
+        for key, value in vars(layer).items():
+            if not key.startswith("_") and key != "training":
+                self.__dict__[key] = value
+        self.index, self._sink, self._stop_after = index, sink, stop_after
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._sink[self.index] = (args, kwargs)
+        if self.index >= self._stop_after[0]:
+            raise _StopForward
+        return args[0] if args else kwargs["hidden_states"]
+
+
+class _HiddenStub(nn.Module):
+    """Replaces the base model inside the CausalLM: returns the hidden states the head stage received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
+        assert self.hidden is not None
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+def hidden_of(call: LayerCall) -> torch.Tensor:
+    args, kwargs = call
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def with_hidden(call: LayerCall, hidden: torch.Tensor) -> LayerCall:
+    args, kwargs = call
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+class Skeleton:
+    """One per process. Owns the meta-device CausalLM; stage modules take the submodules they own from it."""
+
+    def __init__(self, config: PretrainedConfig, plan: FamilyPlan):
+        self.config, self.plan = config, plan
+        with init_empty_weights(include_buffers=False):
+            self.lm = plan.lm_class._from_config(config)
+        self.lm.eval()  # the skeleton never trains; owned modules follow the engine's train()/eval()
+        self.base: nn.Module = getattr(self.lm, plan.base_prefix)
+        layers: nn.ModuleList = getattr(self.base, plan.layers_name)
+        self.layers = list(layers)  # the real (meta) decoder layers, handed out to stages
+        self._calls: dict[int, LayerCall] = {}
+        self._stop_after = [len(self.layers) - 1]
+        for i, layer in enumerate(self.layers):
+            layers[i] = _Recorder(layer, i, self._calls, self._stop_after)
+        self._stub = _HiddenStub()
+        setattr(self.lm, plan.base_prefix, self._stub)
+        self._cache_key: tuple[torch.Tensor, torch.dtype] | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def submodule(self, dotted: str) -> nn.Module:
+        return self.base.get_submodule(dotted)
+
+    def _run_base(self, stop_after: int, **inputs: Any) -> dict[int, LayerCall]:
+        self._calls.clear()
+        self._stop_after[0] = stop_after
+        try:
+            self.base(use_cache=False, **inputs)
+        except _StopForward:
+            pass
+        return dict(self._calls)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Stage 0: the base forward up to the first layer, with the real (owned) embedding."""
+        return hidden_of(self._run_base(0, input_ids=input_ids)[0])
+
+    def layer_calls(self, input_ids: torch.Tensor, dtype: torch.dtype) -> dict[int, LayerCall]:
+        """How the base forward calls every layer for a micro-batch of this shape. Computed once per
+        micro-batch and stage (all owned layers share it): masks and rotary tables carry no gradient."""
+        key = self._cache_key
+        if key is not None and key[1] == dtype and key[0].shape == input_ids.shape and torch.equal(key[0], input_ids):
+            return self._cached_calls
+        b, s = input_ids.shape
+        zeros = torch.zeros(b, s, self.config.get_text_config().hidden_size, dtype=dtype, device=input_ids.device)
+        self._cached_calls = self._run_base(self.num_layers - 1, inputs_embeds=zeros)
+        self._cache_key = (input_ids, dtype)
+        return self._cached_calls
+
+    def head(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Last stage: the CausalLM's own forward on the final hidden states (after the epilogue)."""
+        self._stub.hidden = hidden
+        try:
+            return self.lm(input_ids=input_ids, use_cache=False).logits
+        finally:
+            self._stub.hidden = None

@@ -1,0 +1,196 @@
+"""The pipeline layers: embedding prologue, decoder layers, epilogue (final norm) and the vocab-parallel head.
+
+Between stages travels the tuple (hidden_states, input_ids): a float tensor that feeds the next stage's
+graph, and the integer ids from which every stage recomputes the layer inputs (masks, rotary tables).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from dsx3d.dist.tp_ops import all_reduce_grad_hook, vocab_parallel_cross_entropy
+from dsx3d.models.plans import FamilyPlan
+from dsx3d.models.skeleton import Skeleton, with_hidden
+from dsx3d.models.tp_context import TPContext
+from dsx3d.models.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from dsx3d.models.weights import WeightSource, materialize
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    return -(-vocab // tp) * tp
+
+
+class StageBuilder:
+    """Per-process state shared by the layers of this rank's stage."""
+
+    def __init__(self, config: PretrainedConfig, plan: FamilyPlan, tp: TPContext, source: WeightSource):
+        self.config, self.plan, self.tp, self.source = config, plan, tp, source
+        self.skeleton = Skeleton(config, plan)
+        self.vocab = config.get_text_config().vocab_size
+        self.padded_vocab = padded_vocab(self.vocab, tp.size)
+        self.vocab_start = tp.chunk_bounds(self.padded_vocab)[0]
+        self.base_prefix = f"{plan.base_prefix}."
+
+    # -- owning modules ------------------------------------------------------------------------------------
+
+    def _shard(self, module: nn.Module, rel_name: str) -> None:
+        """Apply the family's TP plan to `module` (named `rel_name` relative to the base model), in place."""
+        if self.tp.size == 1:
+            return
+        for sub_name, sub in list(module.named_modules()):
+            full = f"{rel_name}.{sub_name}" if sub_name else rel_name
+            style = self.plan.tp_style(full)
+            if style is None:
+                continue
+            if style == "replicated_with_grad_allreduce":
+                for p in sub.parameters():
+                    p.register_hook(all_reduce_grad_hook(self.tp.group))
+                continue
+            assert isinstance(sub, nn.Linear), f"{full}: TP style {style} needs nn.Linear, got {type(sub).__name__}"
+            if style in ("colwise", "colwise_gather_output"):
+                new: nn.Module = ColumnParallelLinear(sub, self.tp, gather_output=style == "colwise_gather_output")
+            else:
+                new = RowParallelLinear(sub, self.tp, split_input=style == "rowwise_split_input")
+            parent_name, _, attr = sub_name.rpartition(".")
+            setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
+
+    def own(self, rel_name: str) -> nn.Module:
+        """Take a base-model submodule, shard it, and read its weights."""
+        module = self.skeleton.submodule(rel_name)
+        self._shard(module, rel_name)
+        materialize(module, f"{self.base_prefix}{rel_name}.", self.source, self.tp.rank)
+        return module
+
+    def own_layer(self, index: int) -> nn.Module:
+        layer = self.skeleton.layers[index]
+        rel = f"{self.plan.layers_name}.{index}"
+        self._shard(layer, rel)
+        materialize(layer, f"{self.base_prefix}{rel}.", self.source, self.tp.rank)
+        return layer
+
+    def own_embedding(self) -> nn.Module:
+        embedding = self.skeleton.submodule(self.plan.embed_name)
+        if self.tp.size > 1:
+            VocabParallelEmbedding(embedding, self.tp, self.padded_vocab)  # type: ignore[arg-type]
+        materialize(embedding, f"{self.base_prefix}{self.plan.embed_name}.", self.source, self.tp.rank)
+        return embedding
+
+    def own_prologue_extras(self) -> list[nn.Module]:
+        """Other base-model modules with weights that run before the first layer (e.g. learned positions)."""
+        skip = {self.plan.embed_name, self.plan.layers_name, *self.plan.epilogue_names}
+        owned = []
+        for name, child in self.skeleton.base.named_children():
+            if name not in skip and any(True for _ in child.parameters()):
+                owned.append(self.own(name))
+        return owned
+
+    def install_head(self, weight: nn.Parameter) -> VocabParallelHead:
+        head = VocabParallelHead(weight, self.tp, self.vocab_start)
+        setattr(self.skeleton.lm, self.plan.head_name, head)
+        return head
+
+    def head_weight(self) -> nn.Parameter:
+        """The untied LM head's shard (vocab rows), read from `lm_head.weight`."""
+        meta = getattr(self.skeleton.lm, self.plan.head_name).weight
+        rows = self.padded_vocab // self.tp.size
+        holder = nn.Module()
+        holder.weight = nn.Parameter(torch.empty(rows, meta.shape[1], dtype=meta.dtype, device="meta"))
+        if self.tp.size > 1:
+            holder.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+            holder.weight.partition_dim = 0  # type: ignore[attr-defined]
+            holder.weight.partition_stride = 1  # type: ignore[attr-defined]
+        materialize(holder, f"{self.plan.head_name}.", self.source, self.tp.rank)
+        return holder.weight
+
+    # -- running -------------------------------------------------------------------------------------------
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """HF's causal-LM loss on vocab shards: predict token t+1 at position t, mean over non-ignored."""
+        target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
+        per_token = vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target, self.vocab_start, self.vocab, self.tp.group
+        )
+        count = (target != -100).sum().clamp(min=1)
+        return per_token.sum() / count
+
+
+class EmbeddingStage(nn.Module):
+    """input_ids -> (hidden_states entering layer 0, input_ids)."""
+
+    def __init__(self, builder: StageBuilder):
+        super().__init__()
+        self.builder = [builder]  # a list keeps it out of nn.Module's registry
+        self.embed = builder.own_embedding()
+        self.extras = nn.ModuleList(builder.own_prologue_extras())
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.builder[0].skeleton.embed(input_ids), input_ids
+
+
+class DecoderStage(nn.Module):
+    """One HF decoder layer, called exactly as the base model's forward would call it."""
+
+    def __init__(self, builder: StageBuilder, index: int):
+        super().__init__()
+        self.builder, self.index = [builder], index
+        self.layer = builder.own_layer(index)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, input_ids = inputs
+        call = self.builder[0].skeleton.layer_calls(input_ids, hidden.dtype)[self.index]
+        args, kwargs = with_hidden(call, hidden)
+        out = self.layer(*args, **kwargs)
+        return (out[0] if isinstance(out, tuple) else out), input_ids
+
+
+class EpilogueStage(nn.Module):
+    """The base model's modules after the last layer (the final norm)."""
+
+    def __init__(self, builder: StageBuilder):
+        super().__init__()
+        self.builder = [builder]
+        self.mods = nn.ModuleList(builder.own(name) for name in builder.plan.epilogue_names)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, input_ids = inputs
+        for mod in self.mods:
+            hidden = mod(hidden)
+        return hidden, input_ids
+
+
+class HeadStage(nn.Module):
+    """Untied LM head: (hidden, ids) -> vocab-sharded logits (b, s, V_padded / tp)."""
+
+    def __init__(self, builder: StageBuilder):
+        super().__init__()
+        self.builder = [builder]
+        self.lm_head = builder.install_head(builder.head_weight())
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hidden, input_ids = inputs
+        return self.builder[0].skeleton.head(hidden, input_ids)
+
+
+class TiedEmbeddingStage(nn.Module):
+    """The embedding shard shared by the first stage (lookup) and the last (LM head), via TiedLayerSpec;
+    with tp > 1 each rank ties its own vocab shard."""
+
+    def __init__(self, builder: StageBuilder, on_first_stage: bool, on_last_stage: bool):
+        super().__init__()
+        self.builder = [builder]
+        self.embed = builder.own_embedding()
+        self.extras = nn.ModuleList(builder.own_prologue_extras() if on_first_stage else [])
+        if on_last_stage:
+            builder.install_head(self.embed.weight)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.builder[0].skeleton.embed(input_ids), input_ids
+
+
+def tied_head_forward(module: TiedEmbeddingStage, inputs: Any) -> torch.Tensor:
+    hidden, input_ids = inputs
+    return module.builder[0].skeleton.head(hidden, input_ids)

@@ -1,0 +1,82 @@
+"""Filling a meta-device stage with real tensors: each rank reads only the rows/columns it owns.
+
+A `WeightSource` answers `load(name, dim, start, stop)` with the [start, stop) slice of the named HF tensor
+along `dim` (or the whole tensor when dim is None). Sources: an in-memory state dict (tests, `dsx3d verify`,
+fresh initialisation) and, in dsx3d.checkpoint, safetensors files read slice by slice.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from dsx3d.errors import UserError
+
+
+class WeightSource(Protocol):
+    def load(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
+
+    def has(self, name: str) -> bool: ...
+
+
+class StateDictSource:
+    """Slices of an in-memory state dict (full tensors on every rank: only for models that fit in memory)."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]):
+        self.state_dict = state_dict
+
+    def has(self, name: str) -> bool:
+        return name in self.state_dict
+
+    def load(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        tensor = self.state_dict[name]
+        if dim is None:
+            return tensor
+        stop = tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])
+        return tensor.narrow(dim, start, max(stop - start, 0))
+
+
+def _padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """Zero rows past the real vocabulary (vocab padded to a multiple of tp)."""
+    missing = length - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def materialize(module: nn.Module, prefix: str, source: WeightSource, tp_rank: int, aliases: dict[str, str] | None = None) -> None:
+    """Replace every meta parameter of `module` with its shard read from `source` under `prefix + name`.
+
+    A sharded parameter (marked `tensor_model_parallel` with `partition_dim`) of local length n along its
+    dim takes rows [tp_rank * n, (tp_rank + 1) * n) of the full tensor, zero-padded past its end.
+    """
+    aliases = aliases or {}
+    for sub_name, sub in module.named_modules():
+        for pname, param in list(sub._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            full = f"{prefix}{sub_name}.{pname}" if sub_name else f"{prefix}{pname}"
+            name = aliases.get(full, full)
+            if not source.has(name):
+                raise UserError.single("model", name, "the weights lack this tensor", "check that the checkpoint matches the config")
+            if getattr(param, "tensor_model_parallel", False):
+                dim = param.partition_dim
+                n = param.shape[dim]
+                tensor = _padded(source.load(name, dim, tp_rank * n, (tp_rank + 1) * n), dim, n)
+            else:
+                tensor = source.load(name)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise UserError.single(
+                    "model", name, f"shape {tuple(tensor.shape)} does not match the expected {tuple(param.shape)}",
+                    "check that the checkpoint matches the config",
+                )
+            new = nn.Parameter(tensor.detach().to(param.dtype).clone(), requires_grad=param.requires_grad)
+            new.hf_name = name  # type: ignore[attr-defined]
+            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                if hasattr(param, attr):
+                    setattr(new, attr, getattr(param, attr))
+            sub._parameters[pname] = new

@@ -1,0 +1,284 @@
+"""The layout planner: enumerate dp x tp x pp, ZeRO stage, micro-batch and checkpointing for a model on a
+cluster, drop what the checker refuses or what does not fit, rank the rest by predicted tokens/s.
+
+Pure: every candidate is a `Setup` scored by `dsx3d.estimate.estimate` and a `Recipe` judged by
+`dsx3d.checker.check_recipe`; nothing starts a process. Search space:
+  tp: divisors of gpus_per_node that divide the attention and KV head counts (TP stays inside a node);
+  pp: divisors of world / tp that leave at least 2 decoder layers per stage (pp = 1 always);
+  dp = world / (tp * pp), which must divide the global batch;
+  ZeRO 1 with pp > 1 (DeepSpeed refuses 2/3 with a pipeline), 1..3 with pp = 1;
+  micro-batch b: divisors of global_batch / dp up to `max_micro_batch`, m = global_batch / (dp * b);
+  activation checkpointing off and on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from dsx3d.errors import Problem
+from dsx3d.estimate import Estimate, Hardware, ModelShape, Setup, estimate
+from dsx3d.recipe import ModelSection, Recipe
+
+Checker = Callable[[Recipe, Any], list[Problem]]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gb: float
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Candidate:
+    """One scored configuration. status: "ok", "no_fit" (over the usable memory) or "refused" (checker)."""
+
+    setup: Setup
+    estimate: Estimate
+    status: str = "ok"
+    reason: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def family(self) -> tuple[int, int, int, int]:
+        return (self.setup.dp, self.setup.tp, self.setup.pp, self.setup.zero_stage)
+
+    def label(self) -> str:
+        s = self.setup
+        ckpt = "on" if s.activation_checkpointing else "off"
+        return (
+            f"dp{s.dp} tp{s.tp} pp{s.pp} zero{s.zero_stage} b{s.micro_batch_size} m{s.grad_accum} ckpt {ckpt}"
+        )
+
+
+@dataclass
+class Family:
+    """All candidates of one (dp, tp, pp, ZeRO) and the verdict on the family as a whole."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    status: str
+    """"chosen", "slower", "no_fit" or "refused"."""
+    reason: str
+    best: Candidate
+
+
+@dataclass
+class PlanResult:
+    ranked: list[Candidate]
+    """Candidates that fit and pass the checker, fastest first."""
+    families: list[Family]
+    skipped: list[str]
+    """Degrees left out of the search, with the reason."""
+    checked: bool
+    """Whether `dsx3d.checker` judged the candidates."""
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
+
+
+def enumerate_setups(
+    shape: ModelShape,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    seq_len: int,
+    base: Setup | None = None,
+    max_micro_batch: int = 16,
+) -> tuple[list[Setup], list[str]]:
+    """Every candidate `Setup` of the search space (module docstring) and the notes on what was left out.
+    `base` carries the fields the search does not vary (dtype, flash_attention, split, ...)."""
+    base = base or Setup()
+    skipped: list[str] = []
+    setups: list[Setup] = []
+    world = cluster.world_size
+    for tp in _divisors(cluster.gpus_per_node):
+        bad = [
+            f"{name} {n}"
+            for name, n in (("attention heads", shape.num_heads), ("KV heads", shape.num_kv_heads))
+            if n and n % tp
+        ]
+        if bad:
+            skipped.append(f"tp={tp}: does not divide the {' and '.join(bad)}")
+            continue
+        if world % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > 1 and shape.num_layers < 2 * pp:
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                skipped.append(
+                    f"dp{dp} tp{tp} pp{pp}: global batch {global_batch} is not a multiple of dp {dp}"
+                )
+                continue
+            per_replica = global_batch // dp
+            for zero in [1] if pp > 1 else [1, 2, 3]:
+                for b in _divisors(per_replica, max_micro_batch):
+                    for ckpt in (False, True):
+                        setups.append(
+                            replace(
+                                base,
+                                dp=dp,
+                                tp=tp,
+                                pp=pp,
+                                zero_stage=zero,
+                                micro_batch_size=b,
+                                seq_len=seq_len,
+                                grad_accum=per_replica // b,
+                                activation_checkpointing=ckpt,
+                                stage_layers=None,
+                            )
+                        )
+    return setups, skipped
+
+
+def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: str = "runs/auto") -> Recipe:
+    """The recipe that runs `setup` on `cluster` (valid for `dsx3d.recipe.load_recipe` once dumped)."""
+    return Recipe.model_validate(
+        {
+            "model": model,
+            "parallel": {"dp": setup.dp, "tp": setup.tp, "pp": setup.pp},
+            "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
+            "train": {
+                "micro_batch_size": setup.micro_batch_size,
+                "gradient_accumulation_steps": setup.grad_accum,
+                "seq_len": setup.seq_len,
+                "dtype": setup.dtype,
+                "activation_checkpointing": setup.activation_checkpointing,
+            },
+            "zero": {"stage": setup.zero_stage},
+            "output_dir": output_dir,
+        }
+    )
+
+
+def default_checker() -> Checker | None:
+    """`dsx3d.checker.check_recipe` bound to no world-size override, or None if it is not importable."""
+    try:
+        from dsx3d.checker import check_recipe
+    except ImportError:
+        return None
+    return lambda recipe, hf_config: check_recipe(recipe, world_size=None, hf_config=hf_config)
+
+
+def _judge(
+    setup: Setup,
+    shape: ModelShape,
+    hw: Hardware,
+    cluster: Cluster,
+    model: ModelSection | None,
+    hf_config: Any,
+    checker: Checker | None,
+) -> Candidate:
+    est = estimate(shape, setup, hw)
+    cand = Candidate(setup, est)
+    if checker is not None and model is not None:
+        problems = checker(recipe_for(setup, cluster, model), hf_config)
+        errors = [p for p in problems if p.severity == "error"]
+        cand.warnings = [str(p) for p in problems if p.severity != "error"]
+        if errors:
+            cand.status, cand.reason = "refused", f"{errors[0].key} = {errors[0].value!r}: {errors[0].reason}"
+            return cand
+    if not est.fits:
+        worst = est.stages[est.peak_stage]
+        cand.status = "no_fit"
+        cand.reason = (
+            f"stage {worst.stage} needs {worst.total_gb:.1f} GB (model states {worst.model_states_gb:.1f} "
+            f"+ activations {worst.activations_gb:.1f}), {est.overflow_gb():.1f} GB over the "
+            f"{est.usable_gb:.1f} GB usable"
+        )
+    return cand
+
+
+def plan_layouts(
+    shape: ModelShape,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    seq_len: int,
+    hardware: Hardware | None = None,
+    base: Setup | None = None,
+    model: ModelSection | None = None,
+    hf_config: Any = None,
+    checker: Checker | None = None,
+    use_checker: bool = True,
+    max_micro_batch: int = 16,
+) -> PlanResult:
+    """Search, judge and rank (module docstring). `model` and `hf_config` feed the checker; without a
+    `model` section (a bare shape) the checker is skipped."""
+    hw = replace(
+        hardware or Hardware(), gpus_per_node=cluster.gpus_per_node, gpu_memory_gb=cluster.gpu_memory_gb
+    )
+    if use_checker and checker is None:
+        checker = default_checker()
+    if not use_checker:
+        checker = None
+    setups, skipped = enumerate_setups(
+        shape, cluster, global_batch=global_batch, seq_len=seq_len, base=base, max_micro_batch=max_micro_batch
+    )
+    candidates = [_judge(s, shape, hw, cluster, model, hf_config, checker) for s in setups]
+    ranked = sorted(
+        (c for c in candidates if c.status == "ok"),
+        key=lambda c: (-c.estimate.tokens_per_s, c.estimate.total_gb),
+    )
+    return PlanResult(
+        ranked, _families(candidates, ranked), skipped, checker is not None and model is not None
+    )
+
+
+def _families(candidates: list[Candidate], ranked: list[Candidate]) -> list[Family]:
+    groups: dict[tuple[int, int, int, int], list[Candidate]] = {}
+    for c in candidates:
+        groups.setdefault(c.family, []).append(c)
+    winner = ranked[0] if ranked else None
+    families = [_family_verdict(members, winner) for members in groups.values()]
+    return sorted(families, key=_family_order)
+
+
+def _family_order(f: Family) -> tuple[int, float]:
+    """Chosen, then slower families fastest first, then misfits smallest overflow first, then refusals."""
+    rank = {"chosen": 0, "slower": 1, "no_fit": 2, "refused": 3}[f.status]
+    if f.status == "no_fit":
+        return rank, f.best.estimate.overflow_gb()
+    return rank, -f.best.estimate.tokens_per_s
+
+
+def _family_verdict(members: list[Candidate], winner: Candidate | None) -> Family:
+    dp, tp, pp, zero = members[0].family
+    ok = [c for c in members if c.status == "ok"]
+    if ok:
+        best = max(ok, key=lambda c: c.estimate.tokens_per_s)
+        if winner is not None and best is winner:
+            return Family(dp, tp, pp, zero, "chosen", "fastest layout that fits", best)
+        factor = winner.estimate.tokens_per_s / best.estimate.tokens_per_s if winner else 1.0
+        return Family(
+            dp,
+            tp,
+            pp,
+            zero,
+            "slower",
+            f"slower: best {best.estimate.tokens_per_s:,.0f} tokens/s ({best.label()}), "
+            f"{factor:.2f}x slower than the choice",
+            best,
+        )
+    no_fit = [c for c in members if c.status == "no_fit"]
+    if no_fit:
+        best = min(no_fit, key=lambda c: c.estimate.overflow_gb())
+        return Family(
+            dp, tp, pp, zero, "no_fit", f"does not fit even with {best.label()}: {best.reason}", best
+        )
+    return Family(dp, tp, pp, zero, "refused", f"refused by the checker: {members[0].reason}", members[0])
