@@ -101,7 +101,11 @@ def _tp_inside_node(c: _Context) -> Iterator[Problem]:
 def _tp_divides_model(c: _Context) -> Iterator[Problem]:
     """Each TP rank owns whole attention heads, whole KV heads and an equal slice of the MLP."""
     dims = {name: c.dim(name) for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
-    valid = [d for d in _divisors(c.recipe.cluster.gpus_per_node) if all(not v or v % d == 0 for v in dims.values())]
+    valid = [
+        d
+        for d in _divisors(c.recipe.cluster.gpus_per_node)
+        if all(not v or v % d == 0 for v in dims.values())
+    ]
     for name, size in dims.items():
         if size and size % c.tp:
             yield Problem(
@@ -142,7 +146,9 @@ def _stage_layers(c: _Context) -> Iterator[Problem]:
         return
     key = "parallel.stage_layers"
     if len(split) != c.pp:
-        yield Problem(key, split, f"has {len(split)} entries but parallel.pp = {c.pp}", "give one count per stage")
+        yield Problem(
+            key, split, f"has {len(split)} entries but parallel.pp = {c.pp}", "give one count per stage"
+        )
     if any(n < 1 for n in split):
         yield Problem(key, split, "every stage needs at least one decoder layer", "make every entry >= 1")
     layers = c.dim("num_hidden_layers")
@@ -289,7 +295,9 @@ def check_recipe(recipe: Recipe, world_size: int | None = None, hf_config: Any =
         source = f"--world-size {world_size}"
     else:
         world_size = recipe.cluster_world_size
-        source = f"cluster.nodes {recipe.cluster.nodes} x cluster.gpus_per_node {recipe.cluster.gpus_per_node}"
+        source = (
+            f"cluster.nodes {recipe.cluster.nodes} x cluster.gpus_per_node {recipe.cluster.gpus_per_node}"
+        )
     ctx = _Context(recipe, world_size, source, recipe.resolved_dp(world_size), hf_config)
     for rule in RULES:
         problems.extend(rule(ctx))

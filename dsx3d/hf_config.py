@@ -27,7 +27,7 @@ def load_hf_config(model: ModelSection) -> PretrainedConfig:
     """The model's `PretrainedConfig`; raises `UserError` naming `model.config...` or `model.name_or_path`."""
     if model.config is not None:
         return _from_mapping(model.config)
-    path = model.name_or_path
+    path = str(model.name_or_path)  # the schema guarantees one of config and name_or_path
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError) as err:
@@ -58,7 +58,9 @@ def _from_mapping(cfg: dict[str, Any]) -> PretrainedConfig:
 
 
 def _invalid_config(err: Exception) -> UserError:
-    return UserError.single("model.config", None, f"transformers rejects it ({_summary(err)})", "fix model.config")
+    return UserError.single(
+        "model.config", None, f"transformers rejects it ({_summary(err)})", "fix model.config"
+    )
 
 
 def _summary(err: Exception) -> str:

@@ -82,7 +82,7 @@ def build_reference(case: ParityCase) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(case.seed)
-    model = AutoModelForCausalLM.from_config(case.config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(case.config)
     return model.float()
 
 

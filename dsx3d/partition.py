@@ -17,6 +17,13 @@ def layer_costs(config: Any, seq_len: int) -> tuple[float, float, float]:
     values, 4 x seq_len x num_heads x head_dim. Head: 2 x hidden x vocab. The embedding is a lookup, ~0.
     """
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        return _layer_costs(c, seq_len)
+    except Exception:  # heterogeneous configs (per-layer head_dim...): fall back to parameter-free weights
+        return 0.0, 1.0, 1.0
+
+
+def _layer_costs(c: Any, seq_len: int) -> tuple[float, float, float]:
     h = c.hidden_size
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or h // heads

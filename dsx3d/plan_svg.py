@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from matplotlib import colormaps
+from matplotlib.artist import Artist
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle
@@ -24,13 +25,16 @@ MAX_RANKS = 512  # beyond this the picture is unreadable
 def draw_plan(layout: Layout, path: str | Path) -> Path:
     if layout.world_size > MAX_RANKS:
         raise UserError.single(
-            "--svg", str(path), f"a world of {layout.world_size} ranks is too large to draw", f"draw at most {MAX_RANKS}"
+            "--svg",
+            str(path),
+            f"a world of {layout.world_size} ranks is too large to draw",
+            f"draw at most {MAX_RANKS}",
         )
     grid = _Grid(layout)
     fig = Figure(figsize=(1.1 * grid.width + 1.5, 1.1 * grid.height + 1.0))
     ax = fig.add_subplot()
     ax.set_xlim(-0.8, grid.width + 0.3)
-    ax.set_ylim(-grid.height - 0.3, 0.9)
+    ax.set_ylim(-grid.height + NODE_GAP - 0.3, 0.9)
     ax.set_aspect("equal")
     ax.axis("off")
     colors = [colormaps["tab10"](s % 10) for s in range(layout.pp)]
@@ -42,7 +46,7 @@ def draw_plan(layout: Layout, path: str | Path) -> Path:
         f"dp {layout.dp} x tp {layout.tp} x pp {layout.pp} on {layout.num_nodes} node(s) x "
         f"{layout.gpus_per_node} GPUs (world {layout.world_size})"
     )
-    handles = [Patch(color=colors[s], label=f"stage {s}") for s in range(layout.pp)]
+    handles: list[Artist] = [Patch(color=colors[s], label=f"stage {s}") for s in range(layout.pp)]
     handles += [
         Patch(facecolor="none", edgecolor="black", linewidth=2, label="TP group"),
         Line2D([], [], color="dimgray", linestyle="--", label="DP group"),
@@ -80,7 +84,12 @@ def _draw_nodes(ax, layout: Layout, grid: _Grid) -> None:
         x, y = grid.node_origin(node)
         ax.add_patch(
             FancyBboxPatch(
-                (x, y), grid.width + GAP, grid.node_height, boxstyle="round,pad=0.05", facecolor="#f4f4f4", edgecolor="gray"
+                (x, y),
+                grid.width + GAP,
+                grid.node_height,
+                boxstyle="round,pad=0.05",
+                facecolor="#f4f4f4",
+                edgecolor="gray",
             )
         )
         ax.text(x + 0.1, y + grid.node_height - 0.25, f"node {node}", fontsize=9, va="center")
@@ -103,7 +112,9 @@ def _draw_tp_groups(ax, layout: Layout, grid: _Grid) -> None:
             rows.setdefault(y, []).append(x)
         for y, xs in rows.items():
             x0, x1 = min(xs), max(xs) + CELL
-            ax.add_patch(Rectangle((x0 - 0.08, y - 0.08), x1 - x0 + 0.16, CELL + 0.16, fill=False, linewidth=2))
+            ax.add_patch(
+                Rectangle((x0 - 0.08, y - 0.08), x1 - x0 + 0.16, CELL + 0.16, fill=False, linewidth=2)
+            )
 
 
 def _draw_dp_groups(ax, layout: Layout, grid: _Grid) -> None:

@@ -231,13 +231,15 @@ def plan_layouts(
         shape, cluster, global_batch=global_batch, seq_len=seq_len, base=base, max_micro_batch=max_micro_batch
     )
     candidates = [_judge(s, shape, hw, cluster, model, hf_config, checker) for s in setups]
-    ranked = sorted(
-        (c for c in candidates if c.status == "ok"),
-        key=lambda c: (-c.estimate.tokens_per_s, c.estimate.total_gb),
-    )
+    ranked = sorted((c for c in candidates if c.status == "ok"), key=_speed_order)
     return PlanResult(
         ranked, _families(candidates, ranked), skipped, checker is not None and model is not None
     )
+
+
+def _speed_order(c: Candidate) -> tuple[float, float]:
+    """Fastest first; among equally fast candidates the one needing the least memory."""
+    return -c.estimate.tokens_per_s, c.estimate.total_gb
 
 
 def _families(candidates: list[Candidate], ranked: list[Candidate]) -> list[Family]:
@@ -261,20 +263,18 @@ def _family_verdict(members: list[Candidate], winner: Candidate | None) -> Famil
     dp, tp, pp, zero = members[0].family
     ok = [c for c in members if c.status == "ok"]
     if ok:
-        best = max(ok, key=lambda c: c.estimate.tokens_per_s)
+        best = min(ok, key=_speed_order)
         if winner is not None and best is winner:
             return Family(dp, tp, pp, zero, "chosen", "fastest layout that fits", best)
         factor = winner.estimate.tokens_per_s / best.estimate.tokens_per_s if winner else 1.0
-        return Family(
-            dp,
-            tp,
-            pp,
-            zero,
-            "slower",
-            f"slower: best {best.estimate.tokens_per_s:,.0f} tokens/s ({best.label()}), "
-            f"{factor:.2f}x slower than the choice",
-            best,
+        speed = (
+            f"{best.estimate.tokens_per_s:,.0f} tokens/s ({best.label()}, {best.estimate.total_gb:.1f} GB)"
         )
+        if factor < 1.005:
+            reason = f"ties with the choice at {speed}; the choice needs less memory"
+        else:
+            reason = f"slower: best {speed}, {factor:.2f}x slower than the choice"
+        return Family(dp, tp, pp, zero, "slower", reason, best)
     no_fit = [c for c in members if c.status == "no_fit"]
     if no_fit:
         best = min(no_fit, key=lambda c: c.estimate.overflow_gb())

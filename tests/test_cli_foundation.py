@@ -65,13 +65,21 @@ def test_plan_without_recipe_needs_degrees(capsys: pytest.CaptureFixture[str]) -
     assert "--tp, --pp" in capsys.readouterr().err
 
 
+def test_plan_nodes_give_the_world(capsys: pytest.CaptureFixture[str]) -> None:
+    """--nodes belongs to the --auto options; without --world-size it sets the world for a plain plan."""
+    assert main(["plan", "--nodes", "2", "--gpus-per-node", "8", "--tp", "2", "--pp", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dp_groups"][:2] == [[0, 2], [1, 3]]
+
+
 def test_plan_degrees_must_multiply_to_world(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SEED_FLAGS, "--dp", "4"]) == 2
     assert "--world-size" in capsys.readouterr().err
 
 
 def test_plan_flags_warn_about_cross_node_tp(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--world-size", "8", "--gpus-per-node", "2", "--tp", "4", "--pp", "1", "--json"]) == 0
+    assert (
+        main(["plan", "--world-size", "8", "--gpus-per-node", "2", "--tp", "4", "--pp", "1", "--json"]) == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["cross_node"]["tp_groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and "--tp" in data["warnings"][0]
 
@@ -81,7 +89,9 @@ def test_check_clean_recipe(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip().endswith(": ok")
 
 
-def test_check_zero3_with_pipeline_exits_2_with_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_zero3_with_pipeline_exits_2_with_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     recipe = _write_recipe(tmp_path, zero={"stage": 3}, parallel={"stage_layers": [1, 1]})
     assert main(["check", str(recipe)]) == 2
     out = capsys.readouterr().out

@@ -52,7 +52,9 @@ def parse_ds_config(monkeypatch: pytest.MonkeyPatch):
 
 def _tiny(**patch: Any) -> Recipe:
     """The tiny CPU recipe (dp 2 x tp 2 x pp 2 on 1 x 8, micro 2, 4 micro-batches) with `patch` merged in."""
-    return recipe_from_dict(deep_merge(yaml.safe_load((ROOT / "recipes" / "tiny-llama-3d.yaml").read_text()), patch))
+    return recipe_from_dict(
+        deep_merge(yaml.safe_load((ROOT / "recipes" / "tiny-llama-3d.yaml").read_text()), patch)
+    )
 
 
 def test_every_recipe_has_a_golden_config_and_back() -> None:
@@ -63,7 +65,9 @@ def test_every_recipe_has_a_golden_config_and_back() -> None:
 def test_golden_config_is_up_to_date(path: Path) -> None:
     """Fails when a change to the generator or a recipe was not followed by `dsx3d config`."""
     golden = (ROOT / "ds_configs" / f"{path.stem}.json").read_text()
-    assert render_ds_config(build_ds_config(load_recipe(path))) == golden, f"run: dsx3d config {path.relative_to(ROOT)}"
+    assert render_ds_config(build_ds_config(load_recipe(path))) == golden, (
+        f"run: dsx3d config {path.relative_to(ROOT)}"
+    )
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -89,7 +93,11 @@ def test_world_size_as_batch_divisor_is_what_fails(parse_ds_config) -> None:
 
 @pytest.mark.parametrize(
     ("schedule", "cls"),
-    [("constant", lr_schedules.WarmupLR), ("cosine", lr_schedules.WarmupCosineLR), ("linear", lr_schedules.WarmupDecayLR)],
+    [
+        ("constant", lr_schedules.WarmupLR),
+        ("cosine", lr_schedules.WarmupCosineLR),
+        ("linear", lr_schedules.WarmupDecayLR),
+    ],
 )
 def test_scheduler_params_fit_deepspeed(schedule: str, cls: type) -> None:
     sched = build_ds_config(_tiny(train={"lr_schedule": schedule, "min_lr": 3.0e-4}))["scheduler"]
@@ -104,7 +112,9 @@ def test_scheduler_params_fit_deepspeed(schedule: str, cls: type) -> None:
 
 
 def test_no_warmup_starts_at_full_rate() -> None:
-    params = build_ds_config(_tiny(train={"warmup_steps": 0, "lr_schedule": "constant"}))["scheduler"]["params"]
+    params = build_ds_config(_tiny(train={"warmup_steps": 0, "lr_schedule": "constant"}))["scheduler"][
+        "params"
+    ]
     assert params["warmup_min_lr"] == params["warmup_max_lr"] and params["warmup_num_steps"] >= 1
 
 

@@ -15,7 +15,12 @@ def seed() -> Layout:
 
 def test_seed_stages_are_consecutive_blocks(seed: Layout) -> None:
     assert seed.world_size == 16 and seed.num_nodes == 2
-    assert [seed.stage_ranks(s) for s in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert [seed.stage_ranks(s) for s in range(4)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+        [12, 13, 14, 15],
+    ]
 
 
 def test_seed_groups(seed: Layout) -> None:

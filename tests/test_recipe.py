@@ -50,7 +50,9 @@ def test_bad_value_names_key() -> None:
 
 
 def test_dp_auto_resolves_against_the_world() -> None:
-    r = recipe_from_dict({**MINIMAL, "parallel": {"tp": 2, "pp": 4}, "cluster": {"nodes": 2, "gpus_per_node": 8}})
+    r = recipe_from_dict(
+        {**MINIMAL, "parallel": {"tp": 2, "pp": 4}, "cluster": {"nodes": 2, "gpus_per_node": 8}}
+    )
     assert r.resolved_dp() == 2
     assert r.resolved_dp(world_size=32) == 4
     assert r.resolved_dp(world_size=12) == 0  # does not divide: the checker reports it

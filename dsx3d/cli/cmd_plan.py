@@ -1,7 +1,8 @@
 """`dsx3d plan`: where every rank sits, its groups, which groups cross nodes, and the pipeline bubble.
 
 Two forms: `dsx3d plan RECIPE` (the recipe is checked first; --tp/--pp/--dp/--gpus-per-node override it)
-or `dsx3d plan --world-size N --gpus-per-node G --tp T --pp P [--dp D]` for a layout without a model.
+or `dsx3d plan --world-size N (or --nodes N) --gpus-per-node G --tp T --pp P [--dp D]` for a layout
+without a model.
 `--json` prints exactly one JSON object on stdout; everything else goes to stderr.
 """
 
@@ -60,7 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("recipe", nargs="?", help="recipe YAML; without it give the degrees as options")
     p.add_argument("--world-size", type=positive_int, help="number of ranks (default: the recipe's cluster)")
-    p.add_argument("--gpus-per-node", type=positive_int, help="ranks per node (default: the recipe's, else 8)")
+    p.add_argument(
+        "--gpus-per-node", type=positive_int, help="ranks per node (default: the recipe's, else 8)"
+    )
     p.add_argument("--tp", type=positive_int, help="tensor-parallel degree")
     p.add_argument("--pp", type=positive_int, help="pipeline stages")
     p.add_argument("--dp", type=positive_int, help="data-parallel degree (default: world size / (tp x pp))")
@@ -94,6 +97,8 @@ def _plan_from_recipe(args: argparse.Namespace) -> Plan:
             log.info("%s = %s (from --%s)", key, getattr(args, name), name)
     if args.gpus_per_node is not None:
         recipe.cluster.gpus_per_node = args.gpus_per_node
+    if getattr(args, "nodes", None) is not None:  # --nodes comes with the --auto options
+        recipe.cluster.nodes = args.nodes
     hf_config = load_hf_config(recipe.model)
     problems = check_recipe(recipe, world_size=args.world_size, hf_config=hf_config)
     errors = [p for p in problems if p.severity == "error"]
@@ -109,11 +114,17 @@ def _plan_from_recipe(args: argparse.Namespace) -> Plan:
 
 def _plan_from_flags(args: argparse.Namespace) -> Plan:
     missing = [f"--{name}" for name in ("tp", "pp") if getattr(args, name) is None]
+    nodes = getattr(args, "nodes", None)  # --nodes comes with the --auto options
+    if args.world_size is None and nodes is not None:
+        args.world_size = nodes * (args.gpus_per_node or 8)
     if args.world_size is None and args.dp is None:
-        missing.append("--world-size (or --dp)")
+        missing.append("--world-size (or --nodes, or --dp)")
     if missing:
         raise UserError.single(
-            "dsx3d plan", None, f"without a recipe it needs {', '.join(missing)}", "give a recipe, or those options"
+            "dsx3d plan",
+            None,
+            f"without a recipe it needs {', '.join(missing)}",
+            "give a recipe, or those options",
         )
     per_replica = args.tp * args.pp
     world = args.world_size if args.world_size is not None else args.dp * per_replica
@@ -153,7 +164,9 @@ def render_plan(plan: Plan) -> str:
         "",
         f"{'rank':>5} {'node':>5} {'local_rank':>10} {'pp':>3} {'dp':>3} {'tp':>3}",
     ]
-    lines += [f"{p.rank:>5} {p.node:>5} {p.local_rank:>10} {p.pp:>3} {p.dp:>3} {p.tp:>3}" for p in lay.placements()]
+    lines += [
+        f"{p.rank:>5} {p.node:>5} {p.local_rank:>10} {p.pp:>3} {p.dp:>3} {p.tp:>3}" for p in lay.placements()
+    ]
     lines.append("")
     for title, key in (("TP groups", "tp_groups"), ("DP groups", "dp_groups"), ("pipelines", "pp_groups")):
         crossing = d["cross_node"][key]
@@ -166,7 +179,9 @@ def render_plan(plan: Plan) -> str:
         lines.append(f"tied embedding groups (first and last stage): {_groups(d['tied_groups'])}")
     if plan.micro_batches:
         m, p = plan.micro_batches, lay.pp
-        lines.append(f"bubble with m = {m} micro-batches: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {d['bubble_fraction']:.1%}")
+        lines.append(
+            f"bubble with m = {m} micro-batches: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {d['bubble_fraction']:.1%}"
+        )
     lines += [f"{w}" for w in plan.warnings]
     return "\n".join(lines)
 

@@ -30,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--auto", action="store_true", help="search layouts for --model on the cluster")
     group = parser.add_argument_group("--auto search")
     add_option(group, "--model", metavar="CONFIG", help="recipe YAML, HF config.json or checkpoint directory")
-    add_option(group, "--nodes", type=positive(int), help="nodes of the cluster (default 1)")
-    add_option(group, "--gpus-per-node", type=positive(int), help="devices per node (default 8)")
+    add_option(group, "--nodes", type=positive(int), help="nodes of the cluster (default: recipe's, else 1)")
+    add_option(
+        group, "--gpus-per-node", type=positive(int), help="devices per node (default: recipe's, else 8)"
+    )
     add_option(
         group, "--global-batch", type=positive(int), default=256, help="sequences per step (default 256)"
     )
@@ -40,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_option(group, "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training dtype")
     add_option(group, "--max-micro-batch", type=positive(int), default=16, help="largest micro-batch tried")
+    add_option(
+        group,
+        "--fp32-grad-accum",
+        action="store_true",
+        help="count DeepSpeed's unsharded fp32 gradient buffer (what dsx3d's bf16 + ZeRO-1 config makes it keep)",
+    )
     add_option(group, "--top", type=positive(int), default=5, help="candidates to show (default 5)")
     add_option(group, "--write-recipe", metavar="FILE", help="write the chosen layout as a recipe YAML")
     add_hardware_arguments(group)
@@ -54,13 +62,16 @@ def run(args: argparse.Namespace) -> int:
             "--gpu-memory-gb", None, "the search needs the device memory", "add --gpu-memory-gb 80"
         )
     model, hf_config, recipe = load_model(source)
+    given = recipe.cluster if recipe else None  # a recipe's cluster is the default; the flags override it
     cluster = Cluster(
-        nodes=args.nodes or 1, gpus_per_node=args.gpus_per_node or 8, gpu_memory_gb=args.gpu_memory_gb
+        nodes=args.nodes or (given.nodes if given else 1),
+        gpus_per_node=args.gpus_per_node or (given.gpus_per_node if given else 8),
+        gpu_memory_gb=args.gpu_memory_gb,
     )
     seq_len = args.seq_len or (recipe.train.seq_len if recipe else 4096)
     shape = shape_from_hf_config(hf_config)
     hw = hardware_from(args, cluster.gpus_per_node)
-    base = Setup(dtype=args.dtype, flash_attention=args.flash_attention)
+    base = Setup(dtype=args.dtype, flash_attention=args.flash_attention, fp32_grad_accum=args.fp32_grad_accum)
     result = plan_layouts(
         shape,
         cluster,

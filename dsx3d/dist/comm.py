@@ -20,7 +20,7 @@ def _skip_cpu_shm_build() -> None:
         import importlib
 
         # not `import deepspeed.comm.torch as m`: that resolves to the attribute deepspeed.comm.torch, i.e. torch
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # type: ignore[attr-defined]
 
 
 def init_distributed(

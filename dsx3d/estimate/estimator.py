@@ -154,9 +154,8 @@ def _validate(shape: ModelShape, setup: Setup) -> list[int]:
 def _stage(
     shape: ModelShape, setup: Setup, hw: Hardware, stage: int, layers: int, params: ParamCount
 ) -> StageEstimate:
-    s, b, t, m = setup.seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
-    width = memory.dtype_bytes(setup.dtype)
-    per_device = params.per_device(t)
+    """Memory of one device of `stage`, then its time and traffic (`_stage_time`)."""
+    per_device = params.per_device(setup.tp)
     states = memory.model_state_bytes(
         per_device,
         dp=setup.dp,
@@ -169,45 +168,15 @@ def _stage(
         stage=stage,
         layers=layers,
         pp=setup.pp,
-        micro_batches=m,
-        seq_len=s,
-        micro_batch=b,
-        tp=t,
+        micro_batches=setup.grad_accum,
+        seq_len=setup.seq_len,
+        micro_batch=setup.micro_batch_size,
+        tp=setup.tp,
         dtype=setup.dtype,
         checkpointing=setup.activation_checkpointing,
         flash_attention=setup.flash_attention,
     )
-    place = timing.Placement(setup.dp, t, setup.pp, hw.gpus_per_node)
-    last = stage == setup.pp - 1
-    flops = timing.stage_flops_per_micro_batch(
-        layer_flop_params=shape.layer_flop_params,
-        layers=layers,
-        head_params=shape.head if last else 0,
-        attention_width=shape.attention_width,
-        seq_len=s,
-        micro_batch=b,
-        checkpointing=setup.activation_checkpointing,
-    )
-    compute = flops / (t * hw.peak_tflops * 1e12 * hw.efficiency)
-    tp_bw = hw.inter_node_gbps if place.tp_crosses_node() else hw.intra_node_gbps
-    tp_bytes = timing.tp_bytes_per_micro_batch(
-        layers=layers,
-        tp=t,
-        seq_len=s,
-        micro_batch=b,
-        hidden=shape.hidden_size,
-        width=width,
-        checkpointing=setup.activation_checkpointing,
-    )
-    message = s * b * shape.hidden_size * width
-    p2p_time, p2p_bytes = 0.0, 0.0
-    for boundary in ([stage] if not last else []) + ([stage - 1] if stage > 0 else []):
-        bw = hw.inter_node_gbps if place.boundary_crosses_node(boundary) else hw.intra_node_gbps
-        p2p_time += message / (bw * GB)
-        p2p_bytes += message
-    grad_width = 4 if setup.fp32_grad_accum else width
-    dp_bytes = timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * per_device * grad_width
-    dp_bw = hw.inter_node_gbps if place.dp_crosses_node(stage) else hw.intra_node_gbps
+    micro_batch_time, time_s, comm_bytes = _stage_time(shape, setup, hw, stage, layers, per_device)
     return StageEstimate(
         stage=stage,
         layers=layers,
@@ -219,15 +188,54 @@ def _stage(
         model_states_gb=states.total / GB,
         activations_gb=acts / GB,
         total_gb=(states.total + acts) / GB,
-        micro_batch_time_s=compute + tp_bytes / (tp_bw * GB) + p2p_time,
-        time_s={
-            "compute": compute * m,
-            "tp": tp_bytes / (tp_bw * GB) * m,
-            "pp": p2p_time * m,
-            "dp": dp_bytes / (dp_bw * GB),
-        },
-        comm_bytes={"tp": tp_bytes * m, "pp": p2p_bytes * m, "dp": dp_bytes},
+        micro_batch_time_s=micro_batch_time,
+        time_s=time_s,
+        comm_bytes=comm_bytes,
     )
+
+
+def _stage_time(
+    shape: ModelShape, setup: Setup, hw: Hardware, stage: int, layers: int, per_device: float
+) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(seconds per micro-batch, seconds per step by kind, bytes sent per step by group type)."""
+    s, b, t, m = setup.seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
+    width = memory.dtype_bytes(setup.dtype)
+    place = timing.Placement(setup.dp, t, setup.pp, hw.gpus_per_node)
+    last = stage == setup.pp - 1
+
+    def link(crosses: bool) -> float:
+        return (hw.inter_node_gbps if crosses else hw.intra_node_gbps) * GB
+
+    flops = timing.stage_flops_per_micro_batch(
+        layer_flop_params=shape.layer_flop_params,
+        layers=layers,
+        head_params=shape.head if last else 0,
+        attention_width=shape.attention_width,
+        seq_len=s,
+        micro_batch=b,
+        checkpointing=setup.activation_checkpointing,
+    )
+    compute = flops / (t * hw.peak_tflops * 1e12 * hw.efficiency)
+    tp_bytes = timing.tp_bytes_per_micro_batch(
+        layers=layers,
+        tp=t,
+        seq_len=s,
+        micro_batch=b,
+        hidden=shape.hidden_size,
+        width=width,
+        checkpointing=setup.activation_checkpointing,
+    )
+    tp_time = tp_bytes / link(place.tp_crosses_node())
+    # p2p: activations to the next stage, gradients back to the previous one, b*s*h each
+    message = s * b * shape.hidden_size * width
+    boundaries = ([stage] if not last else []) + ([stage - 1] if stage > 0 else [])
+    p2p_time = sum(message / link(place.boundary_crosses_node(k)) for k in boundaries)
+    grad_width = 4 if setup.fp32_grad_accum else width
+    dp_bytes = timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * per_device * grad_width
+    dp_time = dp_bytes / link(place.dp_crosses_node(stage))
+    times = {"compute": compute * m, "tp": tp_time * m, "pp": p2p_time * m, "dp": dp_time}
+    sent = {"tp": tp_bytes * m, "pp": message * len(boundaries) * m, "dp": dp_bytes}
+    return compute + tp_time + p2p_time, times, sent
 
 
 def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) -> Estimate:

@@ -31,9 +31,11 @@ al. 2021), so stage 0 holds the most.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from dsx3d.errors import UserError
 from dsx3d.estimate.model import ModelShape, ParamCount
+from dsx3d.partition import balanced_bounds
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ADAM_K_MIXED = 12  # fp32 master weights + momentum + variance
@@ -90,26 +92,21 @@ def split_layers(num_layers: int, pp: int) -> list[int]:
 
 
 def balanced_layers(num_layers: int, pp: int, layer_cost: float, head_cost: float) -> list[int]:
-    """Decoder layers per stage minimising the most loaded stage when the last stage also runs the head
-    (cost = forward FLOPs per token; the embedding lookup costs nothing). The last stage takes k layers,
-    the others split the rest evenly (`split_layers`); k is the one with the smallest maximum, the largest
-    such k on ties (stage 0 already holds the most in-flight activations). Every stage keeps >= 1 layer."""
+    """Decoder layers per stage as dsx3d's pipeline splits them by default (`dsx3d.models.pipeline`): the
+    contiguous split of [embedding, L decoder layers, final norm, head] that minimises the most loaded stage
+    (`dsx3d.partition.balanced_bounds`, cost = forward FLOPs per token; embedding and norm cost nothing).
+    The last stage may keep no decoder layer when the head alone outweighs a stage's share."""
     _check_stages(num_layers, pp)
-    if pp == 1:
-        return [num_layers]
-    best_k, best_cost = num_layers - pp + 1, float("inf")
-    for k in range(num_layers - pp + 1, 0, -1):
-        rest = num_layers - k
-        cost = max(-(-rest // (pp - 1)) * layer_cost, k * layer_cost + head_cost)
-        if cost < best_cost:
-            best_k, best_cost = k, cost
-    return _spread(num_layers - best_k, pp - 1) + [best_k]
+    return list(_balanced_layers(num_layers, pp, float(layer_cost), float(head_cost)))
 
 
-def _spread(layers: int, stages: int) -> list[int]:
-    """Even split with the extra layers on the later stages (stage 0 holds the most activations)."""
-    base, extra = divmod(layers, stages)
-    return [base + (1 if i >= stages - extra else 0) for i in range(stages)]
+@lru_cache(maxsize=512)
+def _balanced_layers(num_layers: int, pp: int, layer_cost: float, head_cost: float) -> tuple[int, ...]:
+    bounds = balanced_bounds([0.0, *([layer_cost] * num_layers), 0.0, head_cost], pp)
+    # items 1..num_layers are the decoder layers
+    return tuple(
+        max(0, min(stop, num_layers + 1) - max(start, 1)) for start, stop in zip(bounds[:-1], bounds[1:])
+    )
 
 
 def _check_stages(num_layers: int, pp: int) -> None:

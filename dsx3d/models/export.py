@@ -16,7 +16,7 @@ def local_hf_shards(module: nn.Module, tp_rank: int) -> dict[str, Shard]:
     for p in module.parameters():
         name = getattr(p, "hf_name", None)
         if name is not None and name not in out:
-            dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
             out[name] = (p.detach().float().clone(), dim, tp_rank)
     return out
 

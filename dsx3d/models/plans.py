@@ -26,7 +26,7 @@ SUPPORTED_TP_STYLES = {
 @dataclass(frozen=True)
 class FamilyPlan:
     model_type: str
-    lm_class: type
+    lm_class: Any
     base_prefix: str
     """Attribute of the CausalLM that holds the base model ("model", "gpt_neox", ...)."""
     embed_name: str
@@ -52,7 +52,7 @@ class FamilyPlan:
 EXTRA_PLANS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
 
 
-def _lm_class(config: PretrainedConfig) -> type:
+def _lm_class(config: PretrainedConfig) -> Any:
     mapping = AutoModelForCausalLM._model_mapping  # type: ignore[attr-defined]
     try:
         return mapping[type(config)]

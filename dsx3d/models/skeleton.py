@@ -44,6 +44,16 @@ class _Recorder(nn.Module):
         return args[0] if args else kwargs["hidden_states"]
 
 
+class _StubOutput(BaseModelOutputWithPast):
+    """The base model's output as the head sees it: the hidden states, and None for anything else the
+    family's CausalLM forward may read (router logits of MoE families, ...)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _HiddenStub(nn.Module):
     """Replaces the base model inside the CausalLM: returns the hidden states the head stage received."""
 
@@ -53,7 +63,7 @@ class _HiddenStub(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
         assert self.hidden is not None
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        return _StubOutput(last_hidden_state=self.hidden)
 
 
 def hidden_of(call: LayerCall) -> torch.Tensor:
@@ -86,6 +96,7 @@ class Skeleton:
         self._stub = _HiddenStub()
         setattr(self.lm, plan.base_prefix, self._stub)
         self._cache_key: tuple[torch.Tensor, torch.dtype] | None = None
+        self._cached_calls: dict[int, LayerCall] = {}
 
     @property
     def num_layers(self) -> int:

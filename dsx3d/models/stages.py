@@ -13,10 +13,16 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from dsx3d.dist.tp_ops import all_reduce_grad_hook, vocab_parallel_cross_entropy
-from dsx3d.models.plans import FamilyPlan
+from dsx3d.models.plans import SUPPORTED_TP_STYLES, FamilyPlan
 from dsx3d.models.skeleton import Skeleton, with_hidden
 from dsx3d.models.tp_context import TPContext
-from dsx3d.models.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from dsx3d.models.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    mark_sharded,
+)
 from dsx3d.models.weights import WeightSource, materialize
 
 
@@ -41,16 +47,22 @@ class StageBuilder:
         """Apply the family's TP plan to `module` (named `rel_name` relative to the base model), in place."""
         if self.tp.size == 1:
             return
+        replicated: list[str] = []  # subtrees kept whole on every TP rank (see SUPPORTED_TP_STYLES)
         for sub_name, sub in list(module.named_modules()):
+            if any(sub_name.startswith(r + ".") for r in replicated):
+                continue
             full = f"{rel_name}.{sub_name}" if sub_name else rel_name
             style = self.plan.tp_style(full)
             if style is None:
                 continue
-            if style == "replicated_with_grad_allreduce":
-                for p in sub.parameters():
-                    p.register_hook(all_reduce_grad_hook(self.tp.group))
+            if style not in SUPPORTED_TP_STYLES or not isinstance(sub, nn.Linear) and style != "replicated_with_grad_allreduce":
+                # MoE experts, packed or MLA projections: their input is the full residual stream, so a
+                # whole copy per TP rank computes the same output and gets the same full gradient.
+                replicated.append(sub_name)
                 continue
-            assert isinstance(sub, nn.Linear), f"{full}: TP style {style} needs nn.Linear, got {type(sub).__name__}"
+            if style == "replicated_with_grad_allreduce":
+                sub._dsx3d_grad_allreduce = True  # hooked once its real parameters exist (_hook_replicated)
+                continue
             if style in ("colwise", "colwise_gather_output"):
                 new: nn.Module = ColumnParallelLinear(sub, self.tp, gather_output=style == "colwise_gather_output")
             else:
@@ -58,19 +70,25 @@ class StageBuilder:
             parent_name, _, attr = sub_name.rpartition(".")
             setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
 
-    def own(self, rel_name: str) -> nn.Module:
-        """Take a base-model submodule, shard it, and read its weights."""
-        module = self.skeleton.submodule(rel_name)
+    def _hook_replicated(self, module: nn.Module) -> None:
+        """Full-weight params used on sharded heads (q/k norms) get partial grads: sum them over TP."""
+        for sub in module.modules():
+            if getattr(sub, "_dsx3d_grad_allreduce", False):
+                for p in sub.parameters():
+                    p.register_hook(all_reduce_grad_hook(self.tp.group))
+
+    def _own(self, module: nn.Module, rel_name: str) -> nn.Module:
         self._shard(module, rel_name)
         materialize(module, f"{self.base_prefix}{rel_name}.", self.source, self.tp.rank)
+        self._hook_replicated(module)
         return module
 
+    def own(self, rel_name: str) -> nn.Module:
+        """Take a base-model submodule, shard it, and read its weights."""
+        return self._own(self.skeleton.submodule(rel_name), rel_name)
+
     def own_layer(self, index: int) -> nn.Module:
-        layer = self.skeleton.layers[index]
-        rel = f"{self.plan.layers_name}.{index}"
-        self._shard(layer, rel)
-        materialize(layer, f"{self.base_prefix}{rel}.", self.source, self.tp.rank)
-        return layer
+        return self._own(self.skeleton.layers[index], f"{self.plan.layers_name}.{index}")
 
     def own_embedding(self) -> nn.Module:
         embedding = self.skeleton.submodule(self.plan.embed_name)
@@ -88,23 +106,24 @@ class StageBuilder:
                 owned.append(self.own(name))
         return owned
 
-    def install_head(self, weight: nn.Parameter) -> VocabParallelHead:
-        head = VocabParallelHead(weight, self.tp, self.vocab_start)
+    def install_head(self, weight: nn.Parameter, bias: nn.Parameter | None = None) -> VocabParallelHead:
+        head = VocabParallelHead(weight, self.tp, self.vocab_start, bias)
         setattr(self.skeleton.lm, self.plan.head_name, head)
         return head
 
-    def head_weight(self) -> nn.Parameter:
-        """The untied LM head's shard (vocab rows), read from `lm_head.weight`."""
-        meta = getattr(self.skeleton.lm, self.plan.head_name).weight
+    def head_params(self) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """The untied LM head's vocab-row shard (and its bias, if the family has one)."""
+        meta = getattr(self.skeleton.lm, self.plan.head_name)
         rows = self.padded_vocab // self.tp.size
         holder = nn.Module()
-        holder.weight = nn.Parameter(torch.empty(rows, meta.shape[1], dtype=meta.dtype, device="meta"))
+        holder.register_parameter("weight", nn.Parameter(torch.empty(rows, meta.weight.shape[1], device="meta")))
+        if getattr(meta, "bias", None) is not None:
+            holder.register_parameter("bias", nn.Parameter(torch.empty(rows, device="meta")))
         if self.tp.size > 1:
-            holder.weight.tensor_model_parallel = True  # type: ignore[attr-defined]
-            holder.weight.partition_dim = 0  # type: ignore[attr-defined]
-            holder.weight.partition_stride = 1  # type: ignore[attr-defined]
+            for p in holder.parameters():
+                mark_sharded(p, 0)
         materialize(holder, f"{self.plan.head_name}.", self.source, self.tp.rank)
-        return holder.weight
+        return holder._parameters["weight"], holder._parameters.get("bias")  # type: ignore[return-value]
 
     # -- running -------------------------------------------------------------------------------------------
 
@@ -168,7 +187,7 @@ class HeadStage(nn.Module):
     def __init__(self, builder: StageBuilder):
         super().__init__()
         self.builder = [builder]
-        self.lm_head = builder.install_head(builder.head_weight())
+        self.lm_head = builder.install_head(*builder.head_params())
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         hidden, input_ids = inputs
@@ -185,7 +204,7 @@ class TiedEmbeddingStage(nn.Module):
         self.embed = builder.own_embedding()
         self.extras = nn.ModuleList(builder.own_prologue_extras() if on_first_stage else [])
         if on_last_stage:
-            builder.install_head(self.embed.weight)
+            builder.install_head(self.embed.weight)  # type: ignore[arg-type]
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.builder[0].skeleton.embed(input_ids), input_ids

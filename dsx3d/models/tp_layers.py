@@ -99,10 +99,11 @@ class VocabParallelHead(nn.Module):
     """logits_local = f(h) @ W_local^T: (b, s, h) @ (h, V/t) -> (b, s, V/t), never gathered; the loss is
     computed on the shards (`vocab_parallel_cross_entropy`). `weight` may be the tied embedding shard."""
 
-    def __init__(self, weight: nn.Parameter, tp: TPContext, vocab_start: int):
+    def __init__(self, weight: nn.Parameter, tp: TPContext, vocab_start: int, bias: nn.Parameter | None = None):
         super().__init__()
         self.weight = weight
+        self.bias = bias
         self.tp, self.vocab_start = tp, vocab_start
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(hidden, self.tp.group), self.weight)
+        return F.linear(copy_to_tp(hidden, self.tp.group), self.weight, self.bias)

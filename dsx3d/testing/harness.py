@@ -24,7 +24,11 @@ _ECHO_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broke
 
 
 class RankFailure(RuntimeError):
-    pass
+    """Some ranks failed; `root_rank` and `root_error` (last traceback line) name the root cause."""
+
+    def __init__(self, message: str, root_rank: int | None, root_error: str):
+        super().__init__(message)
+        self.root_rank, self.root_error = root_rank, root_error
 
 
 def warm_up() -> None:
@@ -83,7 +87,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         lines = [f"ranks failed: {sorted(errors)}; hung: {hung}; exit codes: {[p.exitcode for p in procs]}"]
         for r in roots[:1] + [r for r in errors if r not in roots[:1]][:1]:
             lines.append(f"--- rank {r}{' (root cause)' if r in roots[:1] else ''} ---\n{errors[r]}")
-        raise RankFailure("\n".join(lines))
+        root = roots[0] if roots else None
+        last = errors[root].strip().splitlines()[-1] if root is not None else f"ranks hung: {hung}"
+        raise RankFailure("\n".join(lines), root, last)
     results = [pickle.loads((out / f"result-{r}.pkl").read_bytes()) for r in range(world_size)]
     if own_dir:
         for f in out.iterdir():

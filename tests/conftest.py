@@ -1,0 +1,22 @@
+"""Shared test set-up: one intra-op thread, quiet libraries, and a warmed-up parent for forked ranks."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def warm() -> None:
+    """Import and touch what forked ranks need, once, so each multi-rank test starts in milliseconds."""
+    from dsx3d.testing.harness import warm_up
+
+    warm_up()
