@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from dsx3d.recipe import Recipe, recipe_from_dict
+
 LOSS_TOL_FP32 = 1e-5
 PARAM_TOL_FP32 = 1e-5
 
@@ -108,14 +110,13 @@ def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tenso
     return losses, norms
 
 
-def ds_config(case: ParityCase) -> dict[str, Any]:
-    """The DeepSpeed config the parity run uses, generated the same way as for a recipe."""
-    from dsx3d.ds_config import build_ds_config
-    from dsx3d.recipe import recipe_from_dict
-
-    recipe = recipe_from_dict(
+def case_recipe(case: ParityCase) -> Recipe:
+    """The recipe that runs `case` through the same engine builder as `dsx3d train`."""
+    model_cfg = {k: v for k, v in case.config.to_diff_dict().items() if not k.startswith("_")}
+    model_cfg["model_type"] = case.config.model_type
+    return recipe_from_dict(
         {
-            "model": {"config": {"model_type": case.config.model_type}},
+            "model": {"config": model_cfg},
             "parallel": {"dp": case.dp, "tp": case.tp, "pp": case.pp, "stage_layers": case.stage_layers},
             "cluster": {"nodes": 1, "gpus_per_node": case.world_size},
             "train": {
@@ -136,40 +137,27 @@ def ds_config(case: ParityCase) -> dict[str, Any]:
             "zero": {"stage": 1},
         }
     )
-    return build_ds_config(recipe)
 
 
 def _rank_worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], batches: torch.Tensor) -> dict[str, Any]:
-    import deepspeed
-
-    from dsx3d.layout import Layout
-    from dsx3d.models.export import local_hf_shards
-    from dsx3d.models.pipeline import build_pipeline
+    from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    layout = Layout(dp=case.dp, tp=case.tp, pp=case.pp, gpus_per_node=case.world_size)
-    place = layout.placement(rank)
-    module = build_pipeline(
-        case.config, layout, StateDictSource(state), seq_len=case.seq_len,
-        stage_layers=case.stage_layers, activation_checkpointing=case.activation_checkpointing,
-    )
-    engine, *_ = deepspeed.initialize(
-        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config(case)
-    )
+    run = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
     losses, norms = [], []
     for batch in batches:
-        micro = iter([(ids, ids) for ids in (micro_batch(case, batch, k, place.dp) for k in range(case.micro_batches))])
-        loss = engine.train_batch(data_iter=micro)
-        losses.append(float(loss))
-        norms.append(float(engine.get_global_grad_norm()))
-    return {"losses": losses, "norms": norms, "shards": local_hf_shards(module, place.tp)}
+        micro = iter([(ids, ids) for ids in (micro_batch(case, batch, k, run.placement.dp) for k in range(case.micro_batches))])
+        losses.append(run.train_step(micro))
+        norms.append(run.grad_norm)
+    return {"losses": losses, "norms": norms, "shards": run.hf_shards()}
 
 
-def run_parity(case: ParityCase, timeout_s: float = 300.0) -> ParityResult:
+def run_parity(case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0) -> ParityResult:
+    """Train `model` (default: a fresh HF model of case.config, seeded) both ways and compare."""
     from dsx3d.models.export import merge_shards
     from dsx3d.testing.harness import run_ranks
 
-    model = build_reference(case)
+    model = build_reference(case) if model is None else model.float()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     batches = make_batches(case)
     t0 = time.perf_counter()

@@ -48,6 +48,7 @@ def warm_up() -> None:
 
 def _child(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], args: tuple) -> None:
     torch.set_num_threads(1)
+    os.dup2(2, 1)  # libraries print to stdout; a rank's stdout must not mix into the parent's (--json)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     out = Path(workdir)
     try:
