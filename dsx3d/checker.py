@@ -15,6 +15,7 @@ from typing import Any
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import load_hf_config, model_dim
 from dsx3d.layout import bubble_fraction
+from dsx3d.models.plans import resolve_family  # noqa: E402
 from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -263,6 +264,29 @@ def _fp16(c: _Context) -> Iterator[Problem]:
         )
 
 
+def _family_supported(c: _Context) -> Iterator[Problem]:
+    """Families without plans, or refused after the parity sweep (dsx3d.families.REFUSED), stop here,
+    before any process starts, instead of failing inside the engine."""
+    if c.hf_config is None:
+        return
+    from dsx3d.families import refusal
+
+    reason = refusal(c.hf_config.model_type, c.tp)
+    if reason is not None:
+        yield Problem(
+            "model.config.model_type",
+            c.hf_config.model_type,
+            f"dsx3d does not support this family ({reason})",
+            "pick a supported family (README: supported families)"
+            + (" or parallel.tp: 1" if c.tp > 1 else ""),
+        )
+        return
+    try:
+        resolve_family(c.hf_config)
+    except UserError as err:
+        yield from err.problems
+
+
 RULES: list[Rule] = [
     _world_size_matches,
     _zero_with_pipeline,
@@ -276,6 +300,7 @@ RULES: list[Rule] = [
     _grad_accum_dtype,
     _contradicting_overrides,
     _fp16,
+    _family_supported,
 ]
 
 

@@ -25,6 +25,12 @@ TINY_DIMS: dict[str, Any] = {
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
     "sliding_window": 8,
+    # multi-head latent attention (DeepSeek-style): head_dim = qk_nope_head_dim + qk_rope_head_dim
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
     "attention_dropout": 0.0,
     "hidden_dropout": 0.0,
 }
@@ -68,3 +74,16 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
                 raise
             kwargs.pop(culprit)
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+# Families refused after the parity sweep, with the reason (tests/test_families.py keeps this honest):
+# key -> (reason, refused only when tp > 1).
+REFUSED: dict[str, tuple[str, bool]] = {}
+
+
+def refusal(model_type: str, tp: int) -> str | None:
+    """Why dsx3d refuses `model_type` at this tp, or None when it is supported."""
+    entry = REFUSED.get(model_type)
+    if entry is None or (entry[1] and tp == 1):
+        return None
+    return entry[0]

@@ -33,6 +33,7 @@ class ParityCase:
     seq_len: int = 16
     lr: float = 1e-3
     weight_decay: float = 0.01
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     dtype: str = "fp32"
     seed: int = 0
@@ -90,7 +91,7 @@ def build_reference(case: ParityCase) -> torch.nn.Module:
 
 def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tensor) -> tuple[list[float], list[float]]:
     """Plain HF on one process: mean loss over the global batch, AdamW, global-norm clipping."""
-    opt = torch.optim.AdamW(model.parameters(), lr=case.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=case.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=case.lr, betas=(0.9, 0.95), eps=case.adam_eps, weight_decay=case.weight_decay)
     n_micro = case.micro_batches * case.dp
     losses, norms = [], []
     model.train()
@@ -128,7 +129,7 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "lr_schedule": "constant",
                 "weight_decay": case.weight_decay,
                 "betas": [0.9, 0.95],
-                "eps": 1e-8,
+                "eps": case.adam_eps,
                 "grad_clip": case.grad_clip,
                 "seed": case.seed,
                 "dtype": case.dtype,

@@ -17,6 +17,7 @@ COMMANDS = [
     "cmd_plan",
     "cmd_check",
     "cmd_config",
+    "cmd_verify",
     "cmd_estimate",
 ]
 
