@@ -1,3 +1,14 @@
 """dsx3d: 3D parallelism (data x tensor x pipeline) for Hugging Face causal LMs on DeepSpeed."""
 
+from typing import Any
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # `dsx3d.Trainer` imports transformers' Trainer and DeepSpeed: only when asked for, so `import dsx3d` stays light
+    if name == "Trainer":
+        from dsx3d.integrations.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'dsx3d' has no attribute {name!r}")

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +67,7 @@ def default_weight_source(recipe: Recipe, hf_config: PretrainedConfig) -> Weight
     if recipe.model.name_or_path is not None:
         from dsx3d.checkpoint.source import checkpoint_source
 
-        return checkpoint_source(recipe.model.name_or_path)
+        return checkpoint_source(recipe.model.name_or_path, hf_config, trust_remote_code=recipe.model.trust_remote_code)
     from dsx3d.models.init_source import InitSource
 
     return InitSource(hf_config, recipe.train.seed)
@@ -79,9 +79,12 @@ def build_engine(
     hf_config: PretrainedConfig | None = None,
     source: WeightSource | None = None,
     ds_overrides: dict[str, Any] | None = None,
+    param_groups: Callable[[StagedPipelineModule], list[dict[str, Any]]] | None = None,
 ) -> Engine3D:
     """Build this rank's stage and its DeepSpeed engine. The process group must exist
-    (dsx3d.dist.comm.init_distributed); the world size is the group's."""
+    (dsx3d.dist.comm.init_distributed); the world size is the group's. `param_groups` splits the stage's
+    parameters into optimizer groups (the Trainer drop-in exempts biases and norms from weight decay, as HF
+    does); by default every trainable parameter is in one group."""
     world = comm.get_world_size()
     hf_config = hf_config if hf_config is not None else load_hf_config(recipe.model)
     raise_for_errors(check_recipe(recipe, world_size=world, hf_config=hf_config))
@@ -103,8 +106,7 @@ def build_engine(
     )
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(
-        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config
-    )
+    params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
     placement = layout.placement(comm.get_rank())
     return Engine3D(engine, module, layout, placement, hf_config, ds_config)

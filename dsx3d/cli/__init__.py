@@ -19,6 +19,8 @@ COMMANDS = [
     "cmd_config",
     "cmd_verify",
     "cmd_estimate",
+    "cmd_train",
+    "cmd_export",
 ]
 
 

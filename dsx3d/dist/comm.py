@@ -89,6 +89,44 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return box[0]
 
 
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order (small picklable objects: metadata, not tensors)."""
+    if not is_initialized():
+        return [obj]
+    out: list[object] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_to(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> list[torch.Tensor] | None:
+    """`tensor` from every rank of `group`, in group-rank order, on global rank `dst`; None elsewhere.
+    Every rank sends a tensor of the same shape and dtype."""
+    if not is_initialized():
+        return [tensor]
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None
+    dist.gather(tensor, parts, dst=dst, group=group)
+    return parts
+
+
 def destroy() -> None:
     if is_initialized():
         dist.destroy_process_group()
+
+
+def get_backend() -> str:
+    """The process group's backend ("gloo", "nccl", ...); call after init_distributed."""
+    return str(dist.get_backend())
+
+
+def init_single_process(workdir: str, timeout_s: float = 600.0) -> None:
+    """A one-rank process group over a file store in `workdir`, for a script run without a launcher."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    init_distributed(init_method=f"file://{workdir}/store", rank=0, world_size=1, timeout_s=timeout_s)
+
+
+def skip_cpu_shm_build() -> None:
+    """Public form of `_skip_cpu_shm_build`, for code paths where accelerate (not dsx3d) calls
+    deepspeed.init_distributed, e.g. `TrainingArguments` under `accelerate launch`."""
+    _skip_cpu_shm_build()

@@ -224,17 +224,28 @@ def _stage_time(
         hidden=shape.hidden_size,
         width=width,
         checkpointing=setup.activation_checkpointing,
+        forward_allreduces=shape.tp_forward_allreduces,
+        backward_allreduces=shape.tp_backward_allreduces,
+        grad_allreduce_params=shape.tp_grad_allreduce_params,
     )
+    if shape.hidden_size:
+        tp_bytes += timing.tp_edge_bytes_per_micro_batch(
+            first=stage == 0, last=last, tp=t, seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width
+        )
     tp_time = tp_bytes / link(place.tp_crosses_node())
-    # p2p: activations to the next stage, gradients back to the previous one, b*s*h each
-    message = s * b * shape.hidden_size * width
-    boundaries = ([stage] if not last else []) + ([stage - 1] if stage > 0 else [])
-    p2p_time = sum(message / link(place.boundary_crosses_node(k)) for k in boundaries)
+    # p2p: activations (and token ids) to the next stage, gradients back to the previous one
+    forward_msg, backward_msg = timing.p2p_bytes_per_micro_batch(
+        seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width
+    )
+    if shape.hidden_size == 0:
+        forward_msg = backward_msg = 0
+    sends = ([(forward_msg, stage)] if not last else []) + ([(backward_msg, stage - 1)] if stage > 0 else [])
+    p2p_time = sum(msg / link(place.boundary_crosses_node(k)) for msg, k in sends)
     grad_width = 4 if setup.fp32_grad_accum else width
     dp_bytes = timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * per_device * grad_width
     dp_time = dp_bytes / link(place.dp_crosses_node(stage))
     times = {"compute": compute * m, "tp": tp_time * m, "pp": p2p_time * m, "dp": dp_time}
-    sent = {"tp": tp_bytes * m, "pp": message * len(boundaries) * m, "dp": dp_bytes}
+    sent = {"tp": tp_bytes * m, "pp": sum(msg for msg, _ in sends) * m, "dp": dp_bytes}
     return compute + tp_time + p2p_time, times, sent
 
 

@@ -76,6 +76,13 @@ class ModelShape:
     vocab_size: int = 0
     tie_word_embeddings: bool = False
     model_type: str = "unknown"
+    tp_forward_allreduces: int = 2
+    """All-reduces of b*s*h a decoder layer issues forward at tp > 1: one per row-parallel linear."""
+    tp_backward_allreduces: int = 5
+    """... and backward: one per column-parallel linear (dsx3d shards each HF projection on its own, so a
+    Llama layer has 5: q, k, v, gate, up). Defaults are a Llama layer's; HF configs count their TP plan."""
+    tp_grad_allreduce_params: int = 0
+    """Parameters per layer kept whole on every TP rank whose gradients are summed over TP (q/k norms)."""
 
     @property
     def total_params(self) -> int:
@@ -150,6 +157,24 @@ def _layer_params(
     return ParamCount(sharded, replicated)
 
 
+def tp_plan_allreduces(config: Any, experts: int, head_dim: int) -> tuple[int, int, int]:
+    """(forward, backward all-reduces, grad-all-reduced parameters) per decoder layer, from the family's
+    `base_model_tp_plan` as dsx3d applies it (`dsx3d.models.stages.StageBuilder._shard`): rowwise styles
+    reduce their output forward, colwise styles their input gradient backward, `replicated_with_grad_allreduce`
+    modules (q/k norms over head_dim) their weight gradient. MoE experts stay whole on every TP rank, so in
+    MoE families only the attention projections count. Families without a plan get the Llama defaults."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    layer_plan = {k: v for k, v in plan.items() if k.startswith("layers.*.") and "experts" not in k}
+    if experts > 1:
+        layer_plan = {k: v for k, v in layer_plan.items() if ".mlp." not in k}
+    if not layer_plan:
+        return 2, 5, 0
+    forward = sum(1 for v in layer_plan.values() if v in ("rowwise", "rowwise_split_input"))
+    backward = sum(1 for v in layer_plan.values() if v in ("colwise", "colwise_gather_output"))
+    grads = sum(head_dim for v in layer_plan.values() if v == "replicated_with_grad_allreduce")
+    return forward, backward, grads
+
+
 def shape_from_hf_config(config: Any) -> ModelShape:
     """Count a decoder-only HF config (Llama-style attention and MLP, GQA, MoE as top-k of E equal
     experts). Multimodal configs use their text config."""
@@ -195,6 +220,7 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         bool(_get(config, "mlp_bias", default=False)),
     )
     per_expert = (3 if gated else 2) * h * ffn
+    tp_forward, tp_backward, tp_grads = tp_plan_allreduces(config, experts, d)
     return ModelShape(
         num_layers=layers,
         layer=layer,
@@ -209,4 +235,7 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         vocab_size=vocab,
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
         model_type=model_type,
+        tp_forward_allreduces=tp_forward,
+        tp_backward_allreduces=tp_backward,
+        tp_grad_allreduce_params=tp_grads,
     )

@@ -10,9 +10,16 @@ stages are balanced.
 
 Traffic (bytes one rank sends, ring collectives: an all-reduce over g ranks moves 2*(g-1)/g of the
 buffer, an all-gather or reduce-scatter (g-1)/g):
-  TP (Megatron-style, Shoeybi et al. 2019): 4 all-reduces of b*s*h per layer and micro-batch (2 forward,
-     2 backward), 6 with checkpointing (the recomputed forward); over the intra-node link.
-  PP: b*s*h activations forward and the same gradient backward per stage boundary and micro-batch.
+  TP (Megatron-style, Shoeybi et al. 2019): all-reduces of b*s*h per layer and micro-batch: one forward per
+     row-parallel linear, one backward per column-parallel linear, the forward ones again with checkpointing
+     (the recomputation). Megatron fuses q/k/v and gate/up behind one `f`, 2 + 2; dsx3d shards each HF
+     projection on its own, so a Llama layer issues 2 forward and 5 backward (q, k, v, gate, up), counted
+     from the family's TP plan (`ModelShape.tp_*_allreduces`, measured by scripts/bench_comm.py). Plus,
+     per micro-batch: the vocab-parallel embedding's forward all-reduce of b*s*h (first stage); the head's
+     input-gradient all-reduce of b*s*h and the vocab-parallel cross-entropy's three fp32 all-reduces of b*s
+     (last stage); gradients of parameters kept whole on every TP rank (q/k norms). Intra-node link.
+  PP: per micro-batch and stage boundary, the activations forward (b*s*h, plus the b*s int64 token ids that
+     travel with them so every stage rebuilds masks and rotary tables) and their gradient backward (b*s*h).
   DP, of the stage's per-device parameters P, with s' = (d-1)/d: ZeRO-0 all-reduces the gradients once per
      step, 2s'*P; ZeRO-1 3s'*P (DeepSpeed all-reduces the whole gradient at the accumulation boundary, then
      all-gathers the updated partition: measured 1.5x DDP); ZeRO-2 reduce-scatters in every micro-batch's
@@ -110,13 +117,45 @@ def model_flops_per_token(*, flop_params: int, num_layers: int, attention_width:
 
 
 def tp_bytes_per_micro_batch(
-    *, layers: int, tp: int, seq_len: int, micro_batch: int, hidden: int, width: int, checkpointing: bool
+    *,
+    layers: int,
+    tp: int,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    width: int,
+    checkpointing: bool,
+    forward_allreduces: int = 2,
+    backward_allreduces: int = 5,
+    grad_allreduce_params: int = 0,
 ) -> float:
-    """(4 or 6) all-reduces of b*s*h per layer, 2*(t-1)/t of each sent per rank."""
+    """Decoder layers: (forward x (2 with checkpointing, else 1) + backward) all-reduces of b*s*h, and the
+    gradients of `grad_allreduce_params` TP-replicated parameters per layer; 2*(t-1)/t of each sent."""
     if tp == 1:
         return 0.0
-    count = 6 if checkpointing else 4
-    return count * layers * ring_allreduce_factor(tp) * seq_len * micro_batch * hidden * width
+    count = forward_allreduces * (2 if checkpointing else 1) + backward_allreduces
+    per_layer = count * seq_len * micro_batch * hidden * width + grad_allreduce_params * width
+    return layers * ring_allreduce_factor(tp) * per_layer
+
+
+def tp_edge_bytes_per_micro_batch(
+    *, first: bool, last: bool, tp: int, seq_len: int, micro_batch: int, hidden: int, width: int
+) -> float:
+    """The vocab-parallel ends: the embedding's partial lookups all-reduced forward (first stage); the head's
+    input gradient all-reduced backward and the cross-entropy's max, sum of exponentials and target logit,
+    three fp32 all-reduces of b*s (last stage)."""
+    if tp == 1:
+        return 0.0
+    tokens = seq_len * micro_batch
+    buffer = (tokens * hidden * width if first else 0) + (tokens * hidden * width + 3 * tokens * 4 if last else 0)
+    return ring_allreduce_factor(tp) * buffer
+
+
+def p2p_bytes_per_micro_batch(*, seq_len: int, micro_batch: int, hidden: int, width: int) -> tuple[int, int]:
+    """(forward, backward) message bytes across one stage boundary: hidden states plus int64 token ids
+    forward, the hidden states' gradient backward."""
+    activations = seq_len * micro_batch * hidden * width
+    return activations + seq_len * micro_batch * 8, activations
 
 
 def bubble_fraction(pp: int, micro_batches: int) -> float:

@@ -48,8 +48,14 @@ class FamilyPlan:
         return set(self.tp_plan.values()) - SUPPORTED_TP_STYLES
 
 
-# Families whose configs declare no plans, given explicitly: model_type -> (pp plan keys, tp plan).
+# Families whose configs declare no plans, given explicitly: model_type -> (pp plan, tp plan).
 EXTRA_PLANS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+
+# Gaps in a family's own TP plan: parameters that see TP-sharded activations but are not declared.
+EXTRA_TP_STYLES: dict[str, dict[str, str]] = {
+    # xIELU activation with learned scalars, applied to the column-parallel MLP activations
+    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+}
 
 
 def _lm_class(config: PretrainedConfig) -> Any:
@@ -100,6 +106,6 @@ def resolve_family(config: PretrainedConfig) -> FamilyPlan:
         layers_name=layers,
         epilogue_names=tuple(n for n in names[names.index(layers) + 1 :] if pp_plan[n][0] == ["hidden_states"]),
         head_name=next(iter(head_plan)),
-        tp_plan=dict(tp_plan),
+        tp_plan={**tp_plan, **EXTRA_TP_STYLES.get(config.model_type, {})},
         tied=is_tied(config),
     )

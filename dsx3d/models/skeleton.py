@@ -84,7 +84,9 @@ class Skeleton:
     def __init__(self, config: PretrainedConfig, plan: FamilyPlan):
         self.config, self.plan = config, plan
         with init_empty_weights(include_buffers=False):
-            self.lm = plan.lm_class._from_config(config)
+            # fp32 whatever dtype a checkpoint's config.json names: DeepSpeed casts for bf16 runs, and an fp32
+            # run must not silently train bf16 parameters
+            self.lm = plan.lm_class._from_config(config, dtype=torch.float32)
         self.lm.eval()  # the skeleton never trains; owned modules follow the engine's train()/eval()
         self.base: nn.Module = getattr(self.lm, plan.base_prefix)
         layers: nn.ModuleList = getattr(self.base, plan.layers_name)

@@ -1,0 +1,271 @@
+"""`dsx3d export`: a DeepSpeed pipeline checkpoint -> a standard Hugging Face checkpoint, in one process.
+
+A tag directory holds one file per (pipeline item, TP rank), `layer_XX-model_YY-model_states.pt`, written by
+the dp-rank-0 ranks, plus the run's resolved recipe (dsx3d_recipe.yaml). Pipeline items are [embedding,
+decoder 0 .. L-1, final norm, head]; with tied embeddings the head is the embedding and has no file.
+
+The map from a file's keys to HF names and TP dims is not a second hand-written table: each item's stage
+module is built on the meta device exactly as training builds it (the same StageBuilder, at the
+checkpoint's tp), so its parameter names are the file's keys and each parameter's `hf_name` and
+`partition_dim` say where the shard goes: colwise -> dim 0, rowwise -> dim 1, embedding and head -> dim 0
+with the vocab padding trimmed. Every file is checked (keys, shapes) before anything is written; then one
+item at a time is loaded (torch.load(weights_only=True), memory-mapped), merged and streamed out.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from dsx3d.checkpoint.files import load_bin
+from dsx3d.checkpoint.names import expected_params, meta_model, to_hub_names
+from dsx3d.checkpoint.writer import (
+    DEFAULT_MAX_SHARD_SIZE,
+    Entry,
+    SafetensorsWriter,
+    copy_tokenizer_files,
+    parse_size,
+    plan_files,
+    publish,
+    staging_dir,
+    write_configs,
+    write_index,
+)
+from dsx3d.errors import Problem, UserError
+from dsx3d.hf_config import load_hf_config
+from dsx3d.models.plans import resolve_family
+from dsx3d.models.stages import (
+    DecoderStage,
+    EmbeddingStage,
+    EpilogueStage,
+    HeadStage,
+    StageBuilder,
+    TiedEmbeddingStage,
+)
+from dsx3d.models.tp_context import TPContext
+from dsx3d.recipe import Recipe, load_recipe
+
+log = logging.getLogger("dsx3d")
+
+RECIPE_FILE = "dsx3d_recipe.yaml"
+LATEST_FILE = "latest"
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+_FIX_CKPT = "export a complete checkpoint of this run (every layer_XX-model_YY file of the tag, unmodified)"
+
+
+@dataclass(frozen=True)
+class ItemParam:
+    key: str
+    """Key in the layer file (the stage module's parameter name: `layer.self_attn.q_proj.weight`)."""
+    hf_name: str
+    local_shape: tuple[int, ...]
+    dim: int | None
+    """TP dim the shards are concatenated along; None when every TP rank holds the whole tensor."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One pipeline item's layer file contents: its parameters, and the persistent buffers it may also hold."""
+
+    params: list[ItemParam]
+    buffers: frozenset[str]
+
+
+class _MetaSource:
+    """Shapes only: lets the stage builder build every item on the meta device."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        self.params = params
+
+    def has(self, name: str) -> bool:
+        return name in self.params
+
+    def load(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        t = torch.empty(self.params[name].shape, device="meta")
+        if dim is None:
+            return t
+        stop = t.shape[dim] if stop is None else min(stop, t.shape[dim])
+        start = min(start, stop)
+        return t.narrow(dim, start, stop - start)
+
+
+def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
+    """For each pipeline item, its parameters as its layer files store them (meta build, no memory)."""
+    plan = resolve_family(config)
+    params = expected_params(meta_model(config), config)
+    builder = StageBuilder(config, plan, TPContext(rank=0, size=tp), _MetaSource(params))
+    first: nn.Module = TiedEmbeddingStage(builder, True, False) if plan.tied else EmbeddingStage(builder)
+    modules = [first, *(DecoderStage(builder, i) for i in range(builder.skeleton.num_layers)), EpilogueStage(builder)]
+    if not plan.tied:
+        modules.append(HeadStage(builder))
+    items = []
+    for module in modules:
+        item: list[ItemParam] = []
+        seen: set[str] = set()
+        for key, p in module.named_parameters():
+            if p.hf_name in seen:  # type: ignore[attr-defined]
+                continue
+            seen.add(p.hf_name)  # type: ignore[attr-defined]
+            dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) and tp > 1 else None  # type: ignore[attr-defined]
+            item.append(ItemParam(key, p.hf_name, tuple(p.shape), dim))  # type: ignore[attr-defined]
+        buffers = frozenset(module.state_dict()) - {k for k, _ in module.named_parameters(remove_duplicate=False)}
+        items.append(Item(item, buffers))
+    return items
+
+
+def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
+    """A tag directory as is; a checkpoints directory through `tag` or its `latest` file."""
+    if not path.is_dir():
+        raise UserError.single("CHECKPOINT_DIR", str(path), "not a directory", "pass OUTPUT_DIR/checkpoints or one of its tag directories")
+    if tag is None and layer_files(path):
+        return path
+    if tag is None:
+        latest = path / LATEST_FILE
+        if not latest.is_file():
+            raise UserError.single(
+                "CHECKPOINT_DIR", str(path), "neither a tag directory (layer_XX-model_YY-model_states.pt) nor a checkpoints directory with a `latest` file",
+                "pass OUTPUT_DIR/checkpoints or one of its tag directories",
+            )
+        tag = latest.read_text().strip()
+    tag_dir = path / tag
+    if not layer_files(tag_dir):
+        raise UserError.single("CHECKPOINT_DIR", str(tag_dir), "no layer_XX-model_YY-model_states.pt files there", "pick a complete tag (see the `latest` file)")
+    return tag_dir
+
+
+def layer_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
+    """pipeline item -> TP rank -> file."""
+    out: dict[int, dict[int, Path]] = {}
+    if tag_dir.is_dir():
+        for p in tag_dir.iterdir():
+            m = _LAYER_FILE.match(p.name)
+            if m:
+                out.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
+    return out
+
+
+def run_config(tag_dir: Path) -> tuple[Recipe, PretrainedConfig]:
+    """The run's recipe (saved next to its checkpoint) and model config."""
+    recipe_path = next((d / RECIPE_FILE for d in (tag_dir, tag_dir.parent) if (d / RECIPE_FILE).is_file()), None)
+    if recipe_path is None:
+        raise UserError.single("CHECKPOINT_DIR", str(tag_dir), f"no {RECIPE_FILE} there: not a dsx3d checkpoint", "pass a tag directory written by `dsx3d train`")
+    recipe = load_recipe(recipe_path)
+    if (tag_dir / "config.json").is_file():
+        return recipe, AutoConfig.from_pretrained(str(tag_dir), trust_remote_code=recipe.model.trust_remote_code)
+    return recipe, load_hf_config(recipe.model)
+
+
+def check_files(files: dict[int, dict[int, Path]], items: list[Item], tp: int) -> tuple[list[Problem], torch.dtype | None]:
+    """Every problem with the layer files at once (missing, unreadable, wrong keys or shapes), and the dtype
+    they hold. Files are memory-mapped: only their pickled index is read."""
+    problems: list[Problem] = []
+    dtype: torch.dtype | None = None
+    ranks = sorted({t for per_tp in files.values() for t in per_tp})
+    if ranks != list(range(tp)):
+        problems.append(Problem("parallel.tp", tp, f"the recipe's tp does not match the files' TP ranks {ranks}", _FIX_CKPT))
+    for extra in sorted(set(files) - set(range(len(items)))):
+        problems.append(Problem(str(next(iter(files[extra].values()))), f"layer_{extra:02d}", f"the model has only {len(items)} pipeline items", _FIX_CKPT))
+    for i, item in enumerate(items):
+        for t in range(tp):
+            path = files.get(i, {}).get(t)
+            if path is None:
+                problems.append(Problem(f"layer_{i:02d}-model_{t:02d}-model_states.pt", "(file)", "missing from the checkpoint", _FIX_CKPT))
+                continue
+            try:
+                sd = load_bin(path)
+            except Exception as err:  # torch.load's errors for truncated zips and refused pickles vary
+                problems.append(Problem(str(path), "(file)", f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:160]})", _FIX_CKPT))
+                continue
+            keys = {p.key for p in item.params} | item.buffers
+            for p in item.params:
+                if p.key not in sd:
+                    problems.append(Problem(str(path), p.key, f"missing (the model's {p.hf_name})", _FIX_CKPT))
+                elif tuple(sd[p.key].shape) != p.local_shape:
+                    problems.append(Problem(str(path), p.key, f"shape {tuple(sd[p.key].shape)} does not match the expected {p.local_shape} (tp={tp})", _FIX_CKPT))
+                elif dtype is None:
+                    dtype = sd[p.key].dtype
+            for key in sorted(set(sd) - keys):
+                problems.append(Problem(str(path), key, "the model has no such parameter", _FIX_CKPT))
+    return problems, dtype
+
+
+def export_checkpoint(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tag: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    tokenizer: str | Path | None = None,
+) -> Path:
+    """Convert a dsx3d DeepSpeed checkpoint (a checkpoints directory or one of its tags) into a Hugging Face
+    checkpoint in `out_dir` (replaced atomically). `dtype` defaults to the dtype the checkpoint holds."""
+    tag_dir = resolve_tag_dir(Path(checkpoint_dir), tag)
+    recipe, config = run_config(tag_dir)
+    tp = recipe.parallel.tp
+    items = pipeline_items(config, tp)
+    files = layer_files(tag_dir)
+    problems, found_dtype = check_files(files, items, tp)
+    if problems:
+        raise UserError(problems)
+    dtype = dtype or found_dtype or torch.float32
+    model = meta_model(config)
+    full = {name: tuple(p.shape) for name, p in expected_params(model, config).items()}
+    groups = [
+        [Entry(n, tuple(t.shape), dtype) for n, t in to_hub_names(model, {p.hf_name: torch.empty(full[p.hf_name], dtype=dtype, device="meta") for p in item.params}).items()]
+        for item in items
+    ]
+    shard_files = plan_files([groups], parse_size(max_shard_size))
+    out = Path(out_dir).absolute()
+    staging = staging_dir(out)
+    try:
+        _write(shard_files, items, files, model, full, dtype, staging)
+        write_index(staging, shard_files)
+        write_configs(staging, config, dtype, type(model).__name__)
+        _copy_tokenizer(staging, tokenizer, tag_dir, recipe)
+        publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("exported %s (tp=%d, %d items) to %s (%s)", tag_dir, tp, len(items), out, dtype)
+    return out
+
+
+def _write(
+    shard_files: list[Any], items: list[Item], files: dict[int, dict[int, Path]], model: Any,
+    full: dict[str, tuple[int, ...]], dtype: torch.dtype, staging: Path,
+) -> None:
+    numbered = iter(enumerate(items))
+    for f in shard_files:
+        writer = SafetensorsWriter(staging / f.name, f.entries)
+        for _ in f.groups:
+            i, item = next(numbered)
+            shards = [load_bin(files[i][t]) for t in sorted(files[i])]
+            tensors = {}
+            for p in item.params:
+                if p.dim is None:
+                    t = shards[0][p.key]
+                else:  # concatenate in TP order, then drop the vocab padding
+                    t = torch.cat([sd[p.key] for sd in shards], dim=p.dim).narrow(p.dim, 0, full[p.hf_name][p.dim])
+                tensors[p.hf_name] = t.to(dtype)
+            for name, tensor in to_hub_names(model, tensors).items():
+                writer.write(name, tensor.to(dtype))
+            del shards, tensors
+        writer.close()
+
+
+def _copy_tokenizer(out: Path, explicit: str | Path | None, tag_dir: Path, recipe: Recipe) -> None:
+    """The tokenizer given, else one saved with the checkpoint, else the recipe's tokenizer or model
+    directory when local."""
+    candidates = [explicit, tag_dir, recipe.data.tokenizer, recipe.model.name_or_path]
+    for c in candidates:
+        if c is not None and Path(c).is_dir() and copy_tokenizer_files(Path(c), out):
+            return
+    log.info("no tokenizer files found to include in the export (pass --tokenizer DIR to add them)")

@@ -1,0 +1,88 @@
+"""A `WeightSource` over a local Hugging Face checkpoint: each rank reads only the slices it owns.
+
+The engine builds every stage on the meta device and asks its source for [start, stop) of each tensor along
+the tensor's TP dim (dsx3d.models.weights.materialize). Before any of that, `checkpoint_source` reads the
+index and every file header and checks the whole name set against the model, so a missing, truncated or
+mismatched checkpoint stops with one `UserError` that lists every problem, naming file and tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from dsx3d.checkpoint.files import CheckpointFiles
+from dsx3d.checkpoint.names import LoadPlan, meta_model, plan_load
+from dsx3d.errors import UserError
+
+log = logging.getLogger("dsx3d")
+
+
+class CheckpointSource:
+    """Slices of a verified checkpoint. Renamed tensors are read under their checkpoint names; fused ones
+    (MoE experts) are assembled whole by transformers' converter, then sliced."""
+
+    def __init__(self, files: CheckpointFiles, plan: LoadPlan, model: Any):
+        self.files, self.plan, self.model = files, plan, model
+        self._pending: dict[str, torch.Tensor] = {}  # other outputs of a fusion, until their turn comes
+
+    def has(self, name: str) -> bool:
+        return self.plan.provides(name)
+
+    def load(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if name in self.plan.direct:
+            return self.files.read(self.plan.direct[name], dim, start, stop)
+        tensor = self._fused(name)
+        if dim is None:
+            return tensor
+        stop = tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])
+        start = min(start, stop)
+        return tensor.narrow(dim, start, stop - start)
+
+    def _fused(self, name: str) -> torch.Tensor:
+        if name not in self._pending:
+            produced = self.plan.fused[name].convert(self.model, lambda key: self.files.read(key))
+            self._pending.update(produced)
+        return self._pending.pop(name)
+
+    def release(self) -> None:
+        """Drop what is still held (a memory-mapped .bin file, unclaimed fusion outputs)."""
+        self.files.release()
+        self._pending.clear()
+
+
+def resolve_checkpoint_dir(path: str) -> Path:
+    """A local directory as is; otherwise a hub id already in the local Hugging Face cache (no download)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=path, local_files_only=True))
+    except Exception:  # not a repo id, or not cached: both mean "nothing to read here"
+        raise UserError.single(
+            "model.name_or_path", path, "not a local directory, nor a hub id in the local Hugging Face cache",
+            "point it at a checkpoint directory written by save_pretrained (or download it first)",
+        ) from None
+
+
+def checkpoint_source(path: str, hf_config: PretrainedConfig | None = None, *, trust_remote_code: bool = False) -> CheckpointSource:
+    """Verify the checkpoint at `path` against the model of `hf_config` (default: its own config.json)
+    and return its source; raise `UserError` with every problem found. Reads headers only."""
+    root = resolve_checkpoint_dir(path)
+    if hf_config is None:
+        hf_config = AutoConfig.from_pretrained(str(root), trust_remote_code=trust_remote_code)
+    files = CheckpointFiles(root)
+    model = meta_model(hf_config)
+    plan = plan_load(files.tensors, model, hf_config, str(files.index_file or root), files.lost)
+    problems = files.problems + plan.problems
+    if problems:
+        raise UserError(problems)
+    if plan.ignored:
+        log.info("checkpoint %s: not loading %d tensors the model rebuilds itself (%s)", root, len(plan.ignored), ", ".join(plan.ignored[:3]))
+    return CheckpointSource(files, plan, model)

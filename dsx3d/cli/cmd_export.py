@@ -1,0 +1,48 @@
+"""`dsx3d export CHECKPOINT_DIR OUT_DIR`: a dsx3d DeepSpeed checkpoint -> a standard Hugging Face checkpoint.
+
+One process, one pipeline layer in memory at a time; any (dp, tp, pp) of the training run. The output loads
+with `AutoModelForCausalLM.from_pretrained` and trains again under any layout (model.name_or_path).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="convert a training checkpoint into a Hugging Face checkpoint (safetensors)",
+        description=(
+            "Merge the TP shards and pipeline layers of a dsx3d checkpoint into a Hugging Face checkpoint: "
+            "safetensors shards with model.safetensors.index.json, config.json, generation_config.json and "
+            "tokenizer files. Every layer file is checked before anything is written; OUT_DIR is replaced "
+            "atomically. Weights only: optimizer state stays in the DeepSpeed checkpoint."
+        ),
+    )
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="OUTPUT_DIR/checkpoints (its `latest` tag) or one tag directory")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face checkpoint (new, empty, or an earlier export)")
+    p.add_argument("--tag", help="tag to export from CHECKPOINT_DIR (default: the one named by its `latest` file)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written tensors (default: the checkpoint's)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)")
+    p.add_argument("--tokenizer", help="directory of tokenizer files to include (default: the checkpoint's, else the recipe's)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsx3d.checkpoint.offline import export_checkpoint
+
+    out = export_checkpoint(
+        args.checkpoint_dir,
+        args.out_dir,
+        tag=args.tag,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        max_shard_size=args.max_shard_size,
+        tokenizer=args.tokenizer,
+    )
+    print(out)  # on stdout, for scripts
+    return 0

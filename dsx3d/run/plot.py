@@ -1,0 +1,33 @@
+"""The loss curve of a run, drawn from metrics.jsonl (so it spans resumes) with matplotlib's Agg backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsx3d.run.metrics import read_metrics
+
+
+def plot_loss(metrics_path: Path, out_path: Path, title: str) -> Path | None:
+    """Write the curve to `out_path`; None when there is nothing to draw."""
+    records = read_metrics(metrics_path)
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in records], marker=".", label="loss at the logged step")
+    ax.plot(steps, [r["loss_avg"] for r in records], label="mean over the log interval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path

@@ -1,0 +1,240 @@
+"""One rank of a training job: `python -m dsx3d.train RECIPE [--resume | --overwrite]`.
+
+Started by `dsx3d train RECIPE` (which runs the deepspeed launcher), by `deepspeed --module dsx3d.train
+RECIPE` or by `torchrun -m dsx3d.train RECIPE`; the rank and world come from the environment the launcher
+sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). `train` is the run itself, callable on
+ranks that already share a process group (the fork harness of the tests does that). The pieces live in
+dsx3d/run/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsx3d.data import MicroBatchStream, build_train_data
+from dsx3d.dist import comm
+from dsx3d.engine import Engine3D, build_engine
+from dsx3d.errors import UserError
+from dsx3d.estimate.model import shape_from_hf_config
+from dsx3d.recipe import Recipe, dump_recipe, load_recipe
+from dsx3d.run.checkpointing import Checkpointer
+from dsx3d.run.data import check_vocab, prepare_once_per_node
+from dsx3d.run.metrics import Throughput
+from dsx3d.run.outputs import (
+    RunPaths,
+    check_start,
+    clear_previous_run,
+    export_hf_if_available,
+    save_run_files,
+)
+from dsx3d.run.plot import plot_loss
+from dsx3d.run.progress import Reporter
+from dsx3d.run.ranks import RankInfo, failure_message, is_peer_lost, record_placement
+
+log = logging.getLogger("dsx3d")
+
+DEFAULT_PG_TIMEOUT_S = 600.0
+
+
+@dataclass
+class TrainResult:
+    start_step: int
+    """The step the run resumed after (0 for a fresh run)."""
+    end_step: int
+    losses: list[float] = field(default_factory=list)
+    """The loss of every step this call trained, steps start_step+1 .. end_step."""
+
+
+def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, stop_at: int | None = None) -> TrainResult:
+    """Train `recipe` on the ranks of the current process group (a collective: every rank calls it).
+
+    `stop_at` ends the call after that step, with a checkpoint, as if the job had been preempted; the LR
+    schedule still spans train.steps.
+    """
+    info = RankInfo.from_env(comm.get_rank(), comm.get_world_size())
+    paths = RunPaths.of(recipe)
+    check_start(paths, resume=resume, overwrite=overwrite)
+    run = _quietly(build_engine, recipe)
+    stream, tokenizer = _rank_data(recipe, run, info)
+    ckpt = Checkpointer(run, paths.checkpoints, dump_recipe(recipe), recipe.train.keep_checkpoints)
+    start = _resume(ckpt, stream) if resume else 0
+    _save_beside_run(paths, recipe, run, tokenizer, info, fresh=start == 0)
+    end = min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps)
+    losses = _train_steps(recipe, run, stream, ckpt, paths, start, end, info)
+    if end == recipe.train.steps:
+        _finish(recipe, run, paths, tokenizer, info)
+    return TrainResult(start, end, losses)
+
+
+def _rank_data(recipe: Recipe, run: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, Any]:
+    prepare_once_per_node(recipe, info.local_rank)
+    stream, tokenizer = build_train_data(recipe, run.layout.dp, run.placement.dp)
+    check_vocab(tokenizer, run.hf_config)
+    return stream, tokenizer
+
+
+def _resume(ckpt: Checkpointer, stream: MicroBatchStream) -> int:
+    loaded = ckpt.load_latest()
+    if loaded is None:
+        log.info("--resume: no complete checkpoint in %s; starting from step 0", ckpt.dir)
+        return 0
+    tag, state = loaded
+    try:
+        stream.load_state_dict(state["data"])
+    except ValueError as err:
+        raise UserError.single("--resume", tag, str(err), "resume with the recipe the checkpoint was written with") from None
+    log.info("resumed from %s: step %d, optimizer, LR schedule, RNG and data position restored", ckpt.dir / tag, state["step"])
+    return int(state["step"])
+
+
+def _save_beside_run(paths: RunPaths, recipe: Recipe, run: Engine3D, tokenizer: Any, info: RankInfo, fresh: bool) -> None:
+    rows = record_placement(info, run.layout)  # a collective
+    if info.rank == 0:
+        if fresh:
+            clear_previous_run(paths)
+        save_run_files(paths, dump_recipe(recipe), run.ds_config, rows)
+        tokenizer.save_pretrained(str(paths.tokenizer))
+        log.info("%s; run files in %s", _describe(run), paths.root)
+    comm.barrier()  # nobody writes into the run directory before a fresh start cleared it
+
+
+def _train_steps(
+    recipe: Recipe,
+    run: Engine3D,
+    stream: MicroBatchStream,
+    ckpt: Checkpointer,
+    paths: RunPaths,
+    start: int,
+    end: int,
+    info: RankInfo,
+) -> list[float]:
+    train = recipe.train
+    reporter = Reporter(paths.metrics, train.steps, start, train.log_interval, _throughput(recipe, run), enabled=info.rank == 0)
+    losses: list[float] = []
+    saved = start
+    try:
+        for step in range(start + 1, end + 1):
+            # Every rank draws the step's micro-batches, so even middle stages (which read none) keep the
+            # stream, and its checkpointed position, in step.
+            micro_batches = [next(stream) for _ in range(train.gradient_accumulation_steps)]
+            lr, began = run.lr, time.perf_counter()
+            loss = run.train_step(iter(micro_batches))
+            reporter.step(step, loss, lr, run.grad_norm, time.perf_counter() - began)
+            losses.append(loss)
+            if train.save_interval and step % train.save_interval == 0:
+                ckpt.save(step, _client_state(step, stream, run))
+                saved = step
+        if saved != end:
+            ckpt.save(end, _client_state(end, stream, run))
+    finally:
+        reporter.close()
+    return losses
+
+
+def _client_state(step: int, stream: MicroBatchStream, run: Engine3D) -> dict[str, Any]:
+    layout = run.layout
+    return {"version": 1, "step": step, "data": stream.state_dict(), "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}}
+
+
+def _finish(recipe: Recipe, run: Engine3D, paths: RunPaths, tokenizer: Any, info: RankInfo) -> None:
+    if info.rank == 0 and plot_loss(paths.metrics, paths.loss_plot, f"{paths.root.name}: training loss"):
+        log.info("loss curve: %s", paths.loss_plot)
+    exported = export_hf_if_available(run, paths.hf, tokenizer)
+    if info.rank == 0:
+        log.info("done: %s", exported if exported is not None else f"DeepSpeed checkpoint in {paths.checkpoints}")
+
+
+def _throughput(recipe: Recipe, run: Engine3D) -> Throughput:
+    train = recipe.train
+    tokens = train.micro_batch_size * train.gradient_accumulation_steps * run.layout.dp * train.seq_len
+    return Throughput(tokens, shape_from_hf_config(run.hf_config).flop_params, run.layout.world_size)
+
+
+def _describe(run: Engine3D) -> str:
+    shape = shape_from_hf_config(run.hf_config)
+    layout = run.layout
+    return (
+        f"model {shape.model_type}: {shape.total_params / 1e6:.2f}M parameters; layout dp {layout.dp} x tp {layout.tp} "
+        f"x pp {layout.pp} on {layout.world_size} processes"
+    )
+
+
+def _quietly(fn: Any, *args: Any) -> Any:
+    """DeepSpeed's pipeline set-up prints its topology and seeds on every rank; keep stdout for us."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return fn(*args)
+
+
+# --- the process entry point ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dsx3d.train", description="One rank of a dsx3d training job.", allow_abbrev=False)
+    p.add_argument("recipe", help="recipe YAML")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoints/latest")
+    mode.add_argument("--overwrite", action="store_true", help="start over, deleting an earlier run's checkpoints and metrics")
+    p.add_argument("--pg-timeout-s", type=float, default=DEFAULT_PG_TIMEOUT_S, help="process-group timeout: the longest a collective may wait")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # appended by the deepspeed launcher; LOCAL_RANK wins
+    return p.parse_args(argv)
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs progress (above its bar); the other ranks only warnings and errors, tagged with their rank."""
+    from deepspeed.utils import logger as ds_logger
+
+    from dsx3d.run.progress import TqdmHandler
+
+    handler: logging.Handler = TqdmHandler() if rank == 0 else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[dsx3d] %(message)s" if rank == 0 else f"[dsx3d rank {rank}] %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    ds_logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "OMP_NUM_THREADS" not in os.environ:  # the deepspeed launcher leaves it unset; torchrun sets 1
+        torch.set_num_threads(1)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    setup_logging(rank)
+    info = RankInfo.from_env(rank, world)
+    try:
+        recipe = load_recipe(args.recipe)
+        comm.init_distributed(timeout_s=args.pg_timeout_s)
+        train(recipe, resume=args.resume, overwrite=args.overwrite)
+        comm.barrier()
+        comm.destroy()
+        return 0
+    except UserError as err:
+        for problem in err.problems:
+            log.error("%s", problem)
+        return _exit_now(2)
+    except BaseException as err:  # report which rank failed and why, then leave without waiting on peers
+        log.error("%s", failure_message(info, err))
+        if not is_peer_lost(err):
+            traceback.print_exc()
+        return _exit_now(130 if isinstance(err, KeyboardInterrupt) else 1)
+
+
+def _exit_now(code: int) -> int:
+    """Exit at once: a clean interpreter shutdown could block on collectives its dead peers never finish."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

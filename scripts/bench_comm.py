@@ -1,0 +1,145 @@
+"""Communication per step by group type (TP, PP, DP), counted, against the estimator's analytic volumes.
+
+Every call this process makes into torch.distributed is counted by `dsx3d.dist.counting` (a hook on the
+ProcessGroup methods all collectives and p2p calls end in, DeepSpeed's included) with its group's ranks and
+its buffer size, during `--steps` optimizer steps after one warm-up step (the first step also exchanges
+tensor shapes once). A call is attributed to a group type by its ranks, from the layout: the TP (slice)
+groups, the DP groups, send/recv between adjacent stages of a pipeline (PP); collectives over a pipe group
+(the loss broadcast), the model-parallel group (pp x tp: gradient-norm scalars) and the world are reported
+separately. Bytes are those one rank sends, ring-counted (`CommRecord.sent_bytes`), the estimator's unit.
+TP and PP must agree exactly with `dsx3d.estimate` per stage; DP is compared too (DeepSpeed pads the
+flattened partition, so it may exceed the analytic figure by the padding).
+
+    python scripts/bench_comm.py [--quick] [--dp 2 --tp 2 --pp 2] [--checkpointing] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import defaultdict
+from typing import Any
+
+import bench_common as bc
+import torch
+
+from dsx3d.testing.harness import run_ranks, warm_up
+
+KINDS = ("tp", "pp", "dp", "tied", "pipe_collective", "model_parallel", "world", "other")
+
+
+def classify(record: Any, layout: Any) -> str:
+    """The group type of a CommRecord under `layout` (see the module docstring)."""
+    ranks = set(record.ranks)
+    if record.op in ("send", "recv"):
+        same_pipe = any(ranks <= set(g) for g in layout.pp_groups())
+        return "pp" if same_pipe else "other"
+    if len(ranks) == 1:
+        return "other"
+    for kind, groups in (("tp", layout.tp_groups()), ("dp", layout.dp_groups())):
+        if any(ranks == set(g) for g in groups):
+            return kind
+    if any(ranks == set(g) for g in layout.pp_groups()):
+        return "pipe_collective"
+    if any(ranks == set(g) for g in layout.tied_groups()):
+        return "tied"
+    model_parallel = [set(layout.topology.filter_match(data=d)) for d in range(layout.dp)]
+    if ranks in model_parallel:
+        return "model_parallel"
+    if len(ranks) == layout.world_size:
+        return "world"
+    return "other"
+
+
+def worker(rank: int, work: bc.Workload, state: dict[str, torch.Tensor], dims: tuple[int, int, int], steps: int, ckpt: bool) -> dict[str, Any]:
+    from dsx3d.dist.counting import CommCounter
+
+    dp, tp, pp = dims
+    contender = bc.dsx3d_contender("dsx3d", work, state, dp=dp, tp=tp, pp=pp, activation_checkpointing=ckpt)
+    run = contender.engine
+    batches = bc.make_batches(work, steps + 1)
+    with CommCounter() as counter:
+        contender.step(batches[0])  # warm-up: DeepSpeed sends tensor shapes once, on the first step
+        counter.records.clear()
+        for i in range(steps):
+            contender.step(batches[1 + i])
+        records = list(counter.records)
+    per_kind: dict[str, dict[str, float]] = defaultdict(lambda: {"sent_bytes": 0.0, "buffer_bytes": 0, "calls": 0})
+    ops: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in records:
+        kind = classify(r, run.layout)
+        per_kind[kind]["sent_bytes"] += r.sent_bytes() / steps
+        per_kind[kind]["buffer_bytes"] += r.nbytes // steps
+        per_kind[kind]["calls"] += 1
+        ops[kind][r.op] += 1
+    for kind, d in per_kind.items():
+        d["calls"] = d["calls"] // steps
+        d["ops"] = {op: n // steps for op, n in ops[kind].items()}  # type: ignore[assignment]
+    layers = sum(1 for layer in run.module.forward_funcs if type(layer).__name__ == "DecoderStage")
+    return {"rank": rank, "stage": run.placement.pp, "layers": layers, "per_kind": dict(per_kind)}
+
+
+def analytic(work: bc.Workload, dims: tuple[int, int, int], stage_layers: list[int], ckpt: bool) -> Any:
+    from dsx3d.estimate import Setup, estimate, shape_from_hf_config
+
+    dp, tp, pp = dims
+    setup = Setup(
+        dp=dp, tp=tp, pp=pp, zero_stage=1, dtype=work.dtype, micro_batch_size=work.micro_batch, seq_len=work.seq_len,
+        grad_accum=work.micro_batches(dp), activation_checkpointing=ckpt, stage_layers=tuple(stage_layers),
+    )
+    return estimate(shape_from_hf_config(work.config), setup)
+
+
+def run(quick: bool, dims: tuple[int, int, int] = (2, 2, 2), steps: int | None = None, ckpt: bool = False) -> dict[str, Any]:
+    """Measure and compare; returns the result (also what the smoke test asserts on)."""
+    steps = steps or (1 if quick else 3)
+    dp, tp, pp = dims
+    work = bc.Workload(bc.bench_config(quick), micro_batch=2, seq_len=16 if quick else 128, global_batch=2 * dp * 2 * pp)
+    warm_up()
+    state = bc.make_state(work.config)
+    with bc.provenance(quick) as meta:
+        per_rank = run_ranks(worker, dp * tp * pp, work, state, dims, steps, ckpt, timeout_s=600)
+    stage_layers = [next(r["layers"] for r in per_rank if r["stage"] == s) for s in range(pp)]
+    est = analytic(work, dims, stage_layers, ckpt)
+    rows = []
+    for r in per_rank:
+        predicted = est.stages[r["stage"]].comm_bytes
+        row: dict[str, Any] = {"rank": r["rank"], "stage": r["stage"]}
+        for kind in ("tp", "pp", "dp"):
+            measured = r["per_kind"].get(kind, {}).get("sent_bytes", 0.0)
+            row[kind] = {"measured": measured, "analytic": predicted.get(kind, 0.0), "equal": math.isclose(measured, predicted.get(kind, 0.0), rel_tol=1e-9, abs_tol=1e-6)}
+        row["other"] = {k: v for k, v in r["per_kind"].items() if k not in ("tp", "pp", "dp")}
+        row["ops"] = {k: v["ops"] for k, v in r["per_kind"].items()}
+        rows.append(row)
+    exact = {kind: all(row[kind]["equal"] for row in rows) for kind in ("tp", "pp", "dp")}
+    dp_ratio = [row["dp"]["measured"] / row["dp"]["analytic"] for row in rows if row["dp"]["analytic"]]
+    return {
+        **meta,
+        "what": "bytes one rank sends per optimizer step by group type: counted vs dsx3d.estimate",
+        "layout": {"dp": dp, "tp": tp, "pp": pp, "stage_layers": stage_layers, "activation_checkpointing": ckpt},
+        "workload": {"micro_batch": work.micro_batch, "grad_accum": work.micro_batches(dp), "seq_len": work.seq_len, "dtype": work.dtype, "hidden": work.config.hidden_size, "vocab": work.config.vocab_size},
+        "steps_counted": steps,
+        "exact": exact,
+        "dp_measured_over_analytic": [bc.rounded(x, 6) for x in dp_ratio],
+        "ranks": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, one counted step: a smoke run")
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="counted steps (default 3, quick 1)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
+    args = parser.parse_args(argv)
+    result = run(args.quick, (args.dp, args.tp, args.pp), args.steps, args.checkpointing)
+    key = "communication" + ("_checkpointing" if args.checkpointing else "")
+    bc.emit(key, result, write=not args.no_write)
+    return result
+
+
+if __name__ == "__main__":
+    main()
