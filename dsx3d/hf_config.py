@@ -72,7 +72,10 @@ def model_dim(hf_config: PretrainedConfig, name: str) -> int | None:
     """One dimension of the text model (`num_attention_heads`, ...) under any family's spelling, or None."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     for attr in _ATTRIBUTE_NAMES.get(name, (name,)):
-        value = getattr(text, attr, None)
+        try:
+            value = getattr(text, attr, None)
+        except Exception:  # heterogeneous configs refuse global access to per-layer dims
+            return None
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None

@@ -34,6 +34,8 @@ class ParityCase:
     lr: float = 1e-3
     weight_decay: float = 0.01
     adam_eps: float = 1e-8
+    data: str = "random"
+    """random tokens, or \"pattern\": sequences counting up from a random start (learnable, so losses fall)"""
     grad_clip: float = 1.0
     dtype: str = "fp32"
     seed: int = 0
@@ -73,6 +75,9 @@ def make_batches(case: ParityCase) -> torch.Tensor:
     """(steps, B, seq_len) random token ids, fixed by the seed."""
     g = torch.Generator().manual_seed(case.seed + 1)
     vocab = case.config.get_text_config().vocab_size
+    if case.data == "pattern":
+        start = torch.randint(0, vocab, (case.steps, case.global_batch, 1), generator=g)
+        return (start + torch.arange(case.seq_len)) % vocab
     return torch.randint(0, vocab, (case.steps, case.global_batch, case.seq_len), generator=g)
 
 
@@ -89,9 +94,13 @@ def build_reference(case: ParityCase) -> torch.nn.Module:
     return model.float()
 
 
-def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tensor) -> tuple[list[float], list[float]]:
+def run_reference(
+    case: ParityCase, model: torch.nn.Module, batches: torch.Tensor
+) -> tuple[list[float], list[float]]:
     """Plain HF on one process: mean loss over the global batch, AdamW, global-norm clipping."""
-    opt = torch.optim.AdamW(model.parameters(), lr=case.lr, betas=(0.9, 0.95), eps=case.adam_eps, weight_decay=case.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=case.lr, betas=(0.9, 0.95), eps=case.adam_eps, weight_decay=case.weight_decay
+    )
     n_micro = case.micro_batches * case.dp
     losses, norms = [], []
     model.train()
@@ -104,7 +113,9 @@ def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tenso
                 loss = model(input_ids=ids, labels=ids).loss
                 (loss / n_micro).backward()
                 total += loss.item() / n_micro
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.grad_clip if case.grad_clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), case.grad_clip if case.grad_clip > 0 else float("inf")
+        )
         opt.step()
         losses.append(total)
         norms.append(float(norm))
@@ -140,20 +151,29 @@ def case_recipe(case: ParityCase) -> Recipe:
     )
 
 
-def _rank_worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], batches: torch.Tensor) -> dict[str, Any]:
+def _rank_worker(
+    rank: int, case: ParityCase, state: dict[str, torch.Tensor], batches: torch.Tensor
+) -> dict[str, Any]:
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
     run = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
     losses, norms = [], []
     for batch in batches:
-        micro = iter([(ids, ids) for ids in (micro_batch(case, batch, k, run.placement.dp) for k in range(case.micro_batches))])
+        micro = iter(
+            [
+                (ids, ids)
+                for ids in (micro_batch(case, batch, k, run.placement.dp) for k in range(case.micro_batches))
+            ]
+        )
         losses.append(run.train_step(micro))
         norms.append(run.grad_norm)
     return {"losses": losses, "norms": norms, "shards": run.hf_shards()}
 
 
-def run_parity(case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0) -> ParityResult:
+def run_parity(
+    case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0
+) -> ParityResult:
     """Train `model` (default: a fresh HF model of case.config, seeded) both ways and compare."""
     from dsx3d.models.export import merge_shards
     from dsx3d.testing.harness import run_ranks
@@ -179,13 +199,24 @@ def run_parity(case: ParityCase, model: torch.nn.Module | None = None, timeout_s
     losses_3d, norms_3d = results[0]["losses"], results[0]["norms"]
     loss_diff = max(abs(a - b) for a, b in zip(losses_ref, losses_3d, strict=True))
     norm_diff = max(abs(a - b) for a, b in zip(norms_ref, norms_3d, strict=True))
-    tol = {"loss": LOSS_TOL_FP32, "param": PARAM_TOL_FP32} if case.dtype == "fp32" else {"loss": 5e-2, "param": 5e-2}
+    tol = (
+        {"loss": LOSS_TOL_FP32, "param": PARAM_TOL_FP32}
+        if case.dtype == "fp32"
+        else {"loss": 5e-2, "param": 5e-2}
+    )
     result = ParityResult(
         layout={"dp": case.dp, "tp": case.tp, "pp": case.pp},
-        losses_ref=losses_ref, losses_3d=losses_3d, grad_norms_ref=norms_ref, grad_norms_3d=norms_3d,
-        max_abs_loss_diff=loss_diff, max_abs_grad_norm_diff=norm_diff, max_abs_param_diff=worst,
+        losses_ref=losses_ref,
+        losses_3d=losses_3d,
+        grad_norms_ref=norms_ref,
+        grad_norms_3d=norms_3d,
+        max_abs_loss_diff=loss_diff,
+        max_abs_grad_norm_diff=norm_diff,
+        max_abs_param_diff=worst,
         worst_param=worst_name if not missing else f"missing: {missing}",
-        seconds_ref=t1 - t0, seconds_3d=t2 - t1, tolerance=tol,
+        seconds_ref=t1 - t0,
+        seconds_3d=t2 - t1,
+        tolerance=tol,
     )
     result.ok = not missing and loss_diff <= tol["loss"] and worst <= tol["param"]
     return result

@@ -17,8 +17,9 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -40,7 +41,15 @@ from dsx3d.run.outputs import (
 )
 from dsx3d.run.plot import plot_loss
 from dsx3d.run.progress import Reporter
-from dsx3d.run.ranks import RankInfo, failure_message, is_peer_lost, record_placement
+from dsx3d.run.ranks import (
+    PeerDied,
+    RankInfo,
+    check_placement,
+    failure_message,
+    gather_rank_infos,
+    is_peer_lost,
+    naming_dead_peers,
+)
 
 log = logging.getLogger("dsx3d")
 
@@ -56,25 +65,31 @@ class TrainResult:
     """The loss of every step this call trained, steps start_step+1 .. end_step."""
 
 
-def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, stop_at: int | None = None) -> TrainResult:
+def train(
+    recipe: Recipe, *, resume: bool = False, overwrite: bool = False, stop_at: int | None = None
+) -> TrainResult:
     """Train `recipe` on the ranks of the current process group (a collective: every rank calls it).
 
     `stop_at` ends the call after that step, with a checkpoint, as if the job had been preempted; the LR
     schedule still spans train.steps.
     """
     info = RankInfo.from_env(comm.get_rank(), comm.get_world_size())
-    paths = RunPaths.of(recipe)
-    check_start(paths, resume=resume, overwrite=overwrite)
-    run = _quietly(build_engine, recipe)
-    stream, tokenizer = _rank_data(recipe, run, info)
-    ckpt = Checkpointer(run, paths.checkpoints, dump_recipe(recipe), recipe.train.keep_checkpoints)
-    start = _resume(ckpt, stream) if resume else 0
-    _save_beside_run(paths, recipe, run, tokenizer, info, fresh=start == 0)
-    end = min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps)
-    losses = _train_steps(recipe, run, stream, ckpt, paths, start, end, info)
-    if end == recipe.train.steps:
-        _finish(recipe, run, paths, tokenizer, info)
-    return TrainResult(start, end, losses)
+    peers = gather_rank_infos(info)
+    with naming_dead_peers(info, peers):
+        paths = RunPaths.of(recipe)
+        check_start(paths, resume=resume, overwrite=overwrite)
+        run = _quietly(build_engine, recipe)
+        stream, tokenizer = _rank_data(recipe, run, info)
+        ckpt = Checkpointer(run, paths.checkpoints, dump_recipe(recipe), recipe.train.keep_checkpoints)
+        start = _resume(ckpt, stream) if resume else 0
+        _save_beside_run(
+            paths, recipe, run, tokenizer, check_placement(peers, run.layout, info), info, fresh=start == 0
+        )
+        end = min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps)
+        losses = _train_steps(recipe, run, stream, ckpt, paths, start, end, info)
+        if end == recipe.train.steps:
+            _finish(run, paths, tokenizer, info)
+        return TrainResult(start, end, losses)
 
 
 def _rank_data(recipe: Recipe, run: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, Any]:
@@ -93,13 +108,26 @@ def _resume(ckpt: Checkpointer, stream: MicroBatchStream) -> int:
     try:
         stream.load_state_dict(state["data"])
     except ValueError as err:
-        raise UserError.single("--resume", tag, str(err), "resume with the recipe the checkpoint was written with") from None
-    log.info("resumed from %s: step %d, optimizer, LR schedule, RNG and data position restored", ckpt.dir / tag, state["step"])
+        raise UserError.single(
+            "--resume", tag, str(err), "resume with the recipe the checkpoint was written with"
+        ) from None
+    log.info(
+        "resumed from %s: step %d, optimizer, LR schedule, RNG and data position restored",
+        ckpt.dir / tag,
+        state["step"],
+    )
     return int(state["step"])
 
 
-def _save_beside_run(paths: RunPaths, recipe: Recipe, run: Engine3D, tokenizer: Any, info: RankInfo, fresh: bool) -> None:
-    rows = record_placement(info, run.layout)  # a collective
+def _save_beside_run(
+    paths: RunPaths,
+    recipe: Recipe,
+    run: Engine3D,
+    tokenizer: Any,
+    rows: list[dict[str, Any]],
+    info: RankInfo,
+    fresh: bool,
+) -> None:
     if info.rank == 0:
         if fresh:
             clear_previous_run(paths)
@@ -120,7 +148,14 @@ def _train_steps(
     info: RankInfo,
 ) -> list[float]:
     train = recipe.train
-    reporter = Reporter(paths.metrics, train.steps, start, train.log_interval, _throughput(recipe, run), enabled=info.rank == 0)
+    reporter = Reporter(
+        paths.metrics,
+        train.steps,
+        start,
+        train.log_interval,
+        _throughput(recipe, run),
+        enabled=info.rank == 0,
+    )
     losses: list[float] = []
     saved = start
     try:
@@ -144,15 +179,22 @@ def _train_steps(
 
 def _client_state(step: int, stream: MicroBatchStream, run: Engine3D) -> dict[str, Any]:
     layout = run.layout
-    return {"version": 1, "step": step, "data": stream.state_dict(), "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}}
+    return {
+        "version": 1,
+        "step": step,
+        "data": stream.state_dict(),
+        "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
+    }
 
 
-def _finish(recipe: Recipe, run: Engine3D, paths: RunPaths, tokenizer: Any, info: RankInfo) -> None:
+def _finish(run: Engine3D, paths: RunPaths, tokenizer: Any, info: RankInfo) -> None:
     if info.rank == 0 and plot_loss(paths.metrics, paths.loss_plot, f"{paths.root.name}: training loss"):
         log.info("loss curve: %s", paths.loss_plot)
     exported = export_hf_if_available(run, paths.hf, tokenizer)
     if info.rank == 0:
-        log.info("done: %s", exported if exported is not None else f"DeepSpeed checkpoint in {paths.checkpoints}")
+        log.info(
+            "done: %s", exported if exported is not None else f"DeepSpeed checkpoint in {paths.checkpoints}"
+        )
 
 
 def _throughput(recipe: Recipe, run: Engine3D) -> Throughput:
@@ -171,22 +213,43 @@ def _describe(run: Engine3D) -> str:
 
 
 def _quietly(fn: Any, *args: Any) -> Any:
-    """DeepSpeed's pipeline set-up prints its topology and seeds on every rank; keep stdout for us."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        return fn(*args)
+    """DeepSpeed's pipeline set-up prints its topology and seeds on every rank, and warns that the LR
+    schedule has not started; keep the console for the run's own output."""
+    from deepspeed.utils import logger as ds_logger
+
+    level = ds_logger.level
+    ds_logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return fn(*args)
+    finally:
+        ds_logger.setLevel(level)
 
 
 # --- the process entry point ---------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dsx3d.train", description="One rank of a dsx3d training job.", allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="python -m dsx3d.train", description="One rank of a dsx3d training job.", allow_abbrev=False
+    )
     p.add_argument("recipe", help="recipe YAML")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoints/latest")
-    mode.add_argument("--overwrite", action="store_true", help="start over, deleting an earlier run's checkpoints and metrics")
-    p.add_argument("--pg-timeout-s", type=float, default=DEFAULT_PG_TIMEOUT_S, help="process-group timeout: the longest a collective may wait")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # appended by the deepspeed launcher; LOCAL_RANK wins
+    mode.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over, deleting an earlier run's checkpoints and metrics",
+    )
+    p.add_argument(
+        "--pg-timeout-s",
+        type=float,
+        default=DEFAULT_PG_TIMEOUT_S,
+        help="process-group timeout: the longest a collective may wait",
+    )
+    p.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # appended by the deepspeed launcher; LOCAL_RANK wins
     return p.parse_args(argv)
 
 
@@ -197,9 +260,15 @@ def setup_logging(rank: int) -> None:
     from dsx3d.run.progress import TqdmHandler
 
     handler: logging.Handler = TqdmHandler() if rank == 0 else logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[dsx3d] %(message)s" if rank == 0 else f"[dsx3d rank {rank}] %(message)s"))
+    handler.setFormatter(
+        logging.Formatter("[dsx3d] %(message)s" if rank == 0 else f"[dsx3d rank {rank}] %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
+    # DeepSpeed's ZeRO-1 calls a torch collective that torch has renamed; once per rank is noise.
+    warnings.filterwarnings(
+        "ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning
+    )
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     ds_logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
 
@@ -215,22 +284,23 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe)
         comm.init_distributed(timeout_s=args.pg_timeout_s)
         train(recipe, resume=args.resume, overwrite=args.overwrite)
-        comm.barrier()
-        comm.destroy()
-        return 0
+        comm.barrier()  # every rank is done with every collective and file
+        return _exit_now(0)
     except UserError as err:
         for problem in err.problems:
             log.error("%s", problem)
         return _exit_now(2)
     except BaseException as err:  # report which rank failed and why, then leave without waiting on peers
         log.error("%s", failure_message(info, err))
-        if not is_peer_lost(err):
+        if not isinstance(err, PeerDied) and not is_peer_lost(err):
             traceback.print_exc()
         return _exit_now(130 if isinstance(err, KeyboardInterrupt) else 1)
 
 
-def _exit_now(code: int) -> int:
-    """Exit at once: a clean interpreter shutdown could block on collectives its dead peers never finish."""
+def _exit_now(code: int) -> NoReturn:
+    """Exit at once. After a failure, a clean interpreter shutdown could block on collectives that dead peers
+    never finish; after success, tearing gloo down while peers on other nodes exit sometimes aborted a rank
+    ("terminate called without an active exception") and failed a finished job."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

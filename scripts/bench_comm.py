@@ -4,13 +4,14 @@ Every call this process makes into torch.distributed is counted by `dsx3d.dist.c
 ProcessGroup methods all collectives and p2p calls end in, DeepSpeed's included) with its group's ranks and
 its buffer size, during `--steps` optimizer steps after one warm-up step (the first step also exchanges
 tensor shapes once). A call is attributed to a group type by its ranks, from the layout: the TP (slice)
-groups, the DP groups, send/recv between adjacent stages of a pipeline (PP); collectives over a pipe group
-(the loss broadcast), the model-parallel group (pp x tp: gradient-norm scalars) and the world are reported
-separately. Bytes are those one rank sends, ring-counted (`CommRecord.sent_bytes`), the estimator's unit.
-TP and PP must agree exactly with `dsx3d.estimate` per stage; DP is compared too (DeepSpeed pads the
-flattened partition, so it may exceed the analytic figure by the padding).
+groups, the DP groups, send/recv between adjacent stages of a pipeline (PP), all-reduces over a (first,
+last) stage pair (tied embedding); broadcasts over a pipe group (the loss), the model-parallel group
+(pp x tp: gradient-norm scalars) and the world are reported separately. Bytes are those one rank sends, ring-counted (`CommRecord.sent_bytes`), the estimator's unit.
+TP and PP must agree exactly with `dsx3d.estimate` per stage; DP is compared too (DeepSpeed also
+all-reduces two 4-byte scalars over DP, the gradient norm's partial sum and the loss, which the estimator
+leaves out).
 
-    python scripts/bench_comm.py [--quick] [--dp 2 --tp 2 --pp 2] [--checkpointing] [--no-write]
+    python scripts/bench_comm.py [--quick] [--dp 2 --tp 2 --pp 2] [--checkpointing] [--family qwen3] [--no-write]
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def classify(record: Any, layout: Any) -> str:
     for kind, groups in (("tp", layout.tp_groups()), ("dp", layout.dp_groups())):
         if any(ranks == set(g) for g in groups):
             return kind
+    # the tied embedding/head gradient is all-reduced over (first, last) stage pairs, which are whole pipe
+    # groups when pp = 2; the loss is broadcast over the pipe group
+    if record.op == "all_reduce" and any(ranks == set(g) for g in layout.tied_groups()):
+        return "tied"
     if any(ranks == set(g) for g in layout.pp_groups()):
         return "pipe_collective"
-    if any(ranks == set(g) for g in layout.tied_groups()):
-        return "tied"
     model_parallel = [set(layout.topology.filter_match(data=d)) for d in range(layout.dp)]
     if ranks in model_parallel:
         return "model_parallel"
@@ -51,7 +54,14 @@ def classify(record: Any, layout: Any) -> str:
     return "other"
 
 
-def worker(rank: int, work: bc.Workload, state: dict[str, torch.Tensor], dims: tuple[int, int, int], steps: int, ckpt: bool) -> dict[str, Any]:
+def worker(
+    rank: int,
+    work: bc.Workload,
+    state: dict[str, torch.Tensor],
+    dims: tuple[int, int, int],
+    steps: int,
+    ckpt: bool,
+) -> dict[str, Any]:
     from dsx3d.dist.counting import CommCounter
 
     dp, tp, pp = dims
@@ -64,7 +74,9 @@ def worker(rank: int, work: bc.Workload, state: dict[str, torch.Tensor], dims: t
         for i in range(steps):
             contender.step(batches[1 + i])
         records = list(counter.records)
-    per_kind: dict[str, dict[str, float]] = defaultdict(lambda: {"sent_bytes": 0.0, "buffer_bytes": 0, "calls": 0})
+    per_kind: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"sent_bytes": 0.0, "buffer_bytes": 0, "calls": 0}
+    )
     ops: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in records:
         kind = classify(r, run.layout)
@@ -84,17 +96,35 @@ def analytic(work: bc.Workload, dims: tuple[int, int, int], stage_layers: list[i
 
     dp, tp, pp = dims
     setup = Setup(
-        dp=dp, tp=tp, pp=pp, zero_stage=1, dtype=work.dtype, micro_batch_size=work.micro_batch, seq_len=work.seq_len,
-        grad_accum=work.micro_batches(dp), activation_checkpointing=ckpt, stage_layers=tuple(stage_layers),
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero_stage=1,
+        dtype=work.dtype,
+        micro_batch_size=work.micro_batch,
+        seq_len=work.seq_len,
+        grad_accum=work.micro_batches(dp),
+        activation_checkpointing=ckpt,
+        stage_layers=tuple(stage_layers),
     )
     return estimate(shape_from_hf_config(work.config), setup)
 
 
-def run(quick: bool, dims: tuple[int, int, int] = (2, 2, 2), steps: int | None = None, ckpt: bool = False) -> dict[str, Any]:
-    """Measure and compare; returns the result (also what the smoke test asserts on)."""
+def run(
+    quick: bool,
+    dims: tuple[int, int, int] = (2, 2, 2),
+    steps: int | None = None,
+    ckpt: bool = False,
+    family: str | None = None,
+) -> dict[str, Any]:
+    """Measure and compare; returns the result (also what the smoke test asserts on). `family`: a
+    model_type whose `dsx3d.families.tiny_config` replaces the benchmark's Llama (other TP plans, tying)."""
+    from dsx3d.families import tiny_config
+
     steps = steps or (1 if quick else 3)
     dp, tp, pp = dims
-    work = bc.Workload(bc.bench_config(quick), micro_batch=2, seq_len=16 if quick else 128, global_batch=2 * dp * 2 * pp)
+    config = bc.bench_config(quick) if family is None else tiny_config(family)
+    work = bc.Workload(config, micro_batch=2, seq_len=16 if quick else 128, global_batch=2 * dp * 2 * pp)
     warm_up()
     state = bc.make_state(work.config)
     with bc.provenance(quick) as meta:
@@ -105,22 +135,45 @@ def run(quick: bool, dims: tuple[int, int, int] = (2, 2, 2), steps: int | None =
     for r in per_rank:
         predicted = est.stages[r["stage"]].comm_bytes
         row: dict[str, Any] = {"rank": r["rank"], "stage": r["stage"]}
-        for kind in ("tp", "pp", "dp"):
+        for kind in ("tp", "pp", "dp", "tied"):
             measured = r["per_kind"].get(kind, {}).get("sent_bytes", 0.0)
-            row[kind] = {"measured": measured, "analytic": predicted.get(kind, 0.0), "equal": math.isclose(measured, predicted.get(kind, 0.0), rel_tol=1e-9, abs_tol=1e-6)}
-        row["other"] = {k: v for k, v in r["per_kind"].items() if k not in ("tp", "pp", "dp")}
+            row[kind] = {
+                "measured": measured,
+                "analytic": predicted.get(kind, 0.0),
+                "equal": math.isclose(measured, predicted.get(kind, 0.0), rel_tol=1e-9, abs_tol=1e-6),
+            }
+        row["other"] = {k: v for k, v in r["per_kind"].items() if k not in ("tp", "pp", "dp", "tied")}
         row["ops"] = {k: v["ops"] for k, v in r["per_kind"].items()}
         rows.append(row)
-    exact = {kind: all(row[kind]["equal"] for row in rows) for kind in ("tp", "pp", "dp")}
+    exact = {kind: all(row[kind]["equal"] for row in rows) for kind in ("tp", "pp", "dp", "tied")}
     dp_ratio = [row["dp"]["measured"] / row["dp"]["analytic"] for row in rows if row["dp"]["analytic"]]
+    # scalars the model leaves out: ZeRO-1's gradient-norm partial sum (4 bytes, every stage) and the loss
+    # (4 bytes, last stage), both all-reduced over DP
+    dp_excess = [row["dp"]["measured"] - row["dp"]["analytic"] for row in rows]
     return {
         **meta,
         "what": "bytes one rank sends per optimizer step by group type: counted vs dsx3d.estimate",
-        "layout": {"dp": dp, "tp": tp, "pp": pp, "stage_layers": stage_layers, "activation_checkpointing": ckpt},
-        "workload": {"micro_batch": work.micro_batch, "grad_accum": work.micro_batches(dp), "seq_len": work.seq_len, "dtype": work.dtype, "hidden": work.config.hidden_size, "vocab": work.config.vocab_size},
+        "model_type": config.model_type,
+        "tied": bool(getattr(config, "tie_word_embeddings", False)),
+        "layout": {
+            "dp": dp,
+            "tp": tp,
+            "pp": pp,
+            "stage_layers": stage_layers,
+            "activation_checkpointing": ckpt,
+        },
+        "workload": {
+            "micro_batch": work.micro_batch,
+            "grad_accum": work.micro_batches(dp),
+            "seq_len": work.seq_len,
+            "dtype": work.dtype,
+            "hidden": work.config.hidden_size,
+            "vocab": work.config.vocab_size,
+        },
         "steps_counted": steps,
         "exact": exact,
         "dp_measured_over_analytic": [bc.rounded(x, 6) for x in dp_ratio],
+        "dp_excess_bytes": [bc.rounded(x, 6) for x in dp_excess],
         "ranks": rows,
     }
 
@@ -133,10 +186,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="counted steps (default 3, quick 1)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    parser.add_argument(
+        "--family",
+        default=None,
+        help="a tiny config of this model_type instead of the Llama (qwen3, gemma2, ...)",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
     args = parser.parse_args(argv)
-    result = run(args.quick, (args.dp, args.tp, args.pp), args.steps, args.checkpointing)
-    key = "communication" + ("_checkpointing" if args.checkpointing else "")
+    result = run(args.quick, (args.dp, args.tp, args.pp), args.steps, args.checkpointing, args.family)
+    key = (
+        "communication"
+        + (f"_{args.family}" if args.family else "")
+        + ("_checkpointing" if args.checkpointing else "")
+    )
     bc.emit(key, result, write=not args.no_write)
     return result
 

@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -61,7 +62,9 @@ class Workload:
     def micro_batches(self, dp: int) -> int:
         """m: micro-batches per optimizer step and DP rank."""
         if self.global_batch % (self.micro_batch * dp):
-            raise ValueError(f"global batch {self.global_batch} is not a multiple of micro_batch * dp = {self.micro_batch * dp}")
+            raise ValueError(
+                f"global batch {self.global_batch} is not a multiple of micro_batch * dp = {self.micro_batch * dp}"
+            )
         return self.global_batch // (self.micro_batch * dp)
 
 
@@ -71,9 +74,23 @@ def bench_config(quick: bool, **overrides: Any) -> Any:
     from transformers import LlamaConfig
 
     dims: dict[str, Any] = (
-        dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+        dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        )
         if quick
-        else dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=8192)
+        else dict(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=8192,
+        )
     )
     dims.update(overrides)
     return LlamaConfig(
@@ -122,6 +139,8 @@ class Contender:
     loss_is_global: bool = False
     """True when `step` returns the mean over DP ranks already (dsx3d); else the local mean."""
     info: dict[str, Any] = field(default_factory=dict)
+    optimizer: Any = None
+    """The torch optimizer, where the contender owns it (DDP)."""
 
 
 def recipe_for(work: Workload, dp: int, tp: int = 1, pp: int = 1, **train: Any) -> Any:
@@ -149,7 +168,9 @@ def dsx3d_contender(
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    run = build_engine(recipe_for(work, dp, tp, pp, **train), hf_config=work.config, source=StateDictSource(state))
+    run = build_engine(
+        recipe_for(work, dp, tp, pp, **train), hf_config=work.config, source=StateDictSource(state)
+    )
     dp_rank = run.placement.dp
 
     def step(batch: torch.Tensor) -> float:
@@ -168,6 +189,14 @@ def hf_ds_config(work: Workload, world: int, zero_stage: int) -> dict[str, Any]:
     for key in ("pipeline", "dsx3d"):
         config.pop(key, None)
     config["zero_optimization"] = {"stage": zero_stage}
+    if zero_stage == 3:
+        # what transformers' HfDeepSpeedConfig fills in for "auto" (integrations/deepspeed.py), from hidden size
+        h = work.config.hidden_size
+        config["zero_optimization"].update(
+            reduce_bucket_size=h * h,
+            stage3_prefetch_bucket_size=int(0.9 * h * h),
+            stage3_param_persistence_threshold=10 * h,
+        )
     if zero_stage == 0:
         config.pop("data_types", None)
     return config
@@ -182,13 +211,17 @@ def hf_model(work: Workload, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     return model
 
 
-def hf_deepspeed_contender(name: str, work: Workload, state: dict[str, torch.Tensor], zero_stage: int) -> Contender:
+def hf_deepspeed_contender(
+    name: str, work: Workload, state: dict[str, torch.Tensor], zero_stage: int
+) -> Contender:
     """`deepspeed.initialize` on the plain HF model, data-parallel over the whole world."""
     import deepspeed
 
     world = comm.get_world_size()
     model = hf_model(work, state)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=hf_ds_config(work, world, zero_stage))
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=hf_ds_config(work, world, zero_stage)
+    )
     rank = comm.get_rank()
 
     def step(batch: torch.Tensor) -> float:
@@ -226,7 +259,7 @@ def ddp_contender(name: str, work: Workload, state: dict[str, torch.Tensor], lr:
         opt.zero_grad(set_to_none=True)
         return total / len(micro)
 
-    return Contender(name, step, engine=ddp, info={"dp": world})
+    return Contender(name, step, engine=ddp, info={"dp": world}, optimizer=opt)
 
 
 def global_loss(contender: Contender, loss: float) -> float:
@@ -246,8 +279,14 @@ def alternate(
 ) -> dict[str, dict[str, list[float]]]:
     """Run `warmup + rounds` rounds; round r steps every contender once, in order for even r and reversed for
     odd r (A B, B A, A B, ...: each contender runs first as often as last). A barrier precedes each step.
-    Returns, per contender, this rank's step seconds and global losses of the timed rounds."""
-    out: dict[str, dict[str, list[float]]] = {c.name: {"seconds": [], "loss": []} for c in contenders}
+    Returns, per contender, this rank's step seconds (wall and CPU) and global losses of the timed rounds.
+
+    CPU seconds (`time.process_time`, all threads of the rank) leave out the time other jobs hold the cores
+    and the time spent blocked waiting for peers: on a loaded machine they measure the work a step costs
+    more steadily than wall time does."""
+    out: dict[str, dict[str, list[float]]] = {
+        c.name: {"seconds": [], "cpu_seconds": [], "loss": []} for c in contenders
+    }
     index = {c.name: 0 for c in contenders}
     for r in range(warmup + rounds):
         order = contenders if r % 2 == 0 else contenders[::-1]
@@ -255,12 +294,13 @@ def alternate(
             batch = batches[index[c.name] % len(batches)]
             index[c.name] += 1
             comm.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = c.step(batch)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             loss = global_loss(c, loss)
             if r >= warmup:
                 out[c.name]["seconds"].append(seconds)
+                out[c.name]["cpu_seconds"].append(cpu)
                 out[c.name]["loss"].append(loss)
     return out
 
@@ -270,14 +310,24 @@ def step_times(per_rank: list[dict[str, dict[str, list[float]]]], name: str) -> 
     return [max(ts) for ts in zip(*(r[name]["seconds"] for r in per_rank), strict=True)]
 
 
+def step_cpu(per_rank: list[dict[str, dict[str, list[float]]]], name: str) -> list[float]:
+    """CPU seconds of each step, summed over ranks."""
+    return [sum(ts) for ts in zip(*(r[name]["cpu_seconds"] for r in per_rank), strict=True)]
+
+
 def ratio_summary(times_a: list[float], times_b: list[float]) -> dict[str, float]:
-    """B / A from steps of the same rounds: median of per-round ratios, its quartiles, and the ratio of means."""
+    """B / A from steps of the same rounds: median of per-round ratios, its quartiles, a 95% bootstrap interval
+    of the median (2,000 resamples, fixed seed), and the ratio of means."""
     ratios = sorted(b / a for a, b in zip(times_a, times_b, strict=True))
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
     return {
         "median": statistics.median(ratios),
         "q1": q[0],
         "q3": q[2],
+        "ci95_low": medians[49],
+        "ci95_high": medians[1949],
         "ratio_of_means": statistics.fmean(times_b) / statistics.fmean(times_a),
         "pairs": len(ratios),
     }
@@ -301,7 +351,9 @@ class InstructionClock:
             timed[kind] = self._timed(kind.__name__, fn, after)
         engine._INSTRUCTION_MAP = timed
 
-    def _timed(self, name: str, fn: Callable[..., Any], after: Callable[[str], None] | None) -> Callable[..., Any]:
+    def _timed(
+        self, name: str, fn: Callable[..., Any], after: Callable[[str], None] | None
+    ) -> Callable[..., Any]:
         def run(engine: Any, *args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             out = fn(engine, *args, **kwargs)
@@ -352,7 +404,13 @@ def machine() -> dict[str, Any]:
     mem_gb = None
     with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
         mem_gb = round(int(f.readline().split()[1]) / 1024**2, 1)
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": mem_gb, "os": platform.platform(), "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": mem_gb,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def versions() -> dict[str, str]:
@@ -360,7 +418,12 @@ def versions() -> dict[str, str]:
     import deepspeed
     import transformers
 
-    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__}
+    return {
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+    }
 
 
 def loadavg() -> list[float]:
@@ -387,6 +450,21 @@ def provenance(quick: bool) -> Iterator[dict[str, Any]]:
     yield meta
     meta["loadavg_end"] = loadavg()
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at stderr for the duration (libraries print progress to stdout), so that
+    stdout carries only the final JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def merge_results(key: str, value: Any, path: Path = RESULTS) -> None:

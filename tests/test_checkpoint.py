@@ -38,16 +38,19 @@ def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
 def test_slices_of_a_sharded_checkpoint_equal_the_full_tensors(tmp_path: Path, dtype: torch.dtype) -> None:
     model = _save(tmp_path, dtype=dtype, tie_word_embeddings=False)
     assert len(list(tmp_path.glob("*.safetensors"))) > 3
-    source = checkpoint_source(str(tmp_path))
+    source = checkpoint_source(str(tmp_path), dtype=None)  # as stored
+    as_fp32 = checkpoint_source(str(tmp_path))  # what the stages ask for: converted while read
     for name, p in model.named_parameters():
         full = p.detach()
-        assert source.load(name).dtype == dtype
+        assert source.load(name).dtype == dtype and as_fp32.load(name).dtype == torch.float32
         assert torch.equal(source.load(name), full), name
+        assert torch.equal(as_fp32.load(name, 0, 1, 5), full[1:5].float()), name
         for dim in range(full.dim()):
             n = full.shape[dim]
             # a middle slice, and one running past the end (vocab padding: clipped, the caller pads)
             assert torch.equal(source.load(name, dim, 1, n - 1), full.narrow(dim, 1, n - 2)), (name, dim)
             assert torch.equal(source.load(name, dim, n // 2, n + 7), full.narrow(dim, n // 2, n - n // 2)), (name, dim)
+            assert torch.equal(as_fp32.load(name, dim, 1, n - 1), full.narrow(dim, 1, n - 2).float()), (name, dim)
 
 
 def test_small_segments_are_read_in_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,6 +63,10 @@ def test_small_segments_are_read_in_blocks(tmp_path: Path, monkeypatch: pytest.M
     ckpt = CheckpointFiles(tmp_path)
     assert torch.equal(ckpt.read("w", 1, 1, 4), t[:, 1:4])
     assert torch.equal(ckpt.read("w", 2, 2, 3), t[:, :, 2:3])
+    assert torch.equal(ckpt.read("w", 1, 1, 4, dtype=torch.float64), t[:, 1:4].double())
+    monkeypatch.setattr(files, "_MIN_SEGMENT_BYTES", 1)  # segment by segment, through the conversion buffer
+    assert torch.equal(ckpt.read("w", 1, 1, 4, dtype=torch.float64), t[:, 1:4].double())
+    assert torch.equal(ckpt.read("w", 0, 3, 30, dtype=torch.float64), t[3:30].double())
 
 
 def test_moe_checkpoint_is_fused_like_from_pretrained_and_reverted_for_export(tmp_path: Path) -> None:

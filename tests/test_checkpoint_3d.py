@@ -7,7 +7,10 @@
   checkpoint naming every bad file;
 - resharding through the export: reloaded at (2,1,2) and (1,2,1), the next step's loss equals the
   uninterrupted run's (1e-5). The loss of a step is computed before its optimizer update, so it depends on
-  the weights only: this holds with the fresh optimizer an export-based resume starts with.
+  the weights only: this holds with the fresh optimizer an export-based resume starts with; the step after
+  differs, because the export carries no optimizer state;
+- resharding through DeepSpeed's universal checkpoint: resumed at (2,1,2), the next two losses both equal
+  the uninterrupted run's: weights and Adam state moved.
 """
 
 from __future__ import annotations
@@ -123,39 +126,45 @@ def test_load_then_export_is_bit_identical(tmp_path: Path, name: str) -> None:
 
 def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, heldout: torch.Tensor, tmp: Path) -> dict[str, Any]:
     from dsx3d.checkpoint.export import export_hf
+    from dsx3d.checkpoint.universal import universal_client_state
     from dsx3d.engine import build_engine
 
     run = build_engine(recipe)
     dp_rank = run.placement.dp
     losses = [run.train_step(_micro(case, batches[t], dp_rank)) for t in range(2)]
     eval_loss = run.eval_loss(_micro(case, heldout, dp_rank))
-    run.engine.save_checkpoint(str(tmp / "checkpoints"), tag="step-000002")
+    run.engine.save_checkpoint(str(tmp / "checkpoints"), tag="step-000002", client_state=universal_client_state(run))
     if rank == 0:  # what the training worker stores with each tag
         (tmp / "checkpoints" / "step-000002" / "dsx3d_recipe.yaml").write_text(dump_recipe(recipe))
     export_hf(run, tmp / "export")
-    losses.append(run.train_step(_micro(case, batches[2], dp_rank)))  # the uninterrupted next step
+    losses += [run.train_step(_micro(case, batches[t], dp_rank)) for t in (2, 3)]  # the uninterrupted run
     return {"losses": losses, "eval": eval_loss}
 
 
-def _resume_rank(rank: int, case: ParityCase, recipe: Recipe, batch: torch.Tensor) -> float:
+def _resume_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, universal: Path | None) -> list[float]:
+    from dsx3d.checkpoint.universal import LOAD_UNIVERSAL
     from dsx3d.engine import build_engine
 
-    run = build_engine(recipe)
-    return run.train_step(_micro(case, batch, run.placement.dp))
+    run = build_engine(recipe, ds_overrides=LOAD_UNIVERSAL if universal else None)
+    if universal is not None:
+        run.engine.load_checkpoint(str(universal.parent), tag=universal.name)
+    return [run.train_step(_micro(case, batches[t], run.placement.dp)) for t in (2, 3)]
 
 
 def test_train_export_offline_export_and_reshard(tmp_path: Path) -> None:
     from dsx3d.cli import main
 
-    config = tiny_config("llama", tie_word_embeddings=False)
+    # vocab 127: padded to 128 at tp=2, not at tp=1
+    config = tiny_config("llama", tie_word_embeddings=False, vocab_size=127)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf", max_shard_size="40KB")
-    case = ParityCase(config, dp=2, tp=2, pp=2, steps=4, lr=3e-3)
+    case = ParityCase(config, dp=2, tp=2, pp=2, steps=5, lr=3e-3)
     batches = make_batches(case)
-    heldout = batches[3]
+    heldout = batches[4]
     results = run_ranks(_train_rank, case.world_size, case, _recipe(case, tmp_path / "hf"), batches, heldout, tmp_path)
     losses, eval_loss = results[0]["losses"], results[0]["eval"]
-    assert losses[0] - losses[1] > 1e-3  # it trained
+    before, after = _tensors(tmp_path / "hf"), _tensors(tmp_path / "export")
+    assert all(not torch.equal(before[n], after[n]) for n in before if "norm" not in n)  # it trained
 
     # from_pretrained of the export: same held-out loss as the 3D model's own evaluation
     exported = _hf_loads_cleanly(tmp_path / "export").eval()
@@ -188,9 +197,21 @@ def test_train_export_offline_export_and_reshard(tmp_path: Path) -> None:
     assert "layer_03-model_01" in str(info.value) and "layer_05-model_00" in str(info.value)
     assert not (tmp_path / "never").exists()
 
-    # resharding through the export: the next step's loss equals the uninterrupted run's
-    for dp, tp, pp in [(2, 1, 2), (1, 2, 1)]:
+    def resume(dp: int, tp: int, pp: int, universal: Path | None = None) -> list[float]:
         gas = case.micro_batches * case.dp // dp  # same global batch, same micro-batches
-        resumed = ParityCase(config, dp=dp, tp=tp, pp=pp, micro_batches=gas, steps=4, lr=3e-3)
-        got = run_ranks(_resume_rank, resumed.world_size, resumed, _recipe(resumed, tmp_path / "export"), batches[2])
-        assert abs(got[0] - losses[2]) < 1e-5, ((dp, tp, pp), got[0], losses[2])
+        resumed = ParityCase(config, dp=dp, tp=tp, pp=pp, micro_batches=gas, steps=5, lr=3e-3)
+        # universal: built from the original weights, then everything is overwritten by load_checkpoint
+        recipe = _recipe(resumed, tmp_path / ("hf" if universal else "export"))
+        return run_ranks(_resume_rank, resumed.world_size, resumed, recipe, batches, universal)[0]
+
+    # resharding through the export: the next step's loss equals the uninterrupted run's; the one after
+    # does not (fresh optimizer)
+    for layout in [(2, 1, 2), (1, 2, 1)]:
+        got = resume(*layout)
+        assert abs(got[0] - losses[2]) < 1e-5, (layout, got, losses)
+        assert abs(got[1] - losses[3]) > 1e-4, (layout, got, losses)
+
+    # resharding through a universal checkpoint: weights and optimizer state, both next losses equal
+    assert main(["export", "--universal", str(ckpt), str(tmp_path / "universal" / "step-000002")]) == 0
+    got = resume(2, 1, 2, universal=tmp_path / "universal" / "step-000002")
+    assert max(abs(a - b) for a, b in zip(got, losses[2:], strict=True)) < 1e-5, (got, losses)

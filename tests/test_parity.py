@@ -12,6 +12,11 @@ pytestmark = pytest.mark.usefixtures("warm")
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 2, 2)]
 
+# Adam's first steps move a weight by about lr * sign(g) where |g| >> eps, so gradient elements at round-off
+# level can flip an update; models whose weights show that at eps = 1e-8 (Gemma2's scaled embedding gives
+# many near-zero gradients) are compared at eps = 1e-6, which keeps the comparison one of gradients.
+ADAM_EPS = {"gemma2": 1e-6}
+
 MODELS = {
     # untied Llama with GQA (4 query heads, 2 kv heads)
     "llama-gqa": lambda: tiny_config("llama", tie_word_embeddings=False),
@@ -38,7 +43,8 @@ def _assert_parity(case: ParityCase) -> None:
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_parity(model: str, layout: tuple[int, int, int]) -> None:
     dp, tp, pp = layout
-    _assert_parity(ParityCase(MODELS[model](), dp=dp, tp=tp, pp=pp, steps=3))
+    eps = ADAM_EPS.get(model, 1e-8)
+    _assert_parity(ParityCase(MODELS[model](), dp=dp, tp=tp, pp=pp, steps=3, adam_eps=eps))
 
 
 def test_parity_activation_checkpointing() -> None:
@@ -51,7 +57,9 @@ def test_parity_explicit_stage_layers() -> None:
 
 def test_bf16_tracks_fp32() -> None:
     """bf16 with fp32 gradient accumulation follows the fp32 reference within bf16 noise over 20 steps."""
-    r = run_parity(ParityCase(tiny_config("llama"), dp=2, tp=2, pp=2, steps=20, dtype="bf16", lr=3e-3))
+    r = run_parity(
+        ParityCase(tiny_config("llama"), dp=2, tp=2, pp=2, steps=20, dtype="bf16", lr=3e-3, data="pattern")
+    )
     diffs = [abs(a - b) for a, b in zip(r.losses_ref, r.losses_3d, strict=True)]
     assert max(diffs) < 0.05, r.to_dict()
     assert r.losses_3d[-1] < r.losses_3d[0] - 0.05, r.to_dict()  # it trains
@@ -61,6 +69,6 @@ def test_parity_detects_a_broken_layout(monkeypatch: pytest.MonkeyPatch) -> None
     """The comparison can fail: skipping the TP all-reduce of q/k-norm gradients must be caught."""
     import dsx3d.models.stages as stages
 
-    monkeypatch.setattr(stages, "all_reduce_grad_hook", lambda group: (lambda g: g))
+    monkeypatch.setattr(stages, "all_reduce_grad_hook", lambda group: lambda g: g)
     r = run_parity(ParityCase(tiny_config("qwen3"), dp=1, tp=2, pp=1, steps=3))
     assert not r.ok and r.max_abs_param_diff > PARAM_TOL_FP32

@@ -46,9 +46,12 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
-READ_BLOCK_BYTES = 8 << 20
+READ_BLOCK_BYTES = 1 << 20
 """Most bytes read at once for a strided slice whose segments are too small to read one by one."""
-_MIN_SEGMENT_BYTES = 4096
+_MIN_SEGMENT_BYTES = 512
+"""Segments at least this long are read one by one straight into the result: more system calls (one per
+row), but no temporary buffer, whose allocation and release would fragment the heap and keep RSS above
+the shard after loading."""
 _MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
 _FIX_INCOMPLETE = "copy or download the checkpoint again; every file named by the index must be complete"
@@ -213,51 +216,56 @@ class CheckpointFiles:
 
     # -- reading -------------------------------------------------------------------------------------------
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The [start, stop) slice of tensor `name` along `dim` (clipped to its size), or all of it. A .bin
-        tensor may come back as a view of a memory-mapped file: copy it before keeping it."""
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The [start, stop) slice of tensor `name` along `dim` (clipped to its size), or all of it, in
+        `dtype` (default: the file's), in a buffer of its own."""
         info = self.tensors[name]
-        if dim is None:
+        if dim is None or not info.shape:
             dim, start, stop = 0, 0, None
-        if not info.shape:
-            return self._read_whole(name, info)
-        n = info.shape[dim]
+        n = info.shape[dim] if info.shape else 1
         start = min(start, n)
         stop = max(start, n if stop is None else min(stop, n))
         if info.offset < 0:
-            return self._bin(info.file)[name].narrow(dim, start, stop - start)
-        return self._read_safetensors_slice(info, dim, start, stop)
+            t = self._bin(info.file)[name]
+            t = t.narrow(dim, start, stop - start) if info.shape else t
+            return t.to(dtype or t.dtype, copy=True)  # not a view of the memory-mapped file
+        return self._read_safetensors_slice(info, dim, start, stop, dtype or info.dtype)
 
-    def _read_whole(self, name: str, info: TensorInfo) -> torch.Tensor:
-        if info.offset < 0:
-            return self._bin(info.file)[name]
-        out = torch.empty(info.shape, dtype=info.dtype)
-        with open(info.file, "rb", buffering=0) as f:
-            _read_into(f, info.offset, _bytes_of(out), info.file)
-        return out
-
-    def _read_safetensors_slice(self, info: TensorInfo, dim: int, start: int, stop: int) -> torch.Tensor:
+    def _read_safetensors_slice(self, info: TensorInfo, dim: int, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """View the tensor as (outer, n, inner) and read [:, start:stop] as runs of contiguous elements:
+        one run when outer == 1 (or the whole tensor), else one run per row segment."""
         shape, itemsize = info.shape, info.dtype.itemsize
-        outer, n, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
-        out = torch.empty((*shape[:dim], stop - start, *shape[dim + 1 :]), dtype=info.dtype)
+        outer, n, inner = math.prod(shape[:dim]), (shape[dim] if shape else 1), math.prod(shape[dim + 1 :])
+        length = (stop - start) * inner  # elements per segment
+        out = torch.empty((*shape[:dim], stop - start, *shape[dim + 1 :]), dtype=dtype)
         if out.numel() == 0:
             return out
-        row, seg = n * inner * itemsize, (stop - start) * inner * itemsize
-        dest = _bytes_of(out)
         with open(info.file, "rb", buffering=0) as f:
-            if outer == 1 or (start == 0 and stop == n):  # one contiguous run of bytes
-                _read_into(f, info.offset + start * inner * itemsize, dest, info.file)
-            elif seg >= _MIN_SEGMENT_BYTES:  # (outer, n, inner)[:, start:stop]: one read per segment
-                for o in range(outer):
-                    _read_into(f, info.offset + o * row + start * inner * itemsize, dest[o * seg : (o + 1) * seg], info.file)
-            else:  # small segments: whole rows in blocks, then keep the columns we own
+            if outer == 1 or (start == 0 and stop == n):
+                runs = [(info.offset + start * inner * itemsize, 0, out.numel())]
+            elif length * itemsize >= _MIN_SEGMENT_BYTES:
+                runs = [(info.offset + (o * n + start) * inner * itemsize, o * length, length) for o in range(outer)]
+            else:  # small segments: whole rows in blocks, then keep the columns we own (converting on the copy)
                 rows = out.view(outer, stop - start, inner)
-                per_block = max(1, READ_BLOCK_BYTES // row)
+                per_block = max(1, READ_BLOCK_BYTES // (n * inner * itemsize))
+                block = torch.empty((min(per_block, outer), n, inner), dtype=info.dtype)
                 for o in range(0, outer, per_block):
                     k = min(per_block, outer - o)
-                    block = torch.empty((k, n, inner), dtype=info.dtype)
-                    _read_into(f, info.offset + o * row, _bytes_of(block), info.file)
-                    rows[o : o + k].copy_(block[:, start:stop])
+                    _read_into(f, info.offset + o * n * inner * itemsize, _bytes_of(block[:k]), info.file)
+                    rows[o : o + k].copy_(block[:k, start:stop])
+                return out
+            flat = out.view(-1)
+            if dtype == info.dtype:  # straight into the result
+                for src, dst, count in runs:
+                    _read_into(f, src, _bytes_of(flat[dst : dst + count]), info.file)
+                return out
+            # another dtype: through a small buffer, so no full-size copy in the file's dtype ever exists
+            buf = torch.empty(min(max(r[2] for r in runs), READ_BLOCK_BYTES // itemsize), dtype=info.dtype)
+            for src, dst, count in runs:
+                for k0 in range(0, count, len(buf)):
+                    k = min(len(buf), count - k0)
+                    _read_into(f, src + k0 * itemsize, _bytes_of(buf[:k]), info.file)
+                    flat[dst + k0 : dst + k0 + k].copy_(buf[:k])
         return out
 
     def _bin(self, path: Path) -> dict[str, Any]:

@@ -24,10 +24,16 @@ log = logging.getLogger("dsx3d")
 
 class CheckpointSource:
     """Slices of a verified checkpoint. Renamed tensors are read under their checkpoint names; fused ones
-    (MoE experts) are assembled whole by transformers' converter, then sliced."""
+    (MoE experts) are assembled whole by transformers' converter, then sliced. Every tensor returned owns
+    a buffer of exactly its size (`fresh_tensors`): parameters adopt it without a copy."""
 
-    def __init__(self, files: CheckpointFiles, plan: LoadPlan, model: Any):
+    fresh_tensors = True
+
+    def __init__(self, files: CheckpointFiles, plan: LoadPlan, model: Any, dtype: torch.dtype | None = torch.float32):
         self.files, self.plan, self.model = files, plan, model
+        self.dtype = dtype
+        """What tensors are converted to while they are read (the stages build fp32 parameters; DeepSpeed
+        casts for bf16 runs): reading a bf16 file into fp32 parameters then needs no bf16 copy in between."""
         self._pending: dict[str, torch.Tensor] = {}  # other outputs of a fusion, until their turn comes
 
     def has(self, name: str) -> bool:
@@ -35,17 +41,17 @@ class CheckpointSource:
 
     def load(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         if name in self.plan.direct:
-            return self.files.read(self.plan.direct[name], dim, start, stop)
+            return self.files.read(self.plan.direct[name], dim, start, stop, self.dtype)
         tensor = self._fused(name)
-        if dim is None:
-            return tensor
-        stop = tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])
-        start = min(start, stop)
-        return tensor.narrow(dim, start, stop - start)
+        if dim is not None:
+            stop = tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])
+            start = min(start, stop)
+            tensor = tensor.narrow(dim, start, stop - start)
+        return tensor.clone()  # converter outputs may be views of a bigger tensor
 
     def _fused(self, name: str) -> torch.Tensor:
         if name not in self._pending:
-            produced = self.plan.fused[name].convert(self.model, lambda key: self.files.read(key))
+            produced = self.plan.fused[name].convert(self.model, lambda key: self.files.read(key, dtype=self.dtype))
             self._pending.update(produced)
         return self._pending.pop(name)
 
@@ -71,9 +77,16 @@ def resolve_checkpoint_dir(path: str) -> Path:
         ) from None
 
 
-def checkpoint_source(path: str, hf_config: PretrainedConfig | None = None, *, trust_remote_code: bool = False) -> CheckpointSource:
+def checkpoint_source(
+    path: str,
+    hf_config: PretrainedConfig | None = None,
+    *,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype | None = torch.float32,
+) -> CheckpointSource:
     """Verify the checkpoint at `path` against the model of `hf_config` (default: its own config.json)
-    and return its source; raise `UserError` with every problem found. Reads headers only."""
+    and return its source; raise `UserError` with every problem found. Reads headers only. Tensors are
+    read as `dtype` (None: as stored)."""
     root = resolve_checkpoint_dir(path)
     if hf_config is None:
         hf_config = AutoConfig.from_pretrained(str(root), trust_remote_code=trust_remote_code)
@@ -85,4 +98,4 @@ def checkpoint_source(path: str, hf_config: PretrainedConfig | None = None, *, t
         raise UserError(problems)
     if plan.ignored:
         log.info("checkpoint %s: not loading %d tensors the model rebuilds itself (%s)", root, len(plan.ignored), ", ".join(plan.ignored[:3]))
-    return CheckpointSource(files, plan, model)
+    return CheckpointSource(files, plan, model, dtype)

@@ -21,6 +21,7 @@ COMMANDS = [
     "cmd_estimate",
     "cmd_train",
     "cmd_export",
+    "cmd_accelerate_config",
 ]
 
 

@@ -1,12 +1,15 @@
 """`dsx3d export CHECKPOINT_DIR OUT_DIR`: a dsx3d DeepSpeed checkpoint -> a standard Hugging Face checkpoint.
 
 One process, one pipeline layer in memory at a time; any (dp, tp, pp) of the training run. The output loads
-with `AutoModelForCausalLM.from_pretrained` and trains again under any layout (model.name_or_path).
+with `AutoModelForCausalLM.from_pretrained` and trains again under any layout (model.name_or_path), with a
+fresh optimizer. `--universal` writes a DeepSpeed universal checkpoint instead: weights and optimizer state,
+for resuming under another layout (dsx3d.checkpoint.universal).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -21,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Merge the TP shards and pipeline layers of a dsx3d checkpoint into a Hugging Face checkpoint: "
             "safetensors shards with model.safetensors.index.json, config.json, generation_config.json and "
             "tokenizer files. Every layer file is checked before anything is written; OUT_DIR is replaced "
-            "atomically. Weights only: optimizer state stays in the DeepSpeed checkpoint."
+            "atomically. Weights only: a run resumed from it starts a fresh optimizer. With --universal, write "
+            "instead a DeepSpeed universal checkpoint (weights and optimizer state) that a run with another "
+            "(dp, tp, pp) resumes from (the checkpoint must have been saved with universal_checkpoint_info)."
         ),
     )
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="OUTPUT_DIR/checkpoints (its `latest` tag) or one tag directory")
@@ -30,12 +35,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written tensors (default: the checkpoint's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)")
     p.add_argument("--tokenizer", help="directory of tokenizer files to include (default: the checkpoint's, else the recipe's)")
+    p.add_argument("--universal", action="store_true", help="write a DeepSpeed universal checkpoint (with optimizer state) instead")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsx3d.checkpoint.offline import export_checkpoint
+    from dsx3d.checkpoint.offline import export_checkpoint, resolve_tag_dir
 
+    if args.universal:
+        from dsx3d.checkpoint.universal import to_universal
+
+        print(to_universal(resolve_tag_dir(Path(args.checkpoint_dir), args.tag), args.out_dir))
+        return 0
     out = export_checkpoint(
         args.checkpoint_dir,
         args.out_dir,

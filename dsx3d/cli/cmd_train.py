@@ -8,6 +8,7 @@ recipe's process count and `--module dsx3d.train`. Arguments it does not know go
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shlex
 import signal
@@ -26,7 +27,11 @@ def _own_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostfile", help="DeepSpeed hostfile ('hostname slots=N' per node) for a multi-node job")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoints/latest")
-    mode.add_argument("--overwrite", action="store_true", help="start over, deleting an earlier run's checkpoints and metrics")
+    mode.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over, deleting an earlier run's checkpoints and metrics",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
 
 
@@ -64,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if opts.hostfile is not None:
         check_hosts(read_hostfile(opts.hostfile), recipe)
     rank_args = ["--resume"] if opts.resume else ["--overwrite"] if opts.overwrite else []
-    cmd = launcher_command(args.recipe, recipe, hostfile=opts.hostfile, launcher_args=launcher_args, rank_args=rank_args)
+    cmd = launcher_command(
+        args.recipe, recipe, hostfile=opts.hostfile, launcher_args=launcher_args, rank_args=rank_args
+    )
     log.info("launching: %s", shlex.join(cmd))
     if opts.dry_run:
         print(shlex.join(cmd))
@@ -81,5 +88,16 @@ def _run_launcher(cmd: list[str]) -> int:
     except KeyboardInterrupt:
         code = proc.wait()
     if code != 0:
-        print(f"dsx3d train: the job failed (launcher exit code {code}); the failing rank's message is above", file=sys.stderr)
+        print(
+            f"dsx3d train: the job failed ({describe_exit(code)}); the failing rank's message is above",
+            file=sys.stderr,
+        )
     return code if code >= 0 else 128 - code
+
+
+def describe_exit(code: int) -> str:
+    """The launcher exits with a failed rank's return code, a signal -N arriving as 256 - N."""
+    if code > 256 - 64:
+        with contextlib.suppress(ValueError):
+            return f"launcher exit code {code}: a rank was killed by {signal.Signals(256 - code).name}"
+    return f"launcher exit code {code}"

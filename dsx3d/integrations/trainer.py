@@ -239,8 +239,11 @@ class Trainer(transformers.Trainer):
                 param_groups=self._param_groups,
             )
             state.source = None  # the weights are in the engine now; a state-dict source can go
-            # HF's scheduler (over EngineOptimizer) sets the learning rate; DeepSpeed's must not step as well.
+            # HF's scheduler (over EngineOptimizer) sets the learning rate. DeepSpeed's, built from the config,
+            # must not step as well, and the rate it set at construction (its warm-up start) must not stay.
             state.run.engine.lr_scheduler = None
+            for group in state.run.engine.optimizer.param_groups:
+                group["lr"] = args.learning_rate
             state.loss = TokenWeightedLoss(state.run.module.loss_fn)
             state.run.module.loss_fn = state.loss
         return state.run
@@ -359,7 +362,7 @@ class Trainer(transformers.Trainer):
             batch_sampler=batches,
             collate_fn=collator,
             num_workers=workers,
-            pin_memory=args.dataloader_pin_memory,
+            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
             persistent_workers=args.dataloader_persistent_workers if workers else False,
             prefetch_factor=args.dataloader_prefetch_factor if workers else None,
         )
@@ -397,7 +400,9 @@ class Trainer(transformers.Trainer):
 
     def _count_over_dp(self, local: int) -> int:
         """Sum of `local` over the DP ranks (every tp x pp rank of a DP rank holds the same count)."""
-        t = comm.all_reduce_sum(torch.tensor([local], dtype=torch.int64))
+        t = comm.all_reduce_sum(
+            torch.tensor([local], dtype=torch.int64, device=self.args.device)
+        )  # nccl: on GPU
         return int(t.item()) // (self.layout.tp * self.layout.pp)
 
     def _clip_grad_norm(self, model: Any) -> float:

@@ -137,7 +137,9 @@ class Checkpointer:
         if rank == 0:
             write_text_atomic(self.dir / LATEST, tag)
             deleted = prune(self.dir, self.keep)
-            log.info("checkpoint %s saved%s", self.dir / tag, f"; deleted {', '.join(deleted)}" if deleted else "")
+            log.info(
+                "checkpoint %s saved%s", self.dir / tag, f"; deleted {', '.join(deleted)}" if deleted else ""
+            )
         return tag
 
     def load_latest(self) -> tuple[str, dict[str, Any]] | None:

@@ -37,7 +37,12 @@ def read_hostfile(path: str | Path) -> list[Host]:
     """DeepSpeed's hostfile format: one `hostname slots=N` per line; # comments and blank lines skipped."""
     p = Path(path)
     if not p.is_file():
-        raise UserError.single("--hostfile", str(p), "file not found", "pass a hostfile with one 'hostname slots=N' line per node")
+        raise UserError.single(
+            "--hostfile",
+            str(p),
+            "file not found",
+            "pass a hostfile with one 'hostname slots=N' line per node",
+        )
     hosts = []
     for number, raw in enumerate(p.read_text().splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
@@ -46,10 +51,14 @@ def read_hostfile(path: str | Path) -> list[Host]:
         parts = line.split()
         match = _SLOTS.match(parts[1]) if len(parts) == 2 else None
         if match is None:
-            raise UserError.single(f"--hostfile {p} line {number}", raw, "expected 'hostname slots=N'", "fix the line")
+            raise UserError.single(
+                f"--hostfile {p} line {number}", raw, "expected 'hostname slots=N'", "fix the line"
+            )
         hosts.append(Host(parts[0], int(match.group(1))))
     if not hosts:
-        raise UserError.single("--hostfile", str(p), "lists no hosts", "add one 'hostname slots=N' line per node")
+        raise UserError.single(
+            "--hostfile", str(p), "lists no hosts", "add one 'hostname slots=N' line per node"
+        )
     return hosts
 
 
@@ -58,7 +67,10 @@ def check_hosts(hosts: list[Host], recipe: Recipe) -> None:
     nodes, per_node = recipe.cluster.nodes, recipe.cluster.gpus_per_node
     if len(hosts) < nodes:
         raise UserError.single(
-            "--hostfile", f"{len(hosts)} host(s)", f"the recipe needs cluster.nodes = {nodes}", "list every node, or lower cluster.nodes"
+            "--hostfile",
+            f"{len(hosts)} host(s)",
+            f"the recipe needs cluster.nodes = {nodes}",
+            "list every node, or lower cluster.nodes",
         )
     short = [h.name for h in hosts[:nodes] if h.slots < per_node]
     if short:

@@ -1,13 +1,13 @@
 """The run directory (recipe.output_dir) and what is saved beside the run.
 
-    OUTPUT_DIR/recipe.yaml         the resolved recipe (every default filled in)
-    OUTPUT_DIR/ds_config.json      the DeepSpeed config the engine was built with
-    OUTPUT_DIR/placement.json      every rank: host, pid, the launcher's node, and its pp/dp/tp coordinates
-    OUTPUT_DIR/tokenizer/          the tokenizer (save_pretrained)
-    OUTPUT_DIR/metrics.jsonl       one JSON object per logged step
-    OUTPUT_DIR/loss.png            the loss curve, drawn at the end
-    OUTPUT_DIR/checkpoints/        see dsx3d.run.checkpointing
-    OUTPUT_DIR/hf/                 the Hugging Face export at the end
+OUTPUT_DIR/recipe.yaml         the resolved recipe (every default filled in)
+OUTPUT_DIR/ds_config.json      the DeepSpeed config the engine was built with
+OUTPUT_DIR/placement.json      every rank: host, pid, the launcher's node, and its pp/dp/tp coordinates
+OUTPUT_DIR/tokenizer/          the tokenizer (save_pretrained)
+OUTPUT_DIR/metrics.jsonl       one JSON object per logged step
+OUTPUT_DIR/loss.png            the loss curve, drawn at the end
+OUTPUT_DIR/checkpoints/        see dsx3d.run.checkpointing
+OUTPUT_DIR/hf/                 the Hugging Face export at the end
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def clear_previous_run(paths: RunPaths) -> None:
         path.unlink(missing_ok=True)
 
 
-def save_run_files(paths: RunPaths, recipe_yaml: str, ds_config: dict[str, Any], placement: list[dict[str, Any]]) -> None:
+def save_run_files(
+    paths: RunPaths, recipe_yaml: str, ds_config: dict[str, Any], placement: list[dict[str, Any]]
+) -> None:
     write_text_atomic(paths.recipe, recipe_yaml)
     write_text_atomic(paths.ds_config, json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
     write_text_atomic(paths.placement, json.dumps(placement, indent=1) + "\n")

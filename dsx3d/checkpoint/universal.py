@@ -1,0 +1,105 @@
+"""Resharding with optimizer state: DeepSpeed's universal checkpoint.
+
+An export (dsx3d.checkpoint.export) carries weights only; a resumed run starts a fresh optimizer. To move a
+run to another (dp, tp, pp) with its Adam moments and step count, DeepSpeed can rewrite a ZeRO-1/2
+checkpoint as one file per parameter ("universal"), which any layout loads with
+`"checkpoint": {"load_universal": true}`. Its converter (deepspeed.checkpoint.ds_to_universal) must be told
+how each parameter is split over TP, through `universal_checkpoint_info` saved with the checkpoint (client
+state): which parameters are replicated, which are split along dim 1 (rowwise), which are vocabulary-sized
+(padding to strip) and the real vocabulary size. Columnwise is the default (dim 0). The info must name the
+parameters of every stage, so it is all-gathered before saving.
+
+Steps: save with `universal_client_state(run)` merged into the client state; convert with `to_universal`
+(or `dsx3d export --universal`); build the new layout's engine with `LOAD_UNIVERSAL` in ds_overrides and
+`engine.load_checkpoint(dir, tag)`. Pipeline parameter names are global ("3.layer.mlp.up_proj.weight"), so
+they match across pp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from deepspeed.checkpoint.constants import (
+    PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    TP_REPLICATED_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    VOCABULARY_PARAMETER_PATTERNS,
+)
+
+from dsx3d.dist import comm
+from dsx3d.errors import UserError
+
+if TYPE_CHECKING:
+    from dsx3d.engine import Engine3D
+
+LOAD_UNIVERSAL: dict[str, Any] = {"checkpoint": {"load_universal": True}}
+"""ds_overrides for build_engine: the new layout's engine then loads universal checkpoints."""
+
+
+def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
+    """How every parameter of every stage is split over TP, as ds_to_universal reads it. A collective."""
+    builder = run.module.dsx3d_builder
+    vocab_names = {f"{builder.plan.base_prefix}.{builder.plan.embed_name}.weight", f"{builder.plan.head_name}.weight"}
+    mine = []
+    for name, p in run.module.named_parameters():
+        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
+        mine.append((name, dim, getattr(p, "hf_name", None) in vocab_names and p.dim() == 2))
+    everyone = {entry for rank in comm.all_gather_object(mine) for entry in rank}  # type: ignore[attr-defined]
+
+    def patterns(keep: Any) -> list[str]:
+        return sorted({f"^{re.escape(name)}$" for name, dim, vocab in everyone if keep(dim, vocab)})
+
+    return {
+        TP_REPLICATED_PARAMETER_PATTERNS: patterns(lambda dim, vocab: dim is None),
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: patterns(lambda dim, vocab: dim == 1),
+        VOCABULARY_PARAMETER_PATTERNS: patterns(lambda dim, vocab: vocab and dim == 0),
+        "original_vocab_size": builder.vocab,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    }
+
+
+def universal_client_state(run: Engine3D) -> dict[str, Any]:
+    """Merge into `client_state` of `engine.save_checkpoint` so the checkpoint can become universal."""
+    return {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(run)}
+
+
+def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) -> Path:
+    """Rewrite a saved tag directory as a universal checkpoint in `out_dir` (one process; deepspeed's own
+    converter). `out_dir` is replaced; load it with engine.load_checkpoint(out_dir.parent, tag=out_dir.name)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag_dir, out = Path(tag_dir), Path(out_dir).absolute()
+    states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    if not states:
+        raise UserError.single("CHECKPOINT_DIR", str(tag_dir), "no mp_rank_XX_model_states.pt: not a DeepSpeed checkpoint tag", "pass a tag directory")
+    if UNIVERSAL_CHECKPOINT_INFO not in torch.load(states[0], map_location="cpu", weights_only=True, mmap=True):
+        raise UserError.single(
+            "CHECKPOINT_DIR", str(tag_dir), "saved without universal_checkpoint_info, so its TP splits are unknown",
+            "save with dsx3d.checkpoint.universal.universal_client_state(run) in the client state; or export "
+            "to Hugging Face format (weights only) and resume from that",
+        )
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "zero").is_dir())):
+        raise UserError.single(
+            "OUT_DIR", str(out), "exists and is not a universal checkpoint, so it will not be replaced", "choose a new or empty directory"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    args = argparse.Namespace(
+        input_folder=str(tag_dir), output_folder=str(staging), num_extract_workers=workers, num_merge_workers=workers,
+        keep_temp_folder=False, strict=True, inject_missing_state=False,
+    )
+    with contextlib.redirect_stdout(sys.stderr):  # the converter prints progress on stdout
+        ds_to_universal.main(args)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return out

@@ -1,0 +1,44 @@
+"""`dsx3d accelerate-config RECIPE -o FILE.yaml`: an accelerate launch config and the DeepSpeed JSON it names."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dsx3d.checker import check_recipe, raise_for_errors
+from dsx3d.cli.cmd_check import positive_int
+from dsx3d.ds_config import write_ds_config
+from dsx3d.integrations.accelerate_config import accelerate_config, write_accelerate_config
+from dsx3d.recipe import load_recipe
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "accelerate-config",
+        help="write an accelerate launch config (DeepSpeed) for a recipe",
+        description="Check the recipe (errors: exit 2), write its DeepSpeed JSON and an accelerate config naming it, "
+        "with the recipe's process and machine counts. Then: accelerate launch --config_file FILE.yaml SCRIPT.",
+    )
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("-o", "--output", required=True, help="accelerate config to write (YAML)")
+    p.add_argument(
+        "--ds-config", help="DeepSpeed JSON to write (default: next to the output, <name>.ds.json)"
+    )
+    p.add_argument(
+        "--main-process-ip", help="address of the node with machine_rank 0 (required for several nodes)"
+    )
+    p.add_argument("--main-process-port", type=positive_int, default=29500, help="its port (default: 29500)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.recipe)
+    raise_for_errors(check_recipe(recipe))
+    output = Path(args.output)
+    ds_path = Path(args.ds_config) if args.ds_config else output.with_name(f"{output.stem}.ds.json")
+    config = accelerate_config(
+        recipe, ds_path, main_process_ip=args.main_process_ip, main_process_port=args.main_process_port
+    )
+    write_ds_config(recipe, ds_path)
+    print(write_accelerate_config(config, output))  # on stdout, for scripts
+    return 0
