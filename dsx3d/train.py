@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
+from deepspeed.utils import logger as ds_logger
 
 from dsx3d.data import MicroBatchStream, build_train_data
 from dsx3d.dist import comm
@@ -40,7 +41,7 @@ from dsx3d.run.outputs import (
     save_run_files,
 )
 from dsx3d.run.plot import plot_loss
-from dsx3d.run.progress import Reporter
+from dsx3d.run.progress import Reporter, TqdmHandler
 from dsx3d.run.ranks import (
     PeerDied,
     RankInfo,
@@ -85,7 +86,7 @@ def train(
         _save_beside_run(
             paths, recipe, run, tokenizer, check_placement(peers, run.layout, info), info, fresh=start == 0
         )
-        end = min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps)
+        end = max(start, min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps))
         losses = _train_steps(recipe, run, stream, ckpt, paths, start, end, info)
         if end == recipe.train.steps:
             _finish(run, paths, tokenizer, info)
@@ -170,7 +171,7 @@ def _train_steps(
             if train.save_interval and step % train.save_interval == 0:
                 ckpt.save(step, _client_state(step, stream, run))
                 saved = step
-        if saved != end:
+        if saved != end:  # the last step, or where stop_at ended the call
             ckpt.save(end, _client_state(end, stream, run))
     finally:
         reporter.close()
@@ -215,8 +216,6 @@ def _describe(run: Engine3D) -> str:
 def _quietly(fn: Any, *args: Any) -> Any:
     """DeepSpeed's pipeline set-up prints its topology and seeds on every rank, and warns that the LR
     schedule has not started; keep the console for the run's own output."""
-    from deepspeed.utils import logger as ds_logger
-
     level = ds_logger.level
     ds_logger.setLevel(logging.ERROR)
     try:
@@ -255,10 +254,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def setup_logging(rank: int) -> None:
     """Rank 0 logs progress (above its bar); the other ranks only warnings and errors, tagged with their rank."""
-    from deepspeed.utils import logger as ds_logger
-
-    from dsx3d.run.progress import TqdmHandler
-
     handler: logging.Handler = TqdmHandler() if rank == 0 else logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         logging.Formatter("[dsx3d] %(message)s" if rank == 0 else f"[dsx3d rank {rank}] %(message)s")
@@ -290,11 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         for problem in err.problems:
             log.error("%s", problem)
         return _exit_now(2)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group: say it once
+        if rank == 0:
+            log.error("interrupted")
+        return _exit_now(130)
     except BaseException as err:  # report which rank failed and why, then leave without waiting on peers
         log.error("%s", failure_message(info, err))
         if not isinstance(err, PeerDied) and not is_peer_lost(err):
             traceback.print_exc()
-        return _exit_now(130 if isinstance(err, KeyboardInterrupt) else 1)
+        return _exit_now(1)
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -36,8 +36,14 @@ def bench_model_config() -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-        vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
     )
 
 
@@ -68,8 +74,13 @@ def rank_worker(rank: int, path: str) -> dict[str, Any]:
     own = sum(p.numel() * p.element_size() for p in params)
     placement = layout.placement(rank)
     return {
-        "rank": rank, "pp": placement.pp, "tp": placement.tp, "params": sum(p.numel() for p in params),
-        "own_share_mb": own / 2**20, "rss_delta_mb": (after - before) / 1024, "peak_delta_mb": (peak - before) / 1024,
+        "rank": rank,
+        "pp": placement.pp,
+        "tp": placement.tp,
+        "params": sum(p.numel() for p in params),
+        "own_share_mb": own / 2**20,
+        "rss_delta_mb": (after - before) / 1024,
+        "peak_delta_mb": (peak - before) / 1024,
         "load_s": seconds,
     }
 
@@ -88,7 +99,13 @@ def hf_worker(rank: int, path: str) -> dict[str, Any]:
     gc.collect()
     after, peak = bc.proc_status_kb("VmRSS"), bc.proc_status_kb("VmHWM")
     own = sum(p.numel() * p.element_size() for p in params)
-    return {"params": sum(p.numel() for p in params), "weights_mb": own / 2**20, "rss_delta_mb": (after - before) / 1024, "peak_delta_mb": (peak - before) / 1024, "load_s": seconds}
+    return {
+        "params": sum(p.numel() for p in params),
+        "weights_mb": own / 2**20,
+        "rss_delta_mb": (after - before) / 1024,
+        "peak_delta_mb": (peak - before) / 1024,
+        "load_s": seconds,
+    }
 
 
 def write_checkpoint(rank: int, path: str, dtype: str) -> int:
@@ -104,7 +121,12 @@ def write_checkpoint(rank: int, path: str, dtype: str) -> int:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the checkpoint on disk (the model loads in fp32)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="dtype of the checkpoint on disk (the model loads in fp32)",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
     args = parser.parse_args(argv)
     warm_up()
@@ -126,7 +148,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         **meta,
         "what": "per-rank RSS delta of building a tp=2 x pp=2 stage from an HF checkpoint (weights touched) / the rank's own parameter bytes; and vs a plain from_pretrained in the same run",
-        "model": {"params": n_params, "checkpoint_dtype": args.dtype, "model_dtype": "fp32", "shards": "500MB", "config": "llama h1024 L16 ffn4096 heads16/8 vocab32000 untied"},
+        "model": {
+            "params": n_params,
+            "checkpoint_dtype": args.dtype,
+            "model_dtype": "fp32",
+            "shards": "500MB",
+            "config": "llama h1024 L16 ffn4096 heads16/8 vocab32000 untied",
+        },
         "ranks": ranks,
         "from_pretrained": {k: bc.rounded(v) if isinstance(v, float) else v for k, v in hf.items()},
         "worst_ratio_to_own_share": bc.rounded(worst),
@@ -140,7 +168,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['ratio_to_from_pretrained']:.2f} of from_pretrained, {r['load_s']:.1f}s",
             flush=True,
         )
-    print(f"from_pretrained: weights {hf['weights_mb']:.0f} MB, RSS delta {hf['rss_delta_mb']:.0f} MB, peak {hf['peak_delta_mb']:.0f} MB, {hf['load_s']:.1f}s", flush=True)
+    print(
+        f"from_pretrained: weights {hf['weights_mb']:.0f} MB, RSS delta {hf['rss_delta_mb']:.0f} MB, peak {hf['peak_delta_mb']:.0f} MB, {hf['load_s']:.1f}s",
+        flush=True,
+    )
     bc.emit("load_memory", result, write=not args.no_write)
     return result
 

@@ -244,6 +244,28 @@ def run_layout(
     return rows
 
 
+def layer_saved_values(config: Any, micro_batch: int, seq_len: int) -> float:
+    """Values per token, in units of h, that one HF decoder layer saves for backward (the same hook, one
+    process, the layer on its own): the per-layer figure to hold against Korthikanti's 17 (34 bytes / 2)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config).float()
+    meter = SavedTensorMeter()
+    meter.exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+    hidden = model.model.embed_tokens(ids).detach().requires_grad_()
+    positions = torch.arange(seq_len)[None]
+    cos_sin = model.model.rotary_emb(hidden, positions)
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        out = model.model.layers[0](
+            hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions
+        )
+    width = hidden.element_size()
+    values = meter.bytes / (micro_batch * seq_len * config.hidden_size * width)
+    del out
+    return values
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, two layouts: a smoke run")
@@ -268,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "dtype": work.dtype,
             "zero_stage": 1,
         },
+        "layer_saved_values_per_token_over_h": bc.rounded(
+            layer_saved_values(config, work.micro_batch, work.seq_len), 4
+        ),
         "goal_abs_error": 0.10,
         "worst_abs_error_total": bc.rounded(worst, 3),
         "meets_goal": worst <= 0.10,

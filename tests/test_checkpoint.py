@@ -20,7 +20,13 @@ from dsx3d.errors import UserError
 from dsx3d.families import tiny_config
 
 
-def _save(path: Path, model_type: str = "llama", dtype: torch.dtype = torch.float32, shard: str = "20KB", **overrides: object) -> AutoModelForCausalLM:
+def _save(
+    path: Path,
+    model_type: str = "llama",
+    dtype: torch.dtype = torch.float32,
+    shard: str = "20KB",
+    **overrides: object,
+) -> AutoModelForCausalLM:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).to(dtype)
     model.save_pretrained(path, max_shard_size=shard)
@@ -49,8 +55,14 @@ def test_slices_of_a_sharded_checkpoint_equal_the_full_tensors(tmp_path: Path, d
             n = full.shape[dim]
             # a middle slice, and one running past the end (vocab padding: clipped, the caller pads)
             assert torch.equal(source.load(name, dim, 1, n - 1), full.narrow(dim, 1, n - 2)), (name, dim)
-            assert torch.equal(source.load(name, dim, n // 2, n + 7), full.narrow(dim, n // 2, n - n // 2)), (name, dim)
-            assert torch.equal(as_fp32.load(name, dim, 1, n - 1), full.narrow(dim, 1, n - 2).float()), (name, dim)
+            assert torch.equal(source.load(name, dim, n // 2, n + 7), full.narrow(dim, n // 2, n - n // 2)), (
+                name,
+                dim,
+            )
+            assert torch.equal(as_fp32.load(name, dim, 1, n - 1), full.narrow(dim, 1, n - 2).float()), (
+                name,
+                dim,
+            )
 
 
 def test_small_segments_are_read_in_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +172,9 @@ def test_bin_with_code_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     model = _save(tmp_path / "st")
     model.config.save_pretrained(tmp_path / "bin")
     _Payload.marker = str(tmp_path / "pwned")
-    torch.save({"model.embed_tokens.weight": torch.zeros(1), "extra": _Payload()}, tmp_path / "bin" / BIN_SINGLE)
+    torch.save(
+        {"model.embed_tokens.weight": torch.zeros(1), "extra": _Payload()}, tmp_path / "bin" / BIN_SINGLE
+    )
     with pytest.raises(UserError, match="never runs code"):
         checkpoint_source(str(tmp_path / "bin"))
     assert not (tmp_path / "pwned").exists()
@@ -178,13 +192,20 @@ def test_a_bf16_checkpoint_builds_fp32_parameters_for_an_fp32_run(tmp_path: Path
     _save(tmp_path, dtype=torch.bfloat16)
     config = AutoConfig.from_pretrained(tmp_path)
     assert config.dtype == torch.bfloat16
-    builder = StageBuilder(config, resolve_family(config), TPContext(), checkpoint_source(str(tmp_path), config))
+    builder = StageBuilder(
+        config, resolve_family(config), TPContext(), checkpoint_source(str(tmp_path), config)
+    )
     layer = DecoderStage(builder, 0)
     assert {p.dtype for p in layer.parameters()} == {torch.float32}
 
 
 def test_streaming_writer_writes_valid_safetensors(tmp_path: Path) -> None:
-    tensors = {"b": torch.randn(3, 4).to(torch.bfloat16), "a": torch.randn(5), "s": torch.tensor(2.5), "e": torch.zeros(0, 3)}
+    tensors = {
+        "b": torch.randn(3, 4).to(torch.bfloat16),
+        "a": torch.randn(5),
+        "s": torch.tensor(2.5),
+        "e": torch.zeros(0, 3),
+    }
     entries = [Entry(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
     writer = SafetensorsWriter(tmp_path / "x.safetensors", entries)
     for n, t in tensors.items():
@@ -205,8 +226,14 @@ def test_files_are_packed_by_size_and_never_span_segments() -> None:
 
     files = plan_files([[group(10), group(10), group(30)], [group(5)]], max_shard_bytes=100)
     assert [[e.name for e in f.entries] for f in files] == [["t10", "t10"], ["t30"], ["t5"]]
-    assert [f.segment for f in files] == [0, 0, 0 + 1 - 1 + 1] and files[-1].name == "model-00003-of-00003.safetensors"
-    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 1024**3 and parse_size("500MB") == 5 * 10**8
+    assert [f.segment for f in files] == [0, 0, 0 + 1 - 1 + 1] and files[
+        -1
+    ].name == "model-00003-of-00003.safetensors"
+    assert (
+        parse_size("5GB") == 5 * 10**9
+        and parse_size("2GiB") == 2 * 1024**3
+        and parse_size("500MB") == 5 * 10**8
+    )
 
 
 def test_export_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:

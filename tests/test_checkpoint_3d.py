@@ -42,7 +42,9 @@ def _recipe(case: ParityCase, path: Path) -> Recipe:
 
 
 def _micro(case: ParityCase, batch: torch.Tensor, dp_rank: int) -> Any:
-    return iter([(ids, ids) for ids in (micro_batch(case, batch, k, dp_rank) for k in range(case.micro_batches))])
+    return iter(
+        [(ids, ids) for ids in (micro_batch(case, batch, k, dp_rank) for k in range(case.micro_batches))]
+    )
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -106,11 +108,15 @@ def test_load_then_export_is_bit_identical(tmp_path: Path, name: str) -> None:
     assert len(list(src.glob("*.safetensors"))) > 2
     case = ParityCase(config, dp=1, tp=2, pp=2, dtype=run_dtype)
     ids = make_batches(case)[0][:2]
-    logits = [x for x in run_ranks(_roundtrip_rank, case.world_size, _recipe(case, src), out, ids) if x is not None]
+    logits = [
+        x for x in run_ranks(_roundtrip_rank, case.world_size, _recipe(case, src), out, ids) if x is not None
+    ]
 
     _assert_identical(src, out)
     reloaded = _hf_loads_cleanly(out)
-    assert reloaded.dtype == dtype and json.loads((out / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    assert reloaded.dtype == dtype and json.loads((out / "config.json").read_text())["dtype"] == str(
+        dtype
+    ).removeprefix("torch.")
     assert (out / "generation_config.json").is_file()
     if run_dtype == "fp32":
         reference = AutoModelForCausalLM.from_pretrained(src).eval()
@@ -124,7 +130,9 @@ def test_load_then_export_is_bit_identical(tmp_path: Path, name: str) -> None:
 # -- training, export, offline export, resharding ----------------------------------------------------------
 
 
-def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, heldout: torch.Tensor, tmp: Path) -> dict[str, Any]:
+def _train_rank(
+    rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, heldout: torch.Tensor, tmp: Path
+) -> dict[str, Any]:
     from dsx3d.checkpoint.export import export_hf
     from dsx3d.checkpoint.universal import universal_client_state
     from dsx3d.engine import build_engine
@@ -133,7 +141,9 @@ def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tens
     dp_rank = run.placement.dp
     losses = [run.train_step(_micro(case, batches[t], dp_rank)) for t in range(2)]
     eval_loss = run.eval_loss(_micro(case, heldout, dp_rank))
-    run.engine.save_checkpoint(str(tmp / "checkpoints"), tag="step-000002", client_state=universal_client_state(run))
+    run.engine.save_checkpoint(
+        str(tmp / "checkpoints"), tag="step-000002", client_state=universal_client_state(run)
+    )
     if rank == 0:  # what the training worker stores with each tag
         (tmp / "checkpoints" / "step-000002" / "dsx3d_recipe.yaml").write_text(dump_recipe(recipe))
     export_hf(run, tmp / "export")
@@ -141,7 +151,9 @@ def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tens
     return {"losses": losses, "eval": eval_loss}
 
 
-def _resume_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, universal: Path | None) -> list[float]:
+def _resume_rank(
+    rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, universal: Path | None
+) -> list[float]:
     from dsx3d.checkpoint.universal import LOAD_UNIVERSAL
     from dsx3d.engine import build_engine
 
@@ -161,7 +173,9 @@ def test_train_export_offline_export_and_reshard(tmp_path: Path) -> None:
     case = ParityCase(config, dp=2, tp=2, pp=2, steps=5, lr=3e-3)
     batches = make_batches(case)
     heldout = batches[4]
-    results = run_ranks(_train_rank, case.world_size, case, _recipe(case, tmp_path / "hf"), batches, heldout, tmp_path)
+    results = run_ranks(
+        _train_rank, case.world_size, case, _recipe(case, tmp_path / "hf"), batches, heldout, tmp_path
+    )
     losses, eval_loss = results[0]["losses"], results[0]["eval"]
     before, after = _tensors(tmp_path / "hf"), _tensors(tmp_path / "export")
     assert all(not torch.equal(before[n], after[n]) for n in before if "norm" not in n)  # it trained
@@ -182,7 +196,9 @@ def test_train_export_offline_export_and_reshard(tmp_path: Path) -> None:
     (ckpt / "latest").write_text("step-000002")
     assert main(["export", str(ckpt), str(tmp_path / "offline")]) == 0
     _assert_identical(tmp_path / "export", tmp_path / "offline")
-    assert json.loads((tmp_path / "offline" / "config.json").read_text()) == json.loads((tmp_path / "export" / "config.json").read_text())
+    assert json.loads((tmp_path / "offline" / "config.json").read_text()) == json.loads(
+        (tmp_path / "export" / "config.json").read_text()
+    )
 
     # a broken checkpoint: every bad file named, nothing written
     broken = tmp_path / "broken"

@@ -35,7 +35,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_recipe(path: Path, output_dir: Path, cache_dir: Path, *, nodes: int = 1, steps: int = STEPS) -> Path:
+def write_recipe(
+    path: Path, output_dir: Path, cache_dir: Path, *, nodes: int = 1, steps: int = STEPS
+) -> Path:
     recipe = {
         "model": {
             "config": {
@@ -76,7 +78,9 @@ def environment(tmp: Path) -> dict[str, str]:
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT_S) -> int:
@@ -109,7 +113,13 @@ def single_launcher(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -
         tmp / "out.log",
     )
     code = finish(proc)
-    return {"tmp": tmp, "out": tmp / "run", "code": code, "log": (tmp / "out.log").read_text(), "seconds": time.monotonic() - began}
+    return {
+        "tmp": tmp,
+        "out": tmp / "run",
+        "code": code,
+        "log": (tmp / "out.log").read_text(),
+        "seconds": time.monotonic() - began,
+    }
 
 
 def test_dsx3d_train_runs_end_to_end(single_launcher: dict[str, Any]) -> None:
@@ -170,7 +180,9 @@ def test_two_nodes_on_loopback_place_ranks_as_the_layout_says(
     assert losses_of(tmp_path / "run") == pytest.approx(losses_of(single_launcher["out"]), abs=1e-6, rel=0)
 
 
-def test_torchrun_runs_the_same_training(single_launcher: dict[str, Any], tmp_path: Path, cache_dir: Path) -> None:
+def test_torchrun_runs_the_same_training(
+    single_launcher: dict[str, Any], tmp_path: Path, cache_dir: Path
+) -> None:
     recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", cache_dir)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "4",
@@ -193,7 +205,9 @@ def test_killed_rank_stops_the_whole_job_and_is_named(tmp_path: Path, cache_dir:
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         while len(read_metrics(tmp_path / "run" / "metrics.jsonl")) < 2:  # training is under way
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out.log").read_text()[-4000:]
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out.log").read_text()[
+                -4000:
+            ]
             time.sleep(0.5)
         victim = next(
             p
@@ -211,4 +225,6 @@ def test_killed_rank_stops_the_whole_job_and_is_named(tmp_path: Path, cache_dir:
     log = (tmp_path / "out.log").read_text()
     assert code != 0
     assert stopped_after < 60, stopped_after
-    assert f"rank 2 (node 0, local_rank 2, host {socket.gethostname()}, pid {victim.pid}) died" in log, log[-4000:]
+    assert f"rank 2 (node 0, local_rank 2, host {socket.gethostname()}, pid {victim.pid}) died" in log, log[
+        -4000:
+    ]

@@ -18,7 +18,7 @@ from dsx3d.run.checkpointing import LATEST, RECIPE_FILE, read_latest, tag_for
 from dsx3d.run.metrics import read_metrics
 from dsx3d.testing.harness import RankFailure, run_ranks
 
-pytestmark = pytest.mark.usefixtures("warm")
+pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
 WORLD = 8
 STEPS = 6
@@ -114,7 +114,9 @@ def test_resume_trains_exactly_like_an_uninterrupted_run(
     reference_records = read_metrics(ref_out / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [r["lr"] for r in resumed] == pytest.approx([r["lr"] for r in reference_records], rel=1e-9)
-    assert [r["grad_norm"] for r in resumed] == pytest.approx([r["grad_norm"] for r in reference_records], abs=1e-5)
+    assert [r["grad_norm"] for r in resumed] == pytest.approx(
+        [r["grad_norm"] for r in reference_records], abs=1e-5
+    )
 
 
 def test_kill_during_a_save_resumes_from_the_previous_checkpoint(

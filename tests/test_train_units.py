@@ -53,13 +53,26 @@ def _recipe(tmp_path: Path, **sections: dict) -> Path:
 
 
 def test_single_node_command_starts_gpus_per_node_ranks_of_the_module() -> None:
-    cmd = launcher_command("r.yaml", load_recipe(TINY), hostfile=None, launcher_args=[], rank_args=["--resume"])
+    cmd = launcher_command(
+        "r.yaml", load_recipe(TINY), hostfile=None, launcher_args=[], rank_args=["--resume"]
+    )
     assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
-    assert cmd[3:] == ["--num_gpus", "8", "--log_level", "warning", "--module", "dsx3d.train", "r.yaml", "--resume"]
+    assert cmd[3:] == [
+        "--num_gpus",
+        "8",
+        "--log_level",
+        "warning",
+        "--module",
+        "dsx3d.train",
+        "r.yaml",
+        "--resume",
+    ]
 
 
 def test_multi_node_command_passes_hostfile_nodes_and_launcher_args() -> None:
-    recipe = recipe_from_dict({**yaml.safe_load(TINY.read_text()), "cluster": {"nodes": 2, "gpus_per_node": 4}})
+    recipe = recipe_from_dict(
+        {**yaml.safe_load(TINY.read_text()), "cluster": {"nodes": 2, "gpus_per_node": 4}}
+    )
     args = ["--no_ssh", "--node_rank", "1", "--master_addr", "127.0.0.1", "--master_port=29511"]
     cmd = launcher_command("r.yaml", recipe, hostfile="hosts", launcher_args=args, rank_args=[])
     assert cmd[3:] == [
@@ -71,13 +84,19 @@ def test_multi_node_command_passes_hostfile_nodes_and_launcher_args() -> None:
 def test_users_resource_options_replace_ours() -> None:
     """--include with --num_gpus makes the launcher fail ("Cannot specify num_nodes/gpus with include")."""
     cmd = launcher_command(
-        "r.yaml", load_recipe(TINY), hostfile=None, launcher_args=["--include=localhost:0,1", "--log_level=info"], rank_args=[]
+        "r.yaml",
+        load_recipe(TINY),
+        hostfile=None,
+        launcher_args=["--include=localhost:0,1", "--log_level=info"],
+        rank_args=[],
     )
     assert "--num_gpus" not in cmd and "--log_level" not in cmd and "--include=localhost:0,1" in cmd
 
 
 def test_multi_node_recipe_needs_a_hostfile() -> None:
-    recipe = recipe_from_dict({**yaml.safe_load(TINY.read_text()), "cluster": {"nodes": 2, "gpus_per_node": 4}})
+    recipe = recipe_from_dict(
+        {**yaml.safe_load(TINY.read_text()), "cluster": {"nodes": 2, "gpus_per_node": 4}}
+    )
     with pytest.raises(UserError, match="--hostfile"):
         launcher_command("r.yaml", recipe, hostfile=None, launcher_args=[], rank_args=[])
 
@@ -92,11 +111,15 @@ def test_hostfile_parsing_and_checks(tmp_path: Path) -> None:
     hostfile.write_text("# two nodes\nlocalhost slots=4\n\n127.0.0.1 slots=2  # small\n")
     hosts = read_hostfile(hostfile)
     assert [(h.name, h.slots) for h in hosts] == [("localhost", 4), ("127.0.0.1", 2)]
-    recipe = recipe_from_dict({**yaml.safe_load(TINY.read_text()), "cluster": {"nodes": 2, "gpus_per_node": 4}})
+    recipe = recipe_from_dict(
+        {**yaml.safe_load(TINY.read_text()), "cluster": {"nodes": 2, "gpus_per_node": 4}}
+    )
     with pytest.raises(UserError, match="'127.0.0.1': fewer slots than cluster.gpus_per_node = 4"):
         check_hosts(hosts, recipe)
     with pytest.raises(UserError, match="cluster.nodes = 3"):
-        check_hosts(hosts, recipe_from_dict({**recipe.model_dump(), "cluster": {"nodes": 3, "gpus_per_node": 2}}))
+        check_hosts(
+            hosts, recipe_from_dict({**recipe.model_dump(), "cluster": {"nodes": 3, "gpus_per_node": 2}})
+        )
     hostfile.write_text("localhost 4\n")
     with pytest.raises(UserError, match="line 1"):
         read_hostfile(hostfile)
@@ -121,16 +144,30 @@ def test_earlier_run_needs_resume_or_overwrite(tmp_path: Path, capsys: pytest.Ca
     assert capsys.readouterr().out.strip().endswith("--module dsx3d.train " + str(recipe) + " --resume")
 
 
-def test_own_options_are_found_among_launcher_args(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_own_options_are_found_among_launcher_args(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """argparse leaves everything after RECIPE to the launcher; --hostfile/--overwrite there are still ours."""
     recipe = _recipe(tmp_path, cluster={"nodes": 2, "gpus_per_node": 4})
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=4\n127.0.0.1 slots=4\n")
-    argv = ["train", str(recipe), "--no_ssh", "--hostfile", str(hosts), "--node_rank", "1", "--overwrite", "--dry-run"]
+    argv = [
+        "train",
+        str(recipe),
+        "--no_ssh",
+        "--hostfile",
+        str(hosts),
+        "--node_rank",
+        "1",
+        "--overwrite",
+        "--pg-timeout-s",
+        "30",
+        "--dry-run",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"--hostfile {hosts} --num_nodes 2 --num_gpus 4" in out and "--no_ssh --node_rank 1" in out
-    assert out.strip().endswith("--overwrite")
+    assert out.strip().endswith("--overwrite --pg-timeout-s 30.0")
 
 
 def test_rank_entry_accepts_the_launchers_local_rank() -> None:
@@ -205,13 +242,17 @@ def test_latest_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_reporter_writes_a_record_at_first_every_interval_and_last(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    reporter = Reporter(path, total_steps=5, start_step=0, log_interval=2, throughput=Throughput(1024, 10**6, 8), enabled=True)
+    reporter = Reporter(
+        path, total_steps=5, start_step=0, log_interval=2, throughput=Throughput(1024, 10**6, 8), enabled=True
+    )
     for step in range(1, 6):
         reporter.step(step, loss=10.0 - step, lr=1e-3, grad_norm=0.5, seconds=0.5)
     reporter.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 4, 5]
-    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eta_s"} <= set(records[0])
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eta_s"} <= set(
+        records[0]
+    )
     assert records[2]["loss"] == 6.0 and records[2]["loss_avg"] == 6.5  # steps 3 and 4
     assert records[2]["tokens_per_s"] == pytest.approx(2048.0)
     assert records[2]["tflops_per_device"] == pytest.approx(6 * 10**6 * 2048 / 8 / 1e12)
@@ -227,14 +268,21 @@ def test_reporter_on_other_ranks_writes_nothing(tmp_path: Path) -> None:
 def test_read_metrics_keeps_the_last_record_of_a_repeated_step(tmp_path: Path) -> None:
     """A resumed run logs again the steps after its checkpoint; a crash can cut the last line short."""
     path = tmp_path / "metrics.jsonl"
-    lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "loss": 2.5}, {"step": 3, "loss": 1.0}]
+    lines = [
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 2.0},
+        {"step": 2, "loss": 2.5},
+        {"step": 3, "loss": 1.0},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 4, "lo')
     assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 3.0), (2, 2.5), (3, 1.0)]
 
 
 def test_plot_loss_writes_a_png(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "loss": 5.0 / s, "loss_avg": 5.0 / s}) + "\n" for s in (1, 2, 3)))
+    path.write_text(
+        "".join(json.dumps({"step": s, "loss": 5.0 / s, "loss_avg": 5.0 / s}) + "\n" for s in (1, 2, 3))
+    )
     out = plot_loss(path, tmp_path / "loss.png", "test")
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_loss(tmp_path / "none.jsonl", tmp_path / "none.png", "test") is None
@@ -254,13 +302,21 @@ def _info(rank: int, pid: int, host: str = "h") -> RankInfo:
 def test_a_lost_connection_names_the_peer_that_died() -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    me, dead, alive, remote = _info(0, os.getpid()), _info(1, gone.pid), _info(2, os.getppid()), _info(3, gone.pid, "other")
+    me, dead, alive, remote = (
+        _info(0, os.getpid()),
+        _info(1, gone.pid),
+        _info(2, os.getppid()),
+        _info(3, gone.pid, "other"),
+    )
     assert dead_peers(me, [me, dead, alive, remote]) == [dead]
     with pytest.raises(PeerDied) as exc, naming_dead_peers(me, [me, dead, alive]):
         raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:9959: Connection reset by peer")
     assert str(exc.value) == f"{me.where()} stopped: {dead.where()} died"
     assert failure_message(me, exc.value) == str(exc.value)
-    with pytest.raises(ValueError), naming_dead_peers(me, [me, dead]):  # a root cause passes through untouched
+    with (
+        pytest.raises(ValueError),
+        naming_dead_peers(me, [me, dead]),
+    ):  # a root cause passes through untouched
         raise ValueError("bad value")
     assert "failed: ValueError: bad value" in failure_message(me, ValueError("bad value"))
 
@@ -268,3 +324,17 @@ def test_a_lost_connection_names_the_peer_that_died() -> None:
 def test_misplaced_ranks_are_those_the_launcher_put_elsewhere() -> None:
     rows = [{"rank": 0, "launcher_node": 0, "node": 0}, {"rank": 1, "launcher_node": 0, "node": 1}]
     assert misplaced_ranks(rows) == [1]
+
+
+def test_resume_with_another_layout_is_refused_before_deepspeed_loads(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from dsx3d.layout import Layout
+    from dsx3d.run.checkpointing import LAYOUT_FILE, Checkpointer
+
+    saved = Checkpointer(SimpleNamespace(layout=Layout(dp=2, tp=2, pp=2, gpus_per_node=8)), tmp_path, "", 2)  # type: ignore[arg-type]
+    write_text_atomic(tmp_path / tag_for(10) / LAYOUT_FILE, json.dumps(saved._layout()))
+    saved._check_layout(tag_for(10))
+    other = Checkpointer(SimpleNamespace(layout=Layout(dp=1, tp=2, pp=4, gpus_per_node=8)), tmp_path, "", 2)  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="dp 2 x tp 2 x pp 2"):
+        other._check_layout(tag_for(10))

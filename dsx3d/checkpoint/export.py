@@ -64,7 +64,9 @@ def describe_params(module: nn.Module) -> list[Described]:
     return out
 
 
-def stage_groups(described: list[tuple[int, int, int, list[Described]]], pp: int) -> list[list[list[Described]]]:
+def stage_groups(
+    described: list[tuple[int, int, int, list[Described]]], pp: int
+) -> list[list[list[Described]]]:
     """For each stage, the layers it writes (in module order), each a list of its tensors. A tensor held by
     several stages (the tied embedding) is written by the first."""
     owner: dict[str, int] = {}
@@ -84,7 +86,9 @@ def stage_groups(described: list[tuple[int, int, int, list[Described]]], pp: int
     return stages
 
 
-def hub_entries(model: Any, layer: list[Described], full: dict[str, tuple[int, ...]], dtype: torch.dtype) -> Group:
+def hub_entries(
+    model: Any, layer: list[Described], full: dict[str, tuple[int, ...]], dtype: torch.dtype
+) -> Group:
     """The output tensors of one layer under hub names, computed on meta tensors."""
     meta = {name: torch.empty(full[name], dtype=dtype, device="meta") for name, *_ in layer}
     return [Entry(name, tuple(t.shape), dtype) for name, t in to_hub_names(model, meta).items()]
@@ -120,7 +124,9 @@ def export_hf(
     stages = stage_groups(described, run.layout.pp)  # type: ignore[arg-type]
     exported = {d[0] for layers in stages for layer in layers for d in layer}
     if exported != set(full):
-        raise RuntimeError(f"export plan mismatch: missing {sorted(set(full) - exported)}, extra {sorted(exported - set(full))}")
+        raise RuntimeError(
+            f"export plan mismatch: missing {sorted(set(full) - exported)}, extra {sorted(exported - set(full))}"
+        )
     segments = [[hub_entries(model, layer, full, dtype) for layer in layers] for layers in stages]
     files = plan_files(segments, parse_size(max_shard_size))
 
@@ -150,7 +156,13 @@ def export_hf(
             shutil.rmtree(staging, ignore_errors=True)
         raise RuntimeError(f"export to {out} failed: {'; '.join(errors)}")
     if comm.get_rank() == 0:
-        log.info("exported %d tensors in %d files to %s (%s)", sum(len(f.entries) for f in files), len(files), out, dtype)
+        log.info(
+            "exported %d tensors in %d files to %s (%s)",
+            sum(len(f.entries) for f in files),
+            len(files),
+            out,
+            dtype,
+        )
     return out
 
 

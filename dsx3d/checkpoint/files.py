@@ -101,7 +101,9 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         if end - begin != info.nbytes:
             raise ValueError(f"tensor {name}: {end - begin} bytes for shape {shape} {entry['dtype']}")
         if data_start + end > size:
-            raise ValueError(f"tensor {name} ends at byte {data_start + end} but the file has {size}: truncated")
+            raise ValueError(
+                f"tensor {name} ends at byte {data_start + end} but the file has {size}: truncated"
+            )
         infos[name] = info
     return infos
 
@@ -120,12 +122,15 @@ def load_bin(path: Path) -> dict[str, Any]:
 def _bin_problem(path: Path, err: Exception) -> Problem:
     if isinstance(err, pickle.UnpicklingError):
         return Problem(
-            str(path), "(pickle)",
+            str(path),
+            "(pickle)",
             "holds objects other than tensors, which dsx3d refuses to unpickle (it reads .bin files only with "
             "torch.load(weights_only=True) and never runs code from a checkpoint)",
             "convert the checkpoint to safetensors with a trusted tool, then point model.name_or_path at it",
         )
-    return Problem(str(path), "(file)", f"unreadable ({type(err).__name__}: {str(err)[:200]})", _FIX_INCOMPLETE)
+    return Problem(
+        str(path), "(file)", f"unreadable ({type(err).__name__}: {str(err)[:200]})", _FIX_INCOMPLETE
+    )
 
 
 class CheckpointFiles:
@@ -153,20 +158,29 @@ class CheckpointFiles:
             if (self.root / single_name).is_file():
                 self._scan_files({single_name: None})
                 return
-        present = sorted(p.name for p in self.root.iterdir() if p.suffix in {".pt", ".pth", ".ckpt", ".bin", ".safetensors", ".gguf", ".h5", ".msgpack"})
-        self.problems.append(Problem(
-            "model.name_or_path", str(self.root),
-            f"no {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, {BIN_SINGLE} or {BIN_INDEX} there"
-            + (f" (found {', '.join(present[:5])}: not a format dsx3d reads)" if present else ""),
-            "point it at a Hugging Face checkpoint directory (save_pretrained output)",
-        ))
+        present = sorted(
+            p.name
+            for p in self.root.iterdir()
+            if p.suffix in {".pt", ".pth", ".ckpt", ".bin", ".safetensors", ".gguf", ".h5", ".msgpack"}
+        )
+        self.problems.append(
+            Problem(
+                "model.name_or_path",
+                str(self.root),
+                f"no {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, {BIN_SINGLE} or {BIN_INDEX} there"
+                + (f" (found {', '.join(present[:5])}: not a format dsx3d reads)" if present else ""),
+                "point it at a Hugging Face checkpoint directory (save_pretrained output)",
+            )
+        )
 
     def _read_index(self, index: Path) -> dict[str, list[str] | None]:
         """file name -> tensor names the index places in it."""
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as err:
-            self.problems.append(Problem(str(index), "weight_map", f"unreadable index ({err})", _FIX_INCOMPLETE))
+            self.problems.append(
+                Problem(str(index), "weight_map", f"unreadable index ({err})", _FIX_INCOMPLETE)
+            )
             return {}
         files: dict[str, list[str] | None] = {}
         for name, file_name in weight_map.items():
@@ -177,15 +191,26 @@ class CheckpointFiles:
         for file_name, indexed in files.items():
             path = self.root / file_name
             if Path(file_name).is_absolute() or ".." in Path(file_name).parts:
-                self.problems.append(Problem(str(self.index_file), file_name, "the index points outside the checkpoint directory", _FIX_INCOMPLETE))
+                self.problems.append(
+                    Problem(
+                        str(self.index_file),
+                        file_name,
+                        "the index points outside the checkpoint directory",
+                        _FIX_INCOMPLETE,
+                    )
+                )
                 continue
             if not path.is_file():
                 names = indexed or []
                 self.lost.update(names)
-                self.problems.append(Problem(
-                    str(path), f"{len(names)} tensors, e.g. {names[0]}" if names else "(file)",
-                    f"listed in {self.index_file.name if self.index_file else 'the index'} but missing", _FIX_INCOMPLETE,
-                ))
+                self.problems.append(
+                    Problem(
+                        str(path),
+                        f"{len(names)} tensors, e.g. {names[0]}" if names else "(file)",
+                        f"listed in {self.index_file.name if self.index_file else 'the index'} but missing",
+                        _FIX_INCOMPLETE,
+                    )
+                )
                 continue
             try:
                 infos = self._header(path)
@@ -198,10 +223,21 @@ class CheckpointFiles:
                 continue
             for name in indexed or []:
                 if name not in infos:
-                    self.problems.append(Problem(str(path), name, "the index places this tensor here but the file lacks it", _FIX_INCOMPLETE))
+                    self.problems.append(
+                        Problem(
+                            str(path),
+                            name,
+                            "the index places this tensor here but the file lacks it",
+                            _FIX_INCOMPLETE,
+                        )
+                    )
             for name, info in infos.items():
                 if name in self.tensors:
-                    self.problems.append(Problem(str(path), name, f"also stored in {self.tensors[name].file.name}", _FIX_INCOMPLETE))
+                    self.problems.append(
+                        Problem(
+                            str(path), name, f"also stored in {self.tensors[name].file.name}", _FIX_INCOMPLETE
+                        )
+                    )
                 self.tensors[name] = info
 
     def _header(self, path: Path) -> dict[str, TensorInfo]:
@@ -216,7 +252,14 @@ class CheckpointFiles:
 
     # -- reading -------------------------------------------------------------------------------------------
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(
+        self,
+        name: str,
+        dim: int | None = None,
+        start: int = 0,
+        stop: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """The [start, stop) slice of tensor `name` along `dim` (clipped to its size), or all of it, in
         `dtype` (default: the file's), in a buffer of its own."""
         info = self.tensors[name]
@@ -231,7 +274,9 @@ class CheckpointFiles:
             return t.to(dtype or t.dtype, copy=True)  # not a view of the memory-mapped file
         return self._read_safetensors_slice(info, dim, start, stop, dtype or info.dtype)
 
-    def _read_safetensors_slice(self, info: TensorInfo, dim: int, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    def _read_safetensors_slice(
+        self, info: TensorInfo, dim: int, start: int, stop: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         """View the tensor as (outer, n, inner) and read [:, start:stop] as runs of contiguous elements:
         one run when outer == 1 (or the whole tensor), else one run per row segment."""
         shape, itemsize = info.shape, info.dtype.itemsize
@@ -244,7 +289,10 @@ class CheckpointFiles:
             if outer == 1 or (start == 0 and stop == n):
                 runs = [(info.offset + start * inner * itemsize, 0, out.numel())]
             elif length * itemsize >= _MIN_SEGMENT_BYTES:
-                runs = [(info.offset + (o * n + start) * inner * itemsize, o * length, length) for o in range(outer)]
+                runs = [
+                    (info.offset + (o * n + start) * inner * itemsize, o * length, length)
+                    for o in range(outer)
+                ]
             else:  # small segments: whole rows in blocks, then keep the columns we own (converting on the copy)
                 rows = out.view(outer, stop - start, inner)
                 per_block = max(1, READ_BLOCK_BYTES // (n * inner * itemsize))
@@ -290,5 +338,10 @@ def _read_into(f: Any, offset: int, dest: memoryview, path: Path) -> None:
     while done < len(dest):
         got = f.readinto(dest[done:])
         if not got:
-            raise UserError.single(str(path), f"byte {offset + done}", "the file ended early (truncated while loading?)", _FIX_INCOMPLETE)
+            raise UserError.single(
+                str(path),
+                f"byte {offset + done}",
+                "the file ended early (truncated while loading?)",
+                _FIX_INCOMPLETE,
+            )
         done += got

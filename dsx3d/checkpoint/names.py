@@ -32,7 +32,9 @@ from dsx3d.checkpoint.files import TensorInfo
 from dsx3d.errors import Problem
 from dsx3d.models.plans import is_tied, resolve_family
 
-_FIX_MISMATCH = "point model.name_or_path at a checkpoint of this model (its config.json and weights must agree)"
+_FIX_MISMATCH = (
+    "point model.name_or_path at a checkpoint of this model (its config.json and weights must agree)"
+)
 
 
 def meta_model(config: PretrainedConfig) -> Any:
@@ -91,7 +93,11 @@ class LoadPlan:
 
 
 def plan_load(
-    tensors: dict[str, TensorInfo], model: Any, config: PretrainedConfig, where: str, lost: set[str] | None = None
+    tensors: dict[str, TensorInfo],
+    model: Any,
+    config: PretrainedConfig,
+    where: str,
+    lost: set[str] | None = None,
 ) -> LoadPlan:
     """Map every checkpoint tensor to a model tensor and check names, shapes and dtypes up front.
 
@@ -111,7 +117,9 @@ def plan_load(
             plan.ignored.append(key)
             return
         shown = key if key == renamed else f"{key} (as {renamed})"
-        plan.problems.append(Problem(str(tensors[key].file), shown, "the model has no such tensor", _FIX_MISMATCH))
+        plan.problems.append(
+            Problem(str(tensors[key].file), shown, "the model has no such tensor", _FIX_MISMATCH)
+        )
 
     groups: dict[str, FusedGroup] = {}
     for key in sorted(tensors, key=dot_natural_key):
@@ -130,7 +138,14 @@ def plan_load(
             group.sources.append((pattern, key))
         elif renamed in expected:
             if renamed in plan.direct:
-                plan.problems.append(Problem(str(tensors[key].file), key, f"{plan.direct[renamed]} already provides {renamed}", _FIX_MISMATCH))
+                plan.problems.append(
+                    Problem(
+                        str(tensors[key].file),
+                        key,
+                        f"{plan.direct[renamed]} already provides {renamed}",
+                        _FIX_MISMATCH,
+                    )
+                )
             plan.direct[renamed] = key
         elif renamed in meta_sd:
             plan.ignored.append(key)  # a tied alias or a buffer the model computes itself
@@ -141,14 +156,24 @@ def plan_load(
     for name, key in plan.direct.items():
         info = tensors[key]
         _check_tensor(plan, str(info.file), key, tuple(info.shape), info.dtype, expected[name])
-    covered = {rename_source_key(k, renamings, converters, model.base_model_prefix, meta_sd)[0] for k in lost or ()}
+    covered = {
+        rename_source_key(k, renamings, converters, model.base_model_prefix, meta_sd)[0] for k in lost or ()
+    }
     for name in expected:
         if not plan.provides(name) and name not in covered:
-            plan.problems.append(Problem(where, name, "the model needs this tensor and the checkpoint has none", _FIX_MISMATCH))
+            plan.problems.append(
+                Problem(where, name, "the model needs this tensor and the checkpoint has none", _FIX_MISMATCH)
+            )
     return plan
 
 
-def _check_group(group: FusedGroup, tensors: dict[str, TensorInfo], model: Any, expected: dict[str, torch.Tensor], plan: LoadPlan) -> None:
+def _check_group(
+    group: FusedGroup,
+    tensors: dict[str, TensorInfo],
+    model: Any,
+    expected: dict[str, torch.Tensor],
+    plan: LoadPlan,
+) -> None:
     """Run the fusion on meta tensors: shapes of what it would produce, without reading a byte."""
     where = str(tensors[group.sources[0][1]].file)
 
@@ -158,24 +183,48 @@ def _check_group(group: FusedGroup, tensors: dict[str, TensorInfo], model: Any, 
     try:
         produced = group.convert(model, meta)
     except Exception as err:  # transformers raises plain exceptions from its conversion ops
-        plan.problems.append(Problem(where, f"{group.first} (from {len(group.sources)} tensors)", f"cannot be assembled ({err})", _FIX_MISMATCH))
+        plan.problems.append(
+            Problem(
+                where,
+                f"{group.first} (from {len(group.sources)} tensors)",
+                f"cannot be assembled ({err})",
+                _FIX_MISMATCH,
+            )
+        )
         return
     for name, tensor in produced.items():
         if name not in expected:
             plan.problems.append(Problem(where, name, "the model has no such tensor", _FIX_MISMATCH))
             continue
-        _check_tensor(plan, where, f"{name} (from {len(group.sources)} tensors)", tuple(tensor.shape), tensor.dtype, expected[name])
+        _check_tensor(
+            plan,
+            where,
+            f"{name} (from {len(group.sources)} tensors)",
+            tuple(tensor.shape),
+            tensor.dtype,
+            expected[name],
+        )
         plan.fused[name] = group
 
 
-def _check_tensor(plan: LoadPlan, where: str, shown: str, shape: tuple[int, ...], dtype: torch.dtype, param: torch.Tensor) -> None:
+def _check_tensor(
+    plan: LoadPlan, where: str, shown: str, shape: tuple[int, ...], dtype: torch.dtype, param: torch.Tensor
+) -> None:
     if shape != tuple(param.shape):
-        plan.problems.append(Problem(where, shown, f"shape {shape} does not match the model's {tuple(param.shape)}", _FIX_MISMATCH))
+        plan.problems.append(
+            Problem(
+                where, shown, f"shape {shape} does not match the model's {tuple(param.shape)}", _FIX_MISMATCH
+            )
+        )
     if param.dtype.is_floating_point and not (dtype.is_floating_point and dtype.itemsize >= 2):
-        plan.problems.append(Problem(
-            where, shown, f"dtype {dtype}: quantized or integer weights are not supported",
-            "load a bf16/fp16/fp32 checkpoint (dequantize it first)",
-        ))
+        plan.problems.append(
+            Problem(
+                where,
+                shown,
+                f"dtype {dtype}: quantized or integer weights are not supported",
+                "load a bf16/fp16/fp32 checkpoint (dequantize it first)",
+            )
+        )
 
 
 def to_hub_names(model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

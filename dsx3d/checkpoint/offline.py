@@ -88,7 +88,9 @@ class _MetaSource:
     def has(self, name: str) -> bool:
         return name in self.params
 
-    def load(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def load(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
         t = torch.empty(self.params[name].shape, device="meta")
         if dim is None:
             return t
@@ -103,7 +105,11 @@ def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
     params = expected_params(meta_model(config), config)
     builder = StageBuilder(config, plan, TPContext(rank=0, size=tp), _MetaSource(params))
     first: nn.Module = TiedEmbeddingStage(builder, True, False) if plan.tied else EmbeddingStage(builder)
-    modules = [first, *(DecoderStage(builder, i) for i in range(builder.skeleton.num_layers)), EpilogueStage(builder)]
+    modules = [
+        first,
+        *(DecoderStage(builder, i) for i in range(builder.skeleton.num_layers)),
+        EpilogueStage(builder),
+    ]
     if not plan.tied:
         modules.append(HeadStage(builder))
     items = []
@@ -116,7 +122,9 @@ def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
             seen.add(p.hf_name)  # type: ignore[attr-defined]
             dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) and tp > 1 else None  # type: ignore[attr-defined]
             item.append(ItemParam(key, p.hf_name, tuple(p.shape), dim))  # type: ignore[attr-defined]
-        buffers = frozenset(module.state_dict()) - {k for k, _ in module.named_parameters(remove_duplicate=False)}
+        buffers = frozenset(module.state_dict()) - {
+            k for k, _ in module.named_parameters(remove_duplicate=False)
+        }
         items.append(Item(item, buffers))
     return items
 
@@ -124,20 +132,32 @@ def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
 def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
     """A tag directory as is; a checkpoints directory through `tag` or its `latest` file."""
     if not path.is_dir():
-        raise UserError.single("CHECKPOINT_DIR", str(path), "not a directory", "pass OUTPUT_DIR/checkpoints or one of its tag directories")
+        raise UserError.single(
+            "CHECKPOINT_DIR",
+            str(path),
+            "not a directory",
+            "pass OUTPUT_DIR/checkpoints or one of its tag directories",
+        )
     if tag is None and layer_files(path):
         return path
     if tag is None:
         latest = path / LATEST_FILE
         if not latest.is_file():
             raise UserError.single(
-                "CHECKPOINT_DIR", str(path), "neither a tag directory (layer_XX-model_YY-model_states.pt) nor a checkpoints directory with a `latest` file",
+                "CHECKPOINT_DIR",
+                str(path),
+                "neither a tag directory (layer_XX-model_YY-model_states.pt) nor a checkpoints directory with a `latest` file",
                 "pass OUTPUT_DIR/checkpoints or one of its tag directories",
             )
         tag = latest.read_text().strip()
     tag_dir = path / tag
     if not layer_files(tag_dir):
-        raise UserError.single("CHECKPOINT_DIR", str(tag_dir), "no layer_XX-model_YY-model_states.pt files there", "pick a complete tag (see the `latest` file)")
+        raise UserError.single(
+            "CHECKPOINT_DIR",
+            str(tag_dir),
+            "no layer_XX-model_YY-model_states.pt files there",
+            "pick a complete tag (see the `latest` file)",
+        )
     return tag_dir
 
 
@@ -154,42 +174,87 @@ def layer_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
 
 def run_config(tag_dir: Path) -> tuple[Recipe, PretrainedConfig]:
     """The run's recipe (saved next to its checkpoint) and model config."""
-    recipe_path = next((d / RECIPE_FILE for d in (tag_dir, tag_dir.parent) if (d / RECIPE_FILE).is_file()), None)
+    recipe_path = next(
+        (d / RECIPE_FILE for d in (tag_dir, tag_dir.parent) if (d / RECIPE_FILE).is_file()), None
+    )
     if recipe_path is None:
-        raise UserError.single("CHECKPOINT_DIR", str(tag_dir), f"no {RECIPE_FILE} there: not a dsx3d checkpoint", "pass a tag directory written by `dsx3d train`")
+        raise UserError.single(
+            "CHECKPOINT_DIR",
+            str(tag_dir),
+            f"no {RECIPE_FILE} there: not a dsx3d checkpoint",
+            "pass a tag directory written by `dsx3d train`",
+        )
     recipe = load_recipe(recipe_path)
     if (tag_dir / "config.json").is_file():
-        return recipe, AutoConfig.from_pretrained(str(tag_dir), trust_remote_code=recipe.model.trust_remote_code)
+        return recipe, AutoConfig.from_pretrained(
+            str(tag_dir), trust_remote_code=recipe.model.trust_remote_code
+        )
     return recipe, load_hf_config(recipe.model)
 
 
-def check_files(files: dict[int, dict[int, Path]], items: list[Item], tp: int) -> tuple[list[Problem], torch.dtype | None]:
+def check_files(
+    files: dict[int, dict[int, Path]], items: list[Item], tp: int
+) -> tuple[list[Problem], torch.dtype | None]:
     """Every problem with the layer files at once (missing, unreadable, wrong keys or shapes), and the dtype
     they hold. Files are memory-mapped: only their pickled index is read."""
     problems: list[Problem] = []
     dtype: torch.dtype | None = None
     ranks = sorted({t for per_tp in files.values() for t in per_tp})
     if ranks != list(range(tp)):
-        problems.append(Problem("parallel.tp", tp, f"the recipe's tp does not match the files' TP ranks {ranks}", _FIX_CKPT))
+        problems.append(
+            Problem(
+                "parallel.tp", tp, f"the recipe's tp does not match the files' TP ranks {ranks}", _FIX_CKPT
+            )
+        )
     for extra in sorted(set(files) - set(range(len(items)))):
-        problems.append(Problem(str(next(iter(files[extra].values()))), f"layer_{extra:02d}", f"the model has only {len(items)} pipeline items", _FIX_CKPT))
+        problems.append(
+            Problem(
+                str(next(iter(files[extra].values()))),
+                f"layer_{extra:02d}",
+                f"the model has only {len(items)} pipeline items",
+                _FIX_CKPT,
+            )
+        )
     for i, item in enumerate(items):
         for t in range(tp):
             path = files.get(i, {}).get(t)
             if path is None:
-                problems.append(Problem(f"layer_{i:02d}-model_{t:02d}-model_states.pt", "(file)", "missing from the checkpoint", _FIX_CKPT))
+                problems.append(
+                    Problem(
+                        f"layer_{i:02d}-model_{t:02d}-model_states.pt",
+                        "(file)",
+                        "missing from the checkpoint",
+                        _FIX_CKPT,
+                    )
+                )
                 continue
             try:
                 sd = load_bin(path)
             except Exception as err:  # torch.load's errors for truncated zips and refused pickles vary
-                problems.append(Problem(str(path), "(file)", f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:160]})", _FIX_CKPT))
+                problems.append(
+                    Problem(
+                        str(path),
+                        "(file)",
+                        f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:160]})",
+                        _FIX_CKPT,
+                    )
+                )
                 continue
             keys = {p.key for p in item.params} | item.buffers
             for p in item.params:
                 if p.key not in sd:
-                    problems.append(Problem(str(path), p.key, f"missing (the model's {p.hf_name})", _FIX_CKPT))
+                    problems.append(
+                        Problem(str(path), p.key, f"missing (the model's {p.hf_name})", _FIX_CKPT)
+                    )
                 elif tuple(sd[p.key].shape) != p.local_shape:
-                    problems.append(Problem(str(path), p.key, f"shape {tuple(sd[p.key].shape)} does not match the expected {p.local_shape} (tp={tp})", _FIX_CKPT))
+                    problems.append(
+                        Problem(
+                            str(path),
+                            p.key,
+                            f"shape {tuple(sd[p.key].shape)} does not match the expected {p.local_shape} (tp={tp})",
+                            _FIX_CKPT,
+                        )
+                    )
                 elif dtype is None:
                     dtype = sd[p.key].dtype
             for key in sorted(set(sd) - keys):
@@ -220,7 +285,13 @@ def export_checkpoint(
     model = meta_model(config)
     full = {name: tuple(p.shape) for name, p in expected_params(model, config).items()}
     groups = [
-        [Entry(n, tuple(t.shape), dtype) for n, t in to_hub_names(model, {p.hf_name: torch.empty(full[p.hf_name], dtype=dtype, device="meta") for p in item.params}).items()]
+        [
+            Entry(n, tuple(t.shape), dtype)
+            for n, t in to_hub_names(
+                model,
+                {p.hf_name: torch.empty(full[p.hf_name], dtype=dtype, device="meta") for p in item.params},
+            ).items()
+        ]
         for item in items
     ]
     shard_files = plan_files([groups], parse_size(max_shard_size))
@@ -239,8 +310,13 @@ def export_checkpoint(
 
 
 def _write(
-    shard_files: list[Any], items: list[Item], files: dict[int, dict[int, Path]], model: Any,
-    full: dict[str, tuple[int, ...]], dtype: torch.dtype, staging: Path,
+    shard_files: list[Any],
+    items: list[Item],
+    files: dict[int, dict[int, Path]],
+    model: Any,
+    full: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    staging: Path,
 ) -> None:
     numbered = iter(enumerate(items))
     for f in shard_files:
@@ -253,7 +329,9 @@ def _write(
                 if p.dim is None:
                     t = shards[0][p.key]
                 else:  # concatenate in TP order, then drop the vocab padding
-                    t = torch.cat([sd[p.key] for sd in shards], dim=p.dim).narrow(p.dim, 0, full[p.hf_name][p.dim])
+                    t = torch.cat([sd[p.key] for sd in shards], dim=p.dim).narrow(
+                        p.dim, 0, full[p.hf_name][p.dim]
+                    )
                 tensors[p.hf_name] = t.to(dtype)
             for name, tensor in to_hub_names(model, tensors).items():
                 writer.write(name, tensor.to(dtype))

@@ -29,7 +29,9 @@ class CheckpointSource:
 
     fresh_tensors = True
 
-    def __init__(self, files: CheckpointFiles, plan: LoadPlan, model: Any, dtype: torch.dtype | None = torch.float32):
+    def __init__(
+        self, files: CheckpointFiles, plan: LoadPlan, model: Any, dtype: torch.dtype | None = torch.float32
+    ):
         self.files, self.plan, self.model = files, plan, model
         self.dtype = dtype
         """What tensors are converted to while they are read (the stages build fp32 parameters; DeepSpeed
@@ -39,7 +41,9 @@ class CheckpointSource:
     def has(self, name: str) -> bool:
         return self.plan.provides(name)
 
-    def load(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def load(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
         if name in self.plan.direct:
             return self.files.read(self.plan.direct[name], dim, start, stop, self.dtype)
         tensor = self._fused(name)
@@ -51,7 +55,9 @@ class CheckpointSource:
 
     def _fused(self, name: str) -> torch.Tensor:
         if name not in self._pending:
-            produced = self.plan.fused[name].convert(self.model, lambda key: self.files.read(key, dtype=self.dtype))
+            produced = self.plan.fused[name].convert(
+                self.model, lambda key: self.files.read(key, dtype=self.dtype)
+            )
             self._pending.update(produced)
         return self._pending.pop(name)
 
@@ -72,7 +78,9 @@ def resolve_checkpoint_dir(path: str) -> Path:
         return Path(snapshot_download(repo_id=path, local_files_only=True))
     except Exception:  # not a repo id, or not cached: both mean "nothing to read here"
         raise UserError.single(
-            "model.name_or_path", path, "not a local directory, nor a hub id in the local Hugging Face cache",
+            "model.name_or_path",
+            path,
+            "not a local directory, nor a hub id in the local Hugging Face cache",
             "point it at a checkpoint directory written by save_pretrained (or download it first)",
         ) from None
 
@@ -97,5 +105,10 @@ def checkpoint_source(
     if problems:
         raise UserError(problems)
     if plan.ignored:
-        log.info("checkpoint %s: not loading %d tensors the model rebuilds itself (%s)", root, len(plan.ignored), ", ".join(plan.ignored[:3]))
+        log.info(
+            "checkpoint %s: not loading %d tensors the model rebuilds itself (%s)",
+            root,
+            len(plan.ignored),
+            ", ".join(plan.ignored[:3]),
+        )
     return CheckpointSource(files, plan, model, dtype)

@@ -48,7 +48,10 @@ LOAD_UNIVERSAL: dict[str, Any] = {"checkpoint": {"load_universal": True}}
 def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
     """How every parameter of every stage is split over TP, as ds_to_universal reads it. A collective."""
     builder = run.module.dsx3d_builder
-    vocab_names = {f"{builder.plan.base_prefix}.{builder.plan.embed_name}.weight", f"{builder.plan.head_name}.weight"}
+    vocab_names = {
+        f"{builder.plan.base_prefix}.{builder.plan.embed_name}.weight",
+        f"{builder.plan.head_name}.weight",
+    }
     mine = []
     for name, p in run.module.named_parameters():
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
@@ -80,23 +83,40 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
     tag_dir, out = Path(tag_dir), Path(out_dir).absolute()
     states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
     if not states:
-        raise UserError.single("CHECKPOINT_DIR", str(tag_dir), "no mp_rank_XX_model_states.pt: not a DeepSpeed checkpoint tag", "pass a tag directory")
-    if UNIVERSAL_CHECKPOINT_INFO not in torch.load(states[0], map_location="cpu", weights_only=True, mmap=True):
         raise UserError.single(
-            "CHECKPOINT_DIR", str(tag_dir), "saved without universal_checkpoint_info, so its TP splits are unknown",
+            "CHECKPOINT_DIR",
+            str(tag_dir),
+            "no mp_rank_XX_model_states.pt: not a DeepSpeed checkpoint tag",
+            "pass a tag directory",
+        )
+    if UNIVERSAL_CHECKPOINT_INFO not in torch.load(
+        states[0], map_location="cpu", weights_only=True, mmap=True
+    ):
+        raise UserError.single(
+            "CHECKPOINT_DIR",
+            str(tag_dir),
+            "saved without universal_checkpoint_info, so its TP splits are unknown",
             "save with dsx3d.checkpoint.universal.universal_client_state(run) in the client state; or export "
             "to Hugging Face format (weights only) and resume from that",
         )
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "zero").is_dir())):
         raise UserError.single(
-            "OUT_DIR", str(out), "exists and is not a universal checkpoint, so it will not be replaced", "choose a new or empty directory"
+            "OUT_DIR",
+            str(out),
+            "exists and is not a universal checkpoint, so it will not be replaced",
+            "choose a new or empty directory",
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     args = argparse.Namespace(
-        input_folder=str(tag_dir), output_folder=str(staging), num_extract_workers=workers, num_merge_workers=workers,
-        keep_temp_folder=False, strict=True, inject_missing_state=False,
+        input_folder=str(tag_dir),
+        output_folder=str(staging),
+        num_extract_workers=workers,
+        num_merge_workers=workers,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
     )
     with contextlib.redirect_stdout(sys.stderr):  # the converter prints progress on stdout
         ds_to_universal.main(args)

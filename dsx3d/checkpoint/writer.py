@@ -115,7 +115,11 @@ class SafetensorsWriter:
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for e in entries:
-            header[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            header[e.name] = {
+                "dtype": DTYPE_NAMES[e.dtype],
+                "shape": list(e.shape),
+                "data_offsets": [offset, offset + e.nbytes],
+            }
             offset += e.nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -144,7 +148,10 @@ class SafetensorsWriter:
 def write_index(out: Path, files: list[ShardFile]) -> None:
     entries = [(e, f.name) for f in files for e in f.entries]
     index = {
-        "metadata": {"total_parameters": sum(e.numel for e, _ in entries), "total_size": sum(e.nbytes for e, _ in entries)},
+        "metadata": {
+            "total_parameters": sum(e.numel for e, _ in entries),
+            "total_size": sum(e.nbytes for e, _ in entries),
+        },
         "weight_map": {e.name: name for e, name in sorted(entries, key=lambda x: x[0].name)},
     }
     (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
@@ -187,7 +194,9 @@ def staging_dir(out: Path) -> Path:
     non-empty directory that is not a model checkpoint."""
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
         raise UserError.single(
-            "OUT_DIR", str(out), "exists and is not a model checkpoint directory, so export will not replace it",
+            "OUT_DIR",
+            str(out),
+            "exists and is not a model checkpoint directory, so export will not replace it",
             "choose a new or empty directory",
         )
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -29,13 +29,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(dp, tp, pp) resumes from (the checkpoint must have been saved with universal_checkpoint_info)."
         ),
     )
-    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="OUTPUT_DIR/checkpoints (its `latest` tag) or one tag directory")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face checkpoint (new, empty, or an earlier export)")
-    p.add_argument("--tag", help="tag to export from CHECKPOINT_DIR (default: the one named by its `latest` file)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written tensors (default: the checkpoint's)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)")
-    p.add_argument("--tokenizer", help="directory of tokenizer files to include (default: the checkpoint's, else the recipe's)")
-    p.add_argument("--universal", action="store_true", help="write a DeepSpeed universal checkpoint (with optimizer state) instead")
+    p.add_argument(
+        "checkpoint_dir",
+        metavar="CHECKPOINT_DIR",
+        help="OUTPUT_DIR/checkpoints (its `latest` tag) or one tag directory",
+    )
+    p.add_argument(
+        "out_dir",
+        metavar="OUT_DIR",
+        help="where to write the Hugging Face checkpoint (new, empty, or an earlier export)",
+    )
+    p.add_argument(
+        "--tag", help="tag to export from CHECKPOINT_DIR (default: the one named by its `latest` file)"
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="dtype of the written tensors (default: the checkpoint's)"
+    )
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="directory of tokenizer files to include (default: the checkpoint's, else the recipe's)",
+    )
+    p.add_argument(
+        "--universal",
+        action="store_true",
+        help="write a DeepSpeed universal checkpoint (with optimizer state) instead",
+    )
     p.set_defaults(func=run)
 
 

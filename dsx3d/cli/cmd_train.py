@@ -32,6 +32,7 @@ def _own_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start over, deleting an earlier run's checkpoints and metrics",
     )
+    p.add_argument("--pg-timeout-s", type=float, help="process-group timeout of the ranks (default 600)")
     p.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
 
 
@@ -54,7 +55,7 @@ def split_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     _own_options(own)
     later, launcher_args = own.parse_known_args(args.launcher_args)
-    for name in ("hostfile", "resume", "overwrite", "dry_run"):
+    for name in ("hostfile", "resume", "overwrite", "pg_timeout_s", "dry_run"):
         setattr(later, name, getattr(later, name) or getattr(args, name))
     if later.resume and later.overwrite:
         raise SystemExit("dsx3d train: --resume and --overwrite exclude each other")
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if opts.hostfile is not None:
         check_hosts(read_hostfile(opts.hostfile), recipe)
     rank_args = ["--resume"] if opts.resume else ["--overwrite"] if opts.overwrite else []
+    if opts.pg_timeout_s is not None:
+        rank_args += ["--pg-timeout-s", str(opts.pg_timeout_s)]
     cmd = launcher_command(
         args.recipe, recipe, hostfile=opts.hostfile, launcher_args=launcher_args, rank_args=rank_args
     )

@@ -10,16 +10,18 @@ per model-parallel rank, but random streams differ per rank).
 
 Layout:
 
-    checkpoints/latest                        the tag of the newest complete checkpoint
-    checkpoints/step-000020/                  DeepSpeed's files: layer_XX-model_YY-model_states.pt,
-                                              mp_rank_XX_model_states.pt (with our client state),
-                                              zero_pp_rank_*_optim_states.pt
-    checkpoints/step-000020/dsx3d_recipe.yaml
-    checkpoints/step-000020/rng/rank-00003.pt
+    checkpoints/latest                          the tag of the newest complete checkpoint
+    checkpoints/step-000020/                    DeepSpeed's files: layer_XX-model_YY-model_states.pt,
+                                                mp_rank_XX_model_states.pt (with our client state),
+                                                zero_pp_rank_*_optim_states.pt
+    checkpoints/step-000020/dsx3d_recipe.yaml   the resolved recipe (read by the export tool)
+    checkpoints/step-000020/dsx3d_layout.json   dp, tp, pp, world_size (a resume must match them)
+    checkpoints/step-000020/rng/rank-00003.pt   each rank's python, numpy, torch (and CUDA) RNG states
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -34,11 +36,13 @@ import torch
 
 from dsx3d.dist import comm
 from dsx3d.engine import Engine3D
+from dsx3d.errors import UserError
 
 log = logging.getLogger("dsx3d")
 
 LATEST = "latest"
 RECIPE_FILE = "dsx3d_recipe.yaml"
+LAYOUT_FILE = "dsx3d_layout.json"
 CLIENT_KEY = "dsx3d"
 _TAG = re.compile(r"^step-(\d+)$")
 
@@ -120,6 +124,23 @@ class Checkpointer:
     def __init__(self, run: Engine3D, ckpt_dir: Path, recipe_yaml: str, keep: int):
         self.run, self.dir, self.recipe_yaml, self.keep = run, ckpt_dir, recipe_yaml, keep
 
+    def _layout(self) -> dict[str, int]:
+        layout = self.run.layout
+        return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size}
+
+    def _check_layout(self, tag: str) -> None:
+        """DeepSpeed would fail deep inside load_checkpoint (missing files) or, for dp, load ZeRO partitions
+        of another shape; say what differs instead."""
+        path = self.dir / tag / LAYOUT_FILE
+        saved = json.loads(path.read_text()) if path.is_file() else None
+        if saved is not None and saved != self._layout():
+            raise UserError.single(
+                "--resume",
+                f"{tag} (dp {saved['dp']} x tp {saved['tp']} x pp {saved['pp']})",
+                f"the checkpoint was written with another layout than this run's {self._layout()}",
+                "resume with the layout and process count the checkpoint was written with",
+            )
+
     def _rng_path(self, tag: str, rank: int) -> Path:
         return self.dir / tag / "rng" / f"rank-{rank:05d}.pt"
 
@@ -130,6 +151,7 @@ class Checkpointer:
         torch.save(rng_state(), rng_path)
         if rank == 0:
             write_text_atomic(self.dir / tag / RECIPE_FILE, self.recipe_yaml)
+            write_text_atomic(self.dir / tag / LAYOUT_FILE, json.dumps(self._layout()) + "\n")
         self.run.engine.save_checkpoint(
             str(self.dir), tag=tag, client_state={CLIENT_KEY: client_state}, save_latest=False
         )
@@ -148,6 +170,7 @@ class Checkpointer:
         if tag is None:
             return None
         assert isinstance(tag, str)
+        self._check_layout(tag)
         path, client = self.run.engine.load_checkpoint(str(self.dir), tag=tag)
         if path is None or CLIENT_KEY not in (client or {}):
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.dir / tag}")
