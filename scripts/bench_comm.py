@@ -6,12 +6,13 @@ its buffer size, during `--steps` optimizer steps after one warm-up step (the fi
 tensor shapes once). A call is attributed to a group type by its ranks, from the layout: the TP (slice)
 groups, the DP groups, send/recv between adjacent stages of a pipeline (PP), all-reduces over a (first,
 last) stage pair (tied embedding); broadcasts over a pipe group (the loss), the model-parallel group
-(pp x tp: gradient-norm scalars) and the world are reported separately. Bytes are those one rank sends, ring-counted (`CommRecord.sent_bytes`), the estimator's unit.
-TP and PP must agree exactly with `dsx3d.estimate` per stage; DP is compared too (DeepSpeed also
-all-reduces two 4-byte scalars over DP, the gradient norm's partial sum and the loss, which the estimator
-leaves out).
+(pp x tp: gradient-norm scalars) and the world are reported separately. Bytes are those one rank sends,
+ring-counted (`CommRecord.sent_bytes`), the estimator's unit. TP and PP must agree exactly with
+`dsx3d.estimate` per stage; DP is compared too (DeepSpeed also all-reduces two 4-byte scalars over DP, the
+gradient norm's partial sum and the loss, which the estimator leaves out).
 
     python scripts/bench_comm.py [--quick] [--dp 2 --tp 2 --pp 2] [--checkpointing] [--family qwen3] [--no-write]
+    python scripts/bench_comm.py --sweep     # every family with plans, quick (about 10 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import bench_common as bc
 import torch
 
 from dsx3d.testing.harness import run_ranks, warm_up
-
-KINDS = ("tp", "pp", "dp", "tied", "pipe_collective", "model_parallel", "world", "other")
 
 
 def classify(record: Any, layout: Any) -> str:
@@ -178,6 +177,31 @@ def run(
     }
 
 
+def sweep() -> dict[str, Any]:
+    """Every family with TP and PP plans (`dsx3d.families.families_with_plans`), quick, dp1 tp2 pp2: which
+    agree exactly (TP, PP, tied), which differ (by how much), which dsx3d refuses or cannot build."""
+    from dsx3d.families import families_with_plans
+
+    families: dict[str, Any] = {}
+    for family in families_with_plans():
+        try:
+            r = run(True, (1, 2, 2), family=family)
+        except Exception as err:  # refused by the checker, or a tiny config transformers cannot build
+            families[family] = {"error": (str(err).strip().splitlines() or [repr(err)])[-1][:300]}
+            continue
+        worst = {
+            kind: max(
+                row[kind]["measured"] / row[kind]["analytic"] for row in r["ranks"] if row[kind]["analytic"]
+            )
+            for kind in ("tp", "pp")
+        }
+        families[family] = {
+            "exact": r["exact"],
+            "measured_over_analytic_max": {k: bc.rounded(v, 4) for k, v in worst.items()},
+        }
+    return families
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one counted step: a smoke run")
@@ -192,7 +216,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="a tiny config of this model_type instead of the Llama (qwen3, gemma2, ...)",
     )
     parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
+    parser.add_argument(
+        "--sweep", action="store_true", help="every family with plans, quick, dp1 tp2 pp2 (minutes)"
+    )
     args = parser.parse_args(argv)
+    if args.sweep:
+        with bc.provenance(True) as meta, bc.stdout_to_stderr():
+            families = sweep()
+        swept = {
+            **meta,
+            "what": "TP/PP/tied bytes counted vs dsx3d.estimate for every family with plans",
+            "families": families,
+        }
+        bc.emit("communication_sweep", swept, write=not args.no_write)
+        return swept
     result = run(args.quick, (args.dp, args.tp, args.pp), args.steps, args.checkpointing, args.family)
     key = (
         "communication"

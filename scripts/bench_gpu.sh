@@ -10,7 +10,8 @@
 # is reused) and pip-installs the pinned deepspeed/transformers/accelerate and dsx3d's other dependencies
 # (torch 2.13.0 from PyPI, a CUDA build, only when no CUDA torch is present). dsx3d runs from this checkout
 # (PYTHONPATH), not installed. Prints one JSON object on stdout (logs on stderr); with $OUT set it also
-# writes $OUT/bench_gpu.json.
+# writes $OUT/bench_gpu.json. Without pip access: point PYTHON at a ready environment, or pre-fetch wheels
+# (pip download) and set PIP_NO_INDEX=1 PIP_FIND_LINKS=/path/to/wheels, which pip reads from the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 TOKENIZERS_PARALLELISM=false DS_SKIP_CUDA_CHECK=1

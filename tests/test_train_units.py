@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -319,6 +320,23 @@ def test_a_lost_connection_names_the_peer_that_died() -> None:
     ):  # a root cause passes through untouched
         raise ValueError("bad value")
     assert "failed: ValueError: bad value" in failure_message(me, ValueError("bad value"))
+
+
+def test_a_rank_that_stopped_after_losing_a_peer_is_not_named_as_the_cause() -> None:
+    """Rank 1 stopped because rank 2 died; rank 0, noticing later, must name only rank 2."""
+    from dsx3d.run.ranks import _stopped_dir
+
+    gone = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+    for p in gone:
+        p.wait()
+    me, echo, root = _info(0, os.getpid()), _info(1, gone[0].pid), _info(2, gone[1].pid)
+    peers = [me, echo, root]
+    try:
+        with pytest.raises(PeerDied), naming_dead_peers(echo, peers):  # rank 1's own stop leaves its marker
+            raise RuntimeError("Connection closed by peer")
+        assert dead_peers(me, peers) == [root]
+    finally:
+        shutil.rmtree(_stopped_dir(peers), ignore_errors=True)
 
 
 def test_misplaced_ranks_are_those_the_launcher_put_elsewhere() -> None:

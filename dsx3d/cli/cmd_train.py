@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import shlex
 import signal
 import subprocess
@@ -83,13 +84,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_launcher(cmd: list[str]) -> int:
-    proc = subprocess.Popen(cmd, env=rank_environment())
-    # Ctrl-C reaches the whole foreground group already; a SIGTERM sent to us alone must reach the launcher.
-    signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        code = proc.wait()
+    # The launcher, its per-node agent and the ranks form their own process group, and Ctrl-C or a SIGTERM
+    # sent to us stops all of them with a SIGTERM: the deepspeed runner itself dies of a SIGTERM without
+    # passing it on (leaving the ranks running) and prints a traceback on SIGINT.
+    proc = subprocess.Popen(cmd, env=rank_environment(), start_new_session=True)
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    code = proc.wait()
+    if stopped_by:
+        print(f"dsx3d train: stopped ({signal.Signals(stopped_by[0]).name})", file=sys.stderr)
+        return 128 + stopped_by[0]
     if code != 0:
         print(
             f"dsx3d train: the job failed ({describe_exit(code)}); the failing rank's message is above",

@@ -227,6 +227,8 @@ def _stage_time(
         forward_allreduces=shape.tp_forward_allreduces,
         backward_allreduces=shape.tp_backward_allreduces,
         grad_allreduce_params=shape.tp_grad_allreduce_params,
+        forward_gather_width=shape.tp_forward_gather_width,
+        backward_gather_width=shape.tp_backward_gather_width,
     )
     if shape.hidden_size:
         tp_bytes += timing.tp_edge_bytes_per_micro_batch(

@@ -83,6 +83,10 @@ class ModelShape:
     Llama layer has 5: q, k, v, gate, up). Defaults are a Llama layer's; HF configs count their TP plan."""
     tp_grad_allreduce_params: int = 0
     """Parameters per layer kept whole on every TP rank whose gradients are summed over TP (q/k norms)."""
+    tp_forward_gather_width: int = 0
+    """Values per token a decoder layer all-gathers forward (outputs of `colwise_gather_output` linears)."""
+    tp_backward_gather_width: int = 0
+    """... and backward (input gradients of `rowwise_split_input` linears)."""
 
     @property
     def total_params(self) -> int:
@@ -157,22 +161,76 @@ def _layer_params(
     return ParamCount(sharded, replicated)
 
 
-def tp_plan_allreduces(config: Any, experts: int, head_dim: int) -> tuple[int, int, int]:
-    """(forward, backward all-reduces, grad-all-reduced parameters) per decoder layer, from the family's
-    `base_model_tp_plan` as dsx3d applies it (`dsx3d.models.stages.StageBuilder._shard`): rowwise styles
-    reduce their output forward, colwise styles their input gradient backward, `replicated_with_grad_allreduce`
-    modules (q/k norms over head_dim) their weight gradient. MoE experts stay whole on every TP rank, so in
-    MoE families only the attention projections count. Families without a plan get the Llama defaults."""
+# the styles dsx3d.models.plans.SUPPORTED_TP_STYLES implements (kept here: the estimator imports no model code)
+_TP_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "replicated_with_grad_allreduce",
+)
+
+
+@dataclass(frozen=True)
+class TPTraffic:
+    """What one decoder layer sends over TP per micro-batch, in units the timing model scales by b*s."""
+
+    forward_allreduces: int = 2
+    backward_allreduces: int = 5
+    grad_allreduce_params: int = 0
+    forward_gather_width: int = 0
+    backward_gather_width: int = 0
+
+
+def _linear_width(name: str, side: str, heads: int, kv: int, d: int, ffn: int) -> int:
+    """Features on the sharded side of a plan entry's linear: the output of a column-parallel one
+    (side "out"), the input of a row-parallel one (side "in"), read from the HF module name."""
+    leaf = name.rsplit(".", 1)[-1]
+    if ".mlp." in name:
+        return 2 * ffn if "gate_up" in leaf and side == "out" else ffn
+    if side == "in":
+        return heads * d
+    if "qkv" in leaf or "query_key_value" in leaf:
+        return (heads + 2 * kv) * d
+    return kv * d if leaf.startswith(("k_", "v_", "key", "value")) else heads * d
+
+
+def tp_plan_traffic(config: Any, experts: int, heads: int, kv: int, d: int, ffn: int) -> TPTraffic:
+    """A decoder layer's TP traffic from the family's `base_model_tp_plan`, as dsx3d applies it
+    (`dsx3d.models.stages.StageBuilder._shard`, `dsx3d.models.tp_layers`): rowwise styles all-reduce their
+    output forward; colwise styles all-reduce their input gradient backward; `colwise_gather_output` also
+    all-gathers its output forward, `rowwise_split_input` its input gradient backward;
+    `replicated_with_grad_allreduce` modules (q/k norms over head_dim) all-reduce their weight gradient. A
+    module with a style dsx3d does not implement stays whole with its children; MoE experts stay whole on
+    every TP rank, so in MoE families only the attention entries count. Families without a plan get a Llama
+    layer's traffic. Exact for families whose layers are all alike; families that mix layer kinds (dense and
+    MoE layers, linear-attention layers) get the traffic of the plan's full-attention, dense-or-MoE layer."""
     plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan:
+        return TPTraffic()
     layer_plan = {k: v for k, v in plan.items() if k.startswith("layers.*.") and "experts" not in k}
+    # a module whose own style dsx3d does not implement stays whole on every TP rank, children included
+    whole = [k for k, v in layer_plan.items() if v not in _TP_STYLES]
+    layer_plan = {k: v for k, v in layer_plan.items() if not any(k.startswith(w + ".") for w in whole)}
     if experts > 1:
         layer_plan = {k: v for k, v in layer_plan.items() if ".mlp." not in k}
-    if not layer_plan:
-        return 2, 5, 0
-    forward = sum(1 for v in layer_plan.values() if v in ("rowwise", "rowwise_split_input"))
-    backward = sum(1 for v in layer_plan.values() if v in ("colwise", "colwise_gather_output"))
-    grads = sum(head_dim for v in layer_plan.values() if v == "replicated_with_grad_allreduce")
-    return forward, backward, grads
+    row = ("rowwise", "rowwise_split_input")
+    col = ("colwise", "colwise_gather_output")
+    return TPTraffic(
+        forward_allreduces=sum(1 for v in layer_plan.values() if v in row),
+        backward_allreduces=sum(1 for v in layer_plan.values() if v in col),
+        grad_allreduce_params=sum(d for v in layer_plan.values() if v == "replicated_with_grad_allreduce"),
+        forward_gather_width=sum(
+            _linear_width(k, "out", heads, kv, d, ffn)
+            for k, v in layer_plan.items()
+            if v == "colwise_gather_output"
+        ),
+        backward_gather_width=sum(
+            _linear_width(k, "in", heads, kv, d, ffn)
+            for k, v in layer_plan.items()
+            if v == "rowwise_split_input"
+        ),
+    )
 
 
 def shape_from_hf_config(config: Any) -> ModelShape:
@@ -220,7 +278,7 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         bool(_get(config, "mlp_bias", default=False)),
     )
     per_expert = (3 if gated else 2) * h * ffn
-    tp_forward, tp_backward, tp_grads = tp_plan_allreduces(config, experts, d)
+    tp = tp_plan_traffic(config, experts, heads, kv, d, ffn)
     return ModelShape(
         num_layers=layers,
         layer=layer,
@@ -235,7 +293,9 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         vocab_size=vocab,
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
         model_type=model_type,
-        tp_forward_allreduces=tp_forward,
-        tp_backward_allreduces=tp_backward,
-        tp_grad_allreduce_params=tp_grads,
+        tp_forward_allreduces=tp.forward_allreduces,
+        tp_backward_allreduces=tp.backward_allreduces,
+        tp_grad_allreduce_params=tp.grad_allreduce_params,
+        tp_forward_gather_width=tp.forward_gather_width,
+        tp_backward_gather_width=tp.backward_gather_width,
     )

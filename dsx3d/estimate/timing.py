@@ -14,7 +14,8 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
      row-parallel linear, one backward per column-parallel linear, the forward ones again with checkpointing
      (the recomputation). Megatron fuses q/k/v and gate/up behind one `f`, 2 + 2; dsx3d shards each HF
      projection on its own, so a Llama layer issues 2 forward and 5 backward (q, k, v, gate, up), counted
-     from the family's TP plan (`ModelShape.tp_*_allreduces`, measured by scripts/bench_comm.py). Plus,
+     from the family's TP plan (`ModelShape.tp_*`, measured by scripts/bench_comm.py); `colwise_gather_output`
+     and `rowwise_split_input` styles add an all-gather of their sharded side forward / backward. Plus,
      per micro-batch: the vocab-parallel embedding's forward all-reduce of b*s*h (first stage); the head's
      input-gradient all-reduce of b*s*h and the vocab-parallel cross-entropy's three fp32 all-reduces of b*s
      (last stage); gradients of parameters kept whole on every TP rank (q/k norms). Intra-node link.
@@ -128,14 +129,20 @@ def tp_bytes_per_micro_batch(
     forward_allreduces: int = 2,
     backward_allreduces: int = 5,
     grad_allreduce_params: int = 0,
+    forward_gather_width: int = 0,
+    backward_gather_width: int = 0,
 ) -> float:
-    """Decoder layers: (forward x (2 with checkpointing, else 1) + backward) all-reduces of b*s*h, and the
-    gradients of `grad_allreduce_params` TP-replicated parameters per layer; 2*(t-1)/t of each sent."""
+    """Decoder layers: (forward x (2 with checkpointing, else 1) + backward) all-reduces of b*s*h and the
+    gradients of `grad_allreduce_params` TP-replicated parameters per layer, 2*(t-1)/t of each sent; plus
+    all-gathers of b*s*(forward width, again with checkpointing, + backward width), (t-1)/t of each sent."""
     if tp == 1:
         return 0.0
-    count = forward_allreduces * (2 if checkpointing else 1) + backward_allreduces
-    per_layer = count * seq_len * micro_batch * hidden * width + grad_allreduce_params * width
-    return layers * ring_allreduce_factor(tp) * per_layer
+    recompute = 2 if checkpointing else 1
+    tokens = seq_len * micro_batch
+    count = forward_allreduces * recompute + backward_allreduces
+    reduced = count * tokens * hidden * width + grad_allreduce_params * width
+    gathered = (forward_gather_width * recompute + backward_gather_width) * tokens * width
+    return layers * (ring_allreduce_factor(tp) * reduced + (tp - 1) / tp * gathered)
 
 
 def tp_edge_bytes_per_micro_batch(

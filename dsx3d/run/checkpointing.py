@@ -166,10 +166,10 @@ class Checkpointer:
 
     def load_latest(self) -> tuple[str, dict[str, Any]] | None:
         """(tag, client state) of the newest complete checkpoint, loaded into the engine; None if none."""
-        tag = comm.broadcast_object(read_latest(self.dir) if comm.get_rank() == 0 else None)
-        if tag is None:
+        latest = comm.broadcast_object(read_latest(self.dir) if comm.get_rank() == 0 else None)
+        if latest is None:
             return None
-        assert isinstance(tag, str)
+        tag = str(latest)
         self._check_layout(tag)
         path, client = self.run.engine.load_checkpoint(str(self.dir), tag=tag)
         if path is None or CLIENT_KEY not in (client or {}):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from dsx3d.run.metrics import read_metrics
@@ -14,6 +15,7 @@ def plot_loss(metrics_path: Path, out_path: Path, title: str) -> Path | None:
         return None
     import matplotlib
 
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # "generated new fontManager" on a fresh cache
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

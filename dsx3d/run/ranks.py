@@ -9,11 +9,14 @@ fails that way looks at the processes of its peers on the same host and names th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import socket
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -109,8 +112,23 @@ def is_dead(pid: int) -> bool:
 
 
 def dead_peers(me: RankInfo, peers: list[RankInfo]) -> list[RankInfo]:
-    """Ranks on this host whose process has ended (other hosts' processes cannot be looked at)."""
-    return [p for p in peers if p.host == me.host and p.rank != me.rank and is_dead(p.pid)]
+    """Ranks on this host whose process ended on its own: not those that stopped after losing a peer
+    themselves, which leave a marker (other hosts' processes cannot be looked at)."""
+    stopped = _stopped_dir(peers)
+    return [
+        p
+        for p in peers
+        if p.host == me.host
+        and p.rank != me.rank
+        and is_dead(p.pid)
+        and not (stopped / f"rank-{p.rank}").exists()
+    ]
+
+
+def _stopped_dir(peers: list[RankInfo]) -> Path:
+    """A host-local directory of this job (named by its ranks' hosts and pids) for the markers."""
+    job = hashlib.sha256(repr(sorted((p.rank, p.host, p.pid) for p in peers)).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"dsx3d-job-{job}"
 
 
 class PeerDied(RuntimeError):
@@ -122,19 +140,24 @@ def naming_dead_peers(me: RankInfo, peers: list[RankInfo]) -> Iterator[None]:
     """Turn gloo's anonymous "Connection reset by peer" into an error that names the rank that died.
 
     The dead process is gone or a zombie by the time its sockets close, which is what makes the
-    collective fail here, so looking at the peers' processes right away finds it."""
+    collective fail here, so looking at the peers' processes right away finds it. A rank stopping this
+    way leaves a marker first, so that peers noticing later do not take it for a root cause."""
     try:
         yield
     except Exception as err:
         if not is_peer_lost(err):
             raise
         dead = dead_peers(me, peers)
+        with contextlib.suppress(OSError):
+            stopped = _stopped_dir(peers)
+            stopped.mkdir(exist_ok=True)
+            (stopped / f"rank-{me.rank}").touch()
         if dead:
             names = "; ".join(f"{p.where()} died" for p in dead)
             raise PeerDied(f"{me.where()} stopped: {names}") from err
         raise PeerDied(
-            f"{me.where()} stopped: it lost its connection to another rank, not on this host, which probably died "
-            f"first (look for that rank's own message) [{_first_line(err)}]"
+            f"{me.where()} stopped: it lost its connection to another rank, which probably died first "
+            f"(look for that rank's own message) [{_first_line(err)}]"
         ) from err
 
 
