@@ -118,6 +118,19 @@ def test_no_warmup_starts_at_full_rate() -> None:
     assert params["warmup_min_lr"] == params["warmup_max_lr"] and params["warmup_num_steps"] >= 1
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_first_step_runs_at_full_rate_without_warmup(schedule: str) -> None:
+    """DeepSpeed's schedulers, built as the engine builds them, give step 1 the peak rate (WarmupCosineLR
+    built at iteration -1 would give it 0)."""
+    import torch
+
+    recipe = _tiny(train={"warmup_steps": 0, "lr_schedule": schedule})
+    sched = build_ds_config(recipe)["scheduler"]
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=recipe.train.lr)
+    getattr(lr_schedules, sched["type"])(opt, **sched["params"])
+    assert opt.param_groups[0]["lr"] == pytest.approx(recipe.train.lr)
+
+
 def test_bf16_accumulates_in_fp32_only_with_zero() -> None:
     """Without ZeRO, DeepSpeed raises NotImplementedError on bf16 weights with fp32 accumulation."""
     assert build_ds_config(_tiny(train={"dtype": "bf16"}))["data_types"] == {"grad_accum_dtype": "fp32"}
