@@ -87,7 +87,7 @@ def _scheduler(train: TrainSection) -> dict[str, Any]:
     """
     warmup = max(1, train.warmup_steps)
     if train.lr_schedule == "cosine":
-        params = {
+        cosine: dict[str, Any] = {
             "total_num_steps": train.steps,
             "warmup_num_steps": warmup,
             "warmup_min_ratio": 0.0 if train.warmup_steps else 1.0,
@@ -97,8 +97,8 @@ def _scheduler(train: TrainSection) -> dict[str, Any]:
         if not train.warmup_steps:
             # WarmupCosineLR built at iteration -1 sets the rate to 0 for the first step whatever the
             # ratios; starting it at iteration 0 keeps the optimizer's full rate for step 1.
-            params["last_batch_iteration"] = 0
-        return {"type": "WarmupCosineLR", "params": params}
+            cosine["last_batch_iteration"] = 0
+        return {"type": "WarmupCosineLR", "params": cosine}
     params: dict[str, Any] = {
         "warmup_min_lr": 0.0 if train.warmup_steps else train.lr,
         "warmup_max_lr": train.lr,

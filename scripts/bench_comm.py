@@ -197,7 +197,7 @@ def sweep() -> dict[str, Any]:
         }
         families[family] = {
             "exact": r["exact"],
-            "measured_over_analytic_max": {k: bc.rounded(v, 4) for k, v in worst.items()},
+            "measured_over_analytic_max": {k: bc.rounded(v, 6) for k, v in worst.items()},
         }
     return families
 

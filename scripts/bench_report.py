@@ -181,12 +181,12 @@ def communication_sweep(r: dict[str, Any]) -> list[str]:
         "",
     ]
     if differ:
-        worst = ", ".join(f"{k} ({built[k]['measured_over_analytic_max']['tp']:.4g}x)" for k in differ)
+        worst = ", ".join(f"{k} ({built[k]['measured_over_analytic_max']['tp']:.5g}x)" for k in differ)
         out += [
-            f"TP differs for {len(differ)} (counted over analytic, worst rank): {worst}. These have layers of more "
-            "than one kind (dense and MoE layers, shared experts, linear-attention or sliding-window layers with "
-            "their own plans, per-layer activation parameters), which the estimator's one-layer-fits-all "
-            "`ModelShape` cannot express.",
+            f"TP differs for {len(differ)} (counted over analytic, worst rank): {worst}. The estimator models one "
+            "kind of decoder layer; these families mix kinds (for example dense and MoE layers, shared experts "
+            "sharded next to replicated experts, linear-attention next to full-attention layers) or carry small "
+            "per-layer parameters whose gradients are all-reduced; not investigated family by family.",
             "",
         ]
     out += [f"{len(fams) - len(built)} are refused by dsx3d's checker or have no buildable tiny config.", ""]
