@@ -24,12 +24,3 @@ def test_counted_tp_and_pp_bytes_equal_the_estimate() -> None:
         for kind in ("tp", "pp"):
             assert row[kind]["analytic"] > 0, row
             assert row[kind]["measured"] == pytest.approx(row[kind]["analytic"], rel=1e-12, abs=0), row
-
-
-def test_estimator_knows_the_tp_styles_the_engine_implements() -> None:
-    """The estimator keeps its own copy of the implemented TP styles (it imports no model code); a style added
-    to the engine without it would be estimated as a module kept whole, with no TP traffic."""
-    from dsx3d.estimate.model import _TP_STYLES
-    from dsx3d.models.plans import SUPPORTED_TP_STYLES
-
-    assert set(_TP_STYLES) == SUPPORTED_TP_STYLES

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsx3d.errors import UserError
+from dsx3d.tp_styles import SUPPORTED_TP_STYLES
 
 # Families whose MLP is fc_in -> act -> fc_out (2 matrices); every other family is taken as gated
 # (gate, up, down: 3 matrices), the Llama-style default.
@@ -161,14 +162,6 @@ def _layer_params(
     return ParamCount(sharded, replicated)
 
 
-# the styles dsx3d.models.plans.SUPPORTED_TP_STYLES implements (kept here: the estimator imports no model code)
-_TP_STYLES = (
-    "colwise",
-    "rowwise",
-    "colwise_gather_output",
-    "rowwise_split_input",
-    "replicated_with_grad_allreduce",
-)
 
 
 @dataclass(frozen=True)
@@ -210,7 +203,7 @@ def tp_plan_traffic(config: Any, experts: int, heads: int, kv: int, d: int, ffn:
         return TPTraffic()
     layer_plan = {k: v for k, v in plan.items() if k.startswith("layers.*.") and "experts" not in k}
     # a module whose own style dsx3d does not implement stays whole on every TP rank, children included
-    whole = [k for k, v in layer_plan.items() if v not in _TP_STYLES]
+    whole = [k for k, v in layer_plan.items() if v not in SUPPORTED_TP_STYLES]
     layer_plan = {k: v for k, v in layer_plan.items() if not any(k.startswith(w + ".") for w in whole)}
     if experts > 1:
         layer_plan = {k: v for k, v in layer_plan.items() if ".mlp." not in k}

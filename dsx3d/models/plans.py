@@ -12,15 +12,7 @@ from typing import Any
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from dsx3d.errors import UserError
-
-# TP styles dsx3d implements on plain tensors; other styles (packed, MoE experts, MLA) are refused at tp > 1.
-SUPPORTED_TP_STYLES = {
-    "colwise",
-    "rowwise",
-    "colwise_gather_output",
-    "rowwise_split_input",
-    "replicated_with_grad_allreduce",
-}
+from dsx3d.tp_styles import SUPPORTED_TP_STYLES
 
 
 @dataclass(frozen=True)

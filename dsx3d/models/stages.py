@@ -13,7 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from dsx3d.dist.tp_ops import all_reduce_grad_hook, vocab_parallel_cross_entropy
-from dsx3d.models.plans import SUPPORTED_TP_STYLES, FamilyPlan
+from dsx3d.models.plans import FamilyPlan
 from dsx3d.models.skeleton import Skeleton, with_hidden
 from dsx3d.models.tp_context import TPContext
 from dsx3d.models.tp_layers import (
@@ -24,6 +24,7 @@ from dsx3d.models.tp_layers import (
     mark_sharded,
 )
 from dsx3d.models.weights import WeightSource, materialize
+from dsx3d.tp_styles import SUPPORTED_TP_STYLES
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
