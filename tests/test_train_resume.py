@@ -100,6 +100,16 @@ def test_uninterrupted_run_leaves_its_files(reference: tuple[list[float], Path])
         assert (out / name).is_file(), name
 
 
+def test_training_checkpoints_convert_to_universal(reference: tuple[list[float], Path], tmp_path: Path) -> None:
+    """Tags written by `dsx3d train` carry universal_checkpoint_info, so they can be resharded with their
+    optimizer state (dsx3d export --universal)."""
+    from dsx3d.checkpoint.universal import to_universal
+
+    _, out = reference
+    universal = to_universal(out / "checkpoints" / tag_for(STEPS), tmp_path / "uni" / tag_for(STEPS))
+    assert any(universal.rglob("*.pt"))
+
+
 def test_resume_trains_exactly_like_an_uninterrupted_run(
     reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path
 ) -> None:

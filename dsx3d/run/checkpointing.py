@@ -123,6 +123,7 @@ class Checkpointer:
 
     def __init__(self, run: Engine3D, ckpt_dir: Path, recipe_yaml: str, keep: int):
         self.run, self.dir, self.recipe_yaml, self.keep = run, ckpt_dir, recipe_yaml, keep
+        self._universal: dict[str, Any] | None = None
 
     def _layout(self) -> dict[str, int]:
         layout = self.run.layout
@@ -152,8 +153,12 @@ class Checkpointer:
         if rank == 0:
             write_text_atomic(self.dir / tag / RECIPE_FILE, self.recipe_yaml)
             write_text_atomic(self.dir / tag / LAYOUT_FILE, json.dumps(self._layout()) + "\n")
+        if self._universal is None:  # how each parameter splits over TP: lets a tag become universal
+            from dsx3d.checkpoint.universal import universal_client_state
+
+            self._universal = universal_client_state(self.run)  # a collective, like save itself
         self.run.engine.save_checkpoint(
-            str(self.dir), tag=tag, client_state={CLIENT_KEY: client_state}, save_latest=False
+            str(self.dir), tag=tag, client_state={CLIENT_KEY: client_state, **self._universal}, save_latest=False
         )
         comm.barrier()  # every rank has written all of its files
         if rank == 0:
