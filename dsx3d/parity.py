@@ -195,7 +195,8 @@ def run_parity(
         diff = (tensor - final_ref[name].float()).abs().max().item()
         if diff > worst:
             worst, worst_name = diff, name
-    missing = sorted(set(k for k in final_ref if not _is_alias(model, k)) - set(merged))
+    params = dict(model.named_parameters())  # state-dict keys not here are tied aliases (lm_head.weight)
+    missing = sorted(set(k for k in final_ref if k in params) - set(merged))
     losses_3d, norms_3d = results[0]["losses"], results[0]["norms"]
     loss_diff = max(abs(a - b) for a, b in zip(losses_ref, losses_3d, strict=True))
     norm_diff = max(abs(a - b) for a, b in zip(norms_ref, norms_3d, strict=True))
@@ -221,8 +222,3 @@ def run_parity(
     result.ok = not missing and loss_diff <= tol["loss"] and worst <= tol["param"]
     return result
 
-
-def _is_alias(model: torch.nn.Module, name: str) -> bool:
-    """A state-dict key that is a tied alias of another parameter (lm_head.weight when tied)."""
-    params = dict(model.named_parameters())
-    return name not in params

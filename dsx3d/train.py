@@ -35,6 +35,7 @@ from dsx3d.run.data import check_vocab, prepare_once_per_node
 from dsx3d.run.metrics import Throughput
 from dsx3d.run.outputs import (
     RunPaths,
+    add_start_mode,
     check_start,
     clear_previous_run,
     export_hf_if_available,
@@ -233,13 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m dsx3d.train", description="One rank of a dsx3d training job.", allow_abbrev=False
     )
     p.add_argument("recipe", help="recipe YAML")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoints/latest")
-    mode.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start over, deleting an earlier run's checkpoints and metrics",
-    )
+    add_start_mode(p)
     p.add_argument(
         "--pg-timeout-s",
         type=float,

@@ -19,20 +19,14 @@ import sys
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.recipe import load_recipe
 from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, read_hostfile
-from dsx3d.run.outputs import RunPaths, check_start
+from dsx3d.run.outputs import RunPaths, add_start_mode, check_start
 
 log = logging.getLogger("dsx3d")
 
 
 def _own_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostfile", help="DeepSpeed hostfile ('hostname slots=N' per node) for a multi-node job")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoints/latest")
-    mode.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start over, deleting an earlier run's checkpoints and metrics",
-    )
+    add_start_mode(p)
     p.add_argument("--pg-timeout-s", type=float, help="process-group timeout of the ranks (default 600)")
     p.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
 

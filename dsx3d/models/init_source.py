@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from dsx3d.models.plans import is_tied
+from dsx3d.models.weights import slice_along
 
 
 class InitSource:
@@ -48,11 +49,7 @@ class InitSource:
 
     def load(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         module_name, _, pname = self.alias[name].rpartition(".")
-        tensor = getattr(self._module(module_name), pname).detach()
-        if dim is None:
-            return tensor
-        stop = tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])
-        return tensor.narrow(dim, start, max(stop - start, 0))
+        return slice_along(getattr(self._module(module_name), pname).detach(), dim, start, stop)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor, for a single-process reference model of the same initialisation."""

@@ -34,11 +34,16 @@ class StateDictSource:
         return name in self.state_dict
 
     def load(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        tensor = self.state_dict[name]
-        if dim is None:
-            return tensor
-        stop = tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])
-        return tensor.narrow(dim, start, max(stop - start, 0))
+        return slice_along(self.state_dict[name], dim, start, stop)
+
+
+def slice_along(tensor: torch.Tensor, dim: int | None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """[start, stop) of `tensor` along `dim`, cut at its end (the caller zero-pads vocab rows past it);
+    the whole tensor when dim is None."""
+    if dim is None:
+        return tensor
+    stop = tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])
+    return tensor.narrow(dim, start, max(stop - start, 0))
 
 
 def _padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ OUTPUT_DIR/hf/                 the Hugging Face export at the end
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import shutil
@@ -106,3 +107,14 @@ def export_hf_if_available(run: Any, out_dir: Path, tokenizer: Any) -> Path | No
         log.info("HF export skipped: dsx3d.checkpoint.export is not available in this installation")
         return None
     return export_hf(run, out_dir, tokenizer=tokenizer)
+
+
+def add_start_mode(parser: argparse.ArgumentParser) -> None:
+    """--resume / --overwrite, the choice `check_start` enforces (for `dsx3d train` and each rank)."""
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoints/latest")
+    mode.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over, deleting an earlier run's checkpoints and metrics",
+    )
