@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -71,13 +72,24 @@ _UNSUPPORTED_INIT_ARGS = {
 
 
 class EngineOptimizer(torch.optim.Optimizer):
-    """What HF's Trainer holds as its optimizer: a view of the engine optimizer's param groups, so that HF's LR
-    scheduler sets the learning rate the engine steps with. step() and zero_grad() do nothing: `train_batch`
-    steps and clears the real optimizer."""
+    """What HF's Trainer holds as its optimizer: a live view of the engine optimizer's param groups, so that HF's
+    LR scheduler sets the learning rate the engine steps with. Live, not a copy of the list: loading a checkpoint
+    replaces the engine optimizer's groups (torch's load_state_dict builds new dicts), and a view of the old ones
+    would leave the engine at the loaded rate while HF's scheduler moved on. step() and zero_grad() do nothing:
+    the engine steps and clears the real optimizer."""
 
-    def __init__(self, param_groups: list[dict[str, Any]]):
-        super().__init__([torch.zeros(1, requires_grad=True)], {})
-        self.param_groups = param_groups
+    def __init__(self, live_groups: Callable[[], list[dict[str, Any]]]):
+        self._live: Callable[[], list[dict[str, Any]]] | None = None
+        super().__init__([torch.zeros(1, requires_grad=True)], {})  # torch's bookkeeping, on a placeholder
+        self._live = live_groups
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._live() if self._live is not None else self.__dict__["_own_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.__dict__["_own_groups"] = groups  # only torch's __init__ assigns, before the view is live
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         return None
@@ -264,7 +276,8 @@ class Trainer(transformers.Trainer):
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            self.optimizer = EngineOptimizer(self._engine().engine.optimizer.param_groups)
+            engine = self._engine().engine
+            self.optimizer = EngineOptimizer(lambda: engine.optimizer.param_groups)
         return self.optimizer
 
     def _prepare_for_training(
@@ -410,6 +423,11 @@ class Trainer(transformers.Trainer):
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float:
         return self._engine().grad_norm
+
+    def _get_learning_rate(self) -> float:
+        # the rate the engine stepped with (HF asks between the optimizer step and the scheduler step), not the
+        # scheduler's belief: the log then shows what trained
+        return self._engine().lr
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         # every tp x pp rank of a DP rank sees the same batch; HF sums over all ranks
