@@ -287,6 +287,20 @@ def _family_supported(c: _Context) -> Iterator[Problem]:
         yield from err.problems
 
 
+def _tracking_packages(c: _Context) -> Iterator[Problem]:
+    from dsx3d.run.tracking import PACKAGES, missing_package
+
+    for backend in c.recipe.train.report_to:
+        package = missing_package(backend)
+        if package is not None:
+            yield Problem(
+                "train.report_to",
+                backend,
+                f"the {backend} backend needs the {package!r} package, which is not installed",
+                f"pip install {PACKAGES[backend]} (or `pip install dsx3d[tracking]`), or remove {backend!r} from train.report_to",
+            )
+
+
 RULES: list[Rule] = [
     _world_size_matches,
     _zero_with_pipeline,
@@ -301,6 +315,7 @@ RULES: list[Rule] = [
     _contradicting_overrides,
     _fp16,
     _family_supported,
+    _tracking_packages,
 ]
 
 

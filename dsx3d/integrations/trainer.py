@@ -22,11 +22,11 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 import torch
 import transformers
