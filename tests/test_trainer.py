@@ -4,6 +4,7 @@ from a checkpoint. Forked gloo ranks (dsx3d.testing.harness), a tiny Llama, fp32
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,11 @@ import torch
 import yaml
 from trainer_helpers import (
     ACCUM,
+    HF_AUTO_CONFIG,
     MICRO,
     SEQ,
     eval_set,
+    layout_recipe,
     step_values,
     tiny_llama,
     train_set,
@@ -227,3 +230,66 @@ def test_meta_model_reads_its_checkpoint_and_a_recipe_path_is_a_layout(tmp_path:
     r = run_ranks(_meta_model_from_recipe, 1, tmp_path, recipe)[0]
     assert abs(r["got"] - r["expected"]) <= TOL, r
     assert "trainer.save_model" in r["refused"] and not (tmp_path / "meta-save").exists(), r
+
+
+def z_loss_cross_entropy(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+    """A compute_loss_func as HF documents it: cross-entropy plus a z-loss on the full-vocabulary logits,
+    summed over the scored tokens and divided by the step's token count."""
+    logits = outputs.logits.float()[:, :-1].reshape(-1, outputs.logits.shape[-1])
+    target = labels[:, 1:].reshape(-1)
+    scored = target != -100
+    ce = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+    z = (torch.logsumexp(logits, dim=-1)[scored] ** 2).sum()
+    return (ce + 1e-2 * z) / num_items_in_batch
+
+
+def confidence(logits: Any, labels: Any) -> Any:
+    """preprocess_logits_for_metrics that needs every column: the top softmax probability at each position."""
+    return logits.float().softmax(dim=-1).max(dim=-1).values
+
+
+def mean_confidence(prediction: Any) -> dict[str, float]:
+    scored = prediction.label_ids[:, 1:] != -100
+    return {"confidence": float(prediction.predictions[:, :-1][scored].mean())}
+
+
+def _custom_loss_run(rank: int, work: Path, deepspeed: str | None) -> dict[str, Any]:
+    """3D (deepspeed given) or plain HF on one process (None, the same global batch)."""
+    import transformers
+
+    import dsx3d
+
+    # gradient_checkpointing: the recipe does not say, so it takes TrainingArguments' value
+    args = _args(work / ("run3d" if deepspeed else "ref"), deepspeed=deepspeed, gradient_checkpointing=True)
+    cls = dsx3d.Trainer if deepspeed else transformers.Trainer
+    trainer = cls(
+        model=_model(),
+        args=args,
+        train_dataset=_train_set(),
+        eval_dataset=_eval_set(),
+        compute_loss_func=z_loss_cross_entropy,
+        compute_metrics=mean_confidence,
+        preprocess_logits_for_metrics=confidence,
+    )
+    trainer.train()
+    out = {"history": trainer.state.log_history, "eval": trainer.evaluate()}
+    if deepspeed:
+        out["checkpointing"] = trainer.engine3d.module.activation_checkpoint_interval
+    return out
+
+
+def test_compute_loss_func_and_full_logit_metrics_match_plain_transformers(tmp_path: Path) -> None:
+    """At dp 1 x tp 2 x pp 2 the user's loss, on the last stage's logits gathered over the TP group, trains
+    exactly as under plain HF, and a metric on full logits sees the same values. The layout comes from an
+    HF-style DeepSpeed JSON full of "auto" that names its recipe; gradient_checkpointing=True turns on the
+    recipe's activation checkpointing."""
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(layout_recipe(1, 2, 2)))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**HF_AUTO_CONFIG, "dsx3d": {"recipe": "r.yaml"}}))
+    ours = run_ranks(_custom_loss_run, 4, tmp_path, str(ds))[0]
+    ref = run_ranks(_custom_loss_run, 1, tmp_path, None)[0]
+    assert ours["checkpointing"] == 1
+    for key, tol in (("loss", TOL), ("grad_norm", 1e-4), ("learning_rate", 1e-9)):
+        a, b = _steps(ours["history"], key), _steps(ref["history"], key)
+        assert len(a) == len(b) == STEPS and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= tol, (key, a, b)
+    assert abs(ours["eval"]["eval_confidence"] - ref["eval"]["eval_confidence"]) <= TOL, (ours["eval"], ref["eval"])

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from trainer_helpers import layout_recipe, training_args, write_ds_config
+from trainer_helpers import HF_AUTO_CONFIG, layout_recipe, training_args, write_ds_config
 
 from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
@@ -83,21 +83,6 @@ def test_disagreements_name_both_keys(tmp_path: Path) -> None:
         "error: TrainingArguments.gradient_checkpointing = True: disagrees with ds.json: dsx3d.activation_checkpointing = False."
         " Fix: give the value in one place (the other takes it over) or the same value in each"
     ]
-
-
-HF_AUTO_CONFIG = {  # the shape of the ZeRO configs in HF's examples and docs
-    "bf16": {"enabled": "auto"},
-    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-    "zero_optimization": {"stage": 1, "reduce_bucket_size": "auto", "allgather_partitions": True, "overlap_comm": True},
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "steps_per_print": 2000,
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "wall_clock_breakdown": False,
-}
 
 
 def test_an_hf_config_with_auto_values_takes_its_layout_from_the_recipe_it_names(tmp_path: Path) -> None:

@@ -96,3 +96,18 @@ def training_args(out: Path, **overrides: Any) -> Any:
 def step_values(history: list[dict[str, Any]], key: str) -> list[float]:
     """The per-step values of `key` in a Trainer's log history (not the end-of-training summary)."""
     return [h[key] for h in history if key in h and "train_loss" not in h]
+
+
+HF_AUTO_CONFIG = {  # the shape of the ZeRO configs in HF's examples and docs
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": "auto", "allgather_partitions": True, "overlap_comm": True},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
