@@ -87,3 +87,27 @@ def test_report_to_values_and_missing_packages(monkeypatch: pytest.MonkeyPatch, 
     problems = [p for p in check_recipe(recipe) if p.key == "train.report_to"]
     assert sorted(p.value for p in problems) == ["tensorboard", "wandb"], problems
     assert all(p.severity == "error" and "pip install" in p.fix for p in problems)
+
+
+def _tensorboard_events(rank: int, out: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dsx3d.run.tracking import Tracker
+
+    tracker = Tracker(["tensorboard"], out, "job", enabled=True)
+    for step in (1, 2):
+        tracker.log({"step": step, "loss": 5.0 - step, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0 * step})
+    tracker.close()
+    events = EventAccumulator(str(out / "tensorboard" / "job"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_backend_writes_every_figure_at_its_step(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from dsx3d.testing.harness import run_ranks
+
+    events = run_ranks(_tensorboard_events, 1, tmp_path)[0]
+    assert events["train/loss"] == [(1, 4.0), (2, 3.0)]
+    assert events["train/tokens_per_s"] == [(1, 100.0), (2, 200.0)]
+    assert set(events) == {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"}
