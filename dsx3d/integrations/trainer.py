@@ -506,7 +506,8 @@ class Trainer(transformers.Trainer):
         tokens = self._count_over_dp(local_tokens)
         self._dsx3d.eval_steps = steps
         metrics: dict[str, Any] = {}
-        preds = labels = None
+        preds: Any = None
+        labels: Any = None
         if loss.capture is not None:
             preds, labels, inputs = self._gather_predictions(loss.captured, kept)
             loss.capture, loss.captured = None, []
@@ -532,8 +533,8 @@ class Trainer(transformers.Trainer):
         per_dp: dict[int, list[Any]] = {}
         for item in comm.all_gather_object(mine):
             if item is not None:
-                dp_rank, batches = item  # type: ignore[misc]
-                per_dp[dp_rank] = batches
+                sent: Any = item
+                per_dp[sent[0]] = sent[1]
         ordered = [per_dp[j % layout.dp][j // layout.dp] for j in range(sum(len(b) for b in per_dp.values()))]
         if not self.args.eval_do_concat_batches:
             return tuple([nested_numpify(b[i]) for b in ordered] for i in range(3))  # type: ignore[return-value]

@@ -46,7 +46,7 @@ def _hf_default(name: str) -> Any:
     from transformers import TrainingArguments
 
     f = TrainingArguments.__dataclass_fields__[name]
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
 
 
 def _plain(name: str, cast: Callable[[Any], Any] = lambda v: v) -> tuple[Callable[[Any], Any], Callable[[Any, Any], None]]:

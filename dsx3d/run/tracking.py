@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ def missing_package(backend: str) -> str | None:
     return package if package is not None and importlib.util.find_spec(package) is None else None
 
 
-def monitor_sections(report_to: list[str], output_dir: Path, job_name: str) -> dict[str, Any]:
+def monitor_sections(report_to: Sequence[str], output_dir: Path, job_name: str) -> dict[str, Any]:
     """DeepSpeed monitor config sections for `report_to` (the keys deepspeed.monitor.config reads)."""
     sections: dict[str, Any] = {}
     if "tensorboard" in report_to:
@@ -46,7 +47,7 @@ def monitor_sections(report_to: list[str], output_dir: Path, job_name: str) -> d
 class Tracker:
     """The backends of `report_to` on the reporting rank; does nothing elsewhere or for "none"."""
 
-    def __init__(self, report_to: list[str], output_dir: Path, job_name: str, enabled: bool, fresh: bool = True):
+    def __init__(self, report_to: Sequence[str], output_dir: Path, job_name: str, enabled: bool, fresh: bool = True):
         """`fresh`: a run that starts at step 0 replaces the files of an earlier run (CSV files are appended
         to, so a resumed run adds to its own)."""
         self._monitor: Any = None
