@@ -3,10 +3,10 @@
 One process (a layout of 1 x 1 x 1), or the layout's processes under any torchrun-style launcher:
 
     dsx3d config RECIPE.yaml -o ds.json --world-size 1
-    python scripts/example_trainer.py --ds-config ds.json [--model DIR]
+    python scripts/examples/trainer.py --ds-config ds.json [--model DIR]
 
     dsx3d accelerate-config RECIPE.yaml -o accelerate.yaml
-    accelerate launch --config_file accelerate.yaml scripts/example_trainer.py [--model DIR]
+    accelerate launch --config_file accelerate.yaml scripts/examples/trainer.py [--model DIR]
 
 Without --model it first creates a tiny Llama checkpoint (save_pretrained), with a byte-level BPE tokenizer
 trained on Python's own documentation, in OUTPUT_DIR/tiny-llama. The data is that documentation, tokenized and
