@@ -87,32 +87,24 @@ def staging_dir(final: str | Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
 
 
-def share_tree(root: str | Path, *, dir_mode: int = DIR_MODE, file_mode: int = FILE_MODE) -> None:
-    """Give `root` (a file or a directory tree) explicit modes: for what libraries wrote with the process
-    umask (DeepSpeed's checkpoint files, a tokenizer's save_pretrained, a plot). Files another user owns
-    are left as they are."""
+def share_tree(
+    root: str | Path, *, recursive: bool = True, dir_mode: int = DIR_MODE, file_mode: int = FILE_MODE
+) -> None:
+    """Give `root` (a file or a directory, with its files and, if `recursive`, its whole tree) explicit
+    modes: for what libraries wrote with the process umask (DeepSpeed's checkpoint files, a tokenizer's
+    save_pretrained, a plot). Executable files stay executable (0755). Files another user owns are left."""
     root = Path(root)
     if not root.exists():
         return
-    if root.is_file():
-        with contextlib.suppress(PermissionError):
-            os.chmod(root, file_mode)
-        return
-    for path, mode in [(root, dir_mode), *_tree(root, dir_mode, file_mode)]:
+    entries = [root] if root.is_file() else [root, *(root.rglob("*") if recursive else root.iterdir())]
+    for path in entries:
         with contextlib.suppress(PermissionError, FileNotFoundError):
-            os.chmod(path, mode)
-
-
-def _tree(root: Path, dir_mode: int, file_mode: int) -> Iterator[tuple[Path, int]]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            yield Path(dirpath) / d, dir_mode
-        for f in filenames:
-            yield Path(dirpath) / f, file_mode
-
-
-def _set_modes(root: Path, *, dir_mode: int, file_mode: int) -> None:
-    share_tree(root, dir_mode=dir_mode, file_mode=file_mode)
+            if path.is_dir():
+                if path == root or recursive:
+                    os.chmod(path, dir_mode)
+            else:
+                executable = path.stat().st_mode & 0o100
+                os.chmod(path, dir_mode if executable else file_mode)
 
 
 def publish_dir(
@@ -122,7 +114,7 @@ def publish_dir(
     when `replace` (it is renamed aside first, then removed, so `final` is never half old, half new);
     otherwise the existing one wins and `staging` is discarded (for content-addressed cache entries)."""
     final = Path(final)
-    _set_modes(staging, dir_mode=dir_mode, file_mode=file_mode)
+    share_tree(staging, dir_mode=dir_mode, file_mode=file_mode)
     if final.exists() and not replace:
         shutil.rmtree(staging, ignore_errors=True)
         return final

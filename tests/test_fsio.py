@@ -77,3 +77,13 @@ def test_cache_entries_keep_the_first_copy(tmp_path: Path) -> None:
     with fsio.atomic_dir(final, replace=False) as staging:
         (staging / "x").write_text("second")
     assert (final / "x").read_text() == "first"
+
+
+def test_share_tree_keeps_executables_executable(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir(mode=0o700)
+    (tmp_path / "d" / "data.pt").write_text("x")
+    script = tmp_path / "d" / "tool.py"
+    script.write_text("x")
+    script.chmod(0o700)
+    fsio.share_tree(tmp_path / "d")
+    assert _mode(tmp_path / "d") == 0o755 and _mode(tmp_path / "d" / "data.pt") == 0o644 and _mode(script) == 0o755

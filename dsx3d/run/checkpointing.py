@@ -116,7 +116,10 @@ class Checkpointer:
             str(self.dir), tag=tag, client_state={CLIENT_KEY: client_state, **self._universal}, save_latest=False
         )
         comm.barrier()  # every rank has written all of its files
-        share_tree(self.dir / tag)  # DeepSpeed writes with the process umask; a run is read by colleagues
+        # DeepSpeed writes with the process umask (and copies its zero_to_fp32 scripts beside the tags);
+        # a run's checkpoints are read by colleagues
+        share_tree(self.dir / tag)
+        share_tree(self.dir, recursive=False)
         if rank == 0:
             write_atomic(self.dir / LATEST, tag)
             deleted = prune(self.dir, self.keep)
