@@ -15,7 +15,7 @@ from typing import Any
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import load_hf_config, model_dim
 from dsx3d.layout import bubble_fraction
-from dsx3d.models.plans import resolve_family  # noqa: E402
+from dsx3d.models.family import resolve_family  # noqa: E402
 from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -265,11 +265,11 @@ def _fp16(c: _Context) -> Iterator[Problem]:
 
 
 def _family_supported(c: _Context) -> Iterator[Problem]:
-    """Families without plans, or refused after the parity sweep (dsx3d.families.REFUSED), stop here,
+    """Families without plans, or refused after the parity sweep (dsx3d.models.families.REFUSED), stop here,
     before any process starts, instead of failing inside the engine."""
     if c.hf_config is None:
         return
-    from dsx3d.families import refusal
+    from dsx3d.models.families import refusal
 
     reason = refusal(c.hf_config.model_type, c.tp)
     if reason is not None:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from dsx3d.fsio import write_atomic
 from dsx3d.recipe import Recipe, TrainSection
 
 # Sections dsx3d never writes: DeepSpeed ignores the first silently; the second turns on AutoTP.
@@ -127,17 +126,5 @@ def render_ds_config(config: dict[str, Any]) -> str:
 
 
 def write_ds_config(recipe: Recipe, path: str | Path, world_size: int | None = None) -> Path:
-    """Write the config atomically (temp file + rename), so a crash never leaves half a JSON behind."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    text = render_ds_config(build_ds_config(recipe, world_size))
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a config is meant to be read by the launcher and others
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    """Write the config atomically and readable by others (the launcher, accelerate, colleagues)."""
+    return write_atomic(path, render_ds_config(build_ds_config(recipe, world_size)))

@@ -157,25 +157,25 @@ def _rank_worker(
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    run = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
+    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
     losses, norms = [], []
     for batch in batches:
         micro = iter(
             [
                 (ids, ids)
-                for ids in (micro_batch(case, batch, k, run.placement.dp) for k in range(case.micro_batches))
+                for ids in (micro_batch(case, batch, k, engine.placement.dp) for k in range(case.micro_batches))
             ]
         )
-        losses.append(run.train_step(micro))
-        norms.append(run.grad_norm)
-    return {"losses": losses, "norms": norms, "shards": run.hf_shards()}
+        losses.append(engine.train_step(micro))
+        norms.append(engine.grad_norm)
+    return {"losses": losses, "norms": norms, "shards": engine.hf_shards()}
 
 
 def run_parity(
     case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0
 ) -> ParityResult:
     """Train `model` (default: a fresh HF model of case.config, seeded) both ways and compare."""
-    from dsx3d.models.export import merge_shards
+    from dsx3d.models.shards import merge_shards
     from dsx3d.testing.harness import run_ranks
 
     model = build_reference(case) if model is None else model.float()

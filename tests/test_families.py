@@ -1,5 +1,5 @@
 """Every causal-LM family whose config ships pp and tp plans either passes a one-step parity check at
-(dp, tp, pp) = (1, 2, 2) on a tiny config, or is on dsx3d.families.REFUSED with its reason and is refused
+(dp, tp, pp) = (1, 2, 2) on a tiny config, or is on dsx3d.models.families.REFUSED with its reason and is refused
 by the checker before launch. Families refused only at tp > 1 must pass at (1, 1, 2).
 
 The one-step comparison uses AdamW eps = 1e-6: Adam's first update is about lr * sign(g) for |g| >> eps,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from dsx3d.checker import check_recipe
-from dsx3d.families import REFUSED, families_with_plans, refusal, tiny_config
+from dsx3d.models.families import REFUSED, families_with_plans, refusal, tiny_config
 from dsx3d.parity import LOSS_TOL_FP32, PARAM_TOL_FP32, ParityCase, case_recipe, run_parity
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsx3d.families import tiny_config
+from dsx3d.models.families import tiny_config
 from dsx3d.parity import LOSS_TOL_FP32, PARAM_TOL_FP32, ParityCase, run_parity
 
 pytestmark = pytest.mark.usefixtures("warm")
@@ -67,7 +67,7 @@ def test_bf16_tracks_fp32() -> None:
 
 def test_parity_detects_a_broken_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """The comparison can fail: skipping the TP all-reduce of q/k-norm gradients must be caught."""
-    import dsx3d.models.stages as stages
+    import dsx3d.models.pipe_layers as stages
 
     monkeypatch.setattr(stages, "all_reduce_grad_hook", lambda group: lambda g: g)
     r = run_parity(ParityCase(tiny_config("qwen3"), dp=1, tp=2, pp=1, steps=3))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dsx3d.ds_config import build_ds_config
-from dsx3d.families import tiny_config
+from dsx3d.models.families import tiny_config
 from dsx3d.recipe import recipe_from_dict
 
 SEQ = 16

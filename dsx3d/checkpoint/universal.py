@@ -35,7 +35,8 @@ from deepspeed.checkpoint.constants import (
     VOCABULARY_PARAMETER_PATTERNS,
 )
 
-from dsx3d.dist import comm
+from dsx3d import fsio
+from dsx3d.distributed import comm
 from dsx3d.errors import UserError
 
 if TYPE_CHECKING:
@@ -45,15 +46,15 @@ LOAD_UNIVERSAL: dict[str, Any] = {"checkpoint": {"load_universal": True}}
 """ds_overrides for build_engine: the new layout's engine then loads universal checkpoints."""
 
 
-def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
+def universal_checkpoint_info(engine: Engine3D) -> dict[str, Any]:
     """How every parameter of every stage is split over TP, as ds_to_universal reads it. A collective."""
-    builder = run.module.dsx3d_builder
+    builder = engine.module.dsx3d_builder
     vocab_names = {
         f"{builder.plan.base_prefix}.{builder.plan.embed_name}.weight",
         f"{builder.plan.head_name}.weight",
     }
     mine = []
-    for name, p in run.module.named_parameters():
+    for name, p in engine.module.named_parameters():
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
         mine.append((name, dim, getattr(p, "hf_name", None) in vocab_names and p.dim() == 2))
     everyone = {entry for rank in comm.all_gather_object(mine) for entry in rank}  # type: ignore[attr-defined]
@@ -70,9 +71,9 @@ def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
     }
 
 
-def universal_client_state(run: Engine3D) -> dict[str, Any]:
+def universal_client_state(engine: Engine3D) -> dict[str, Any]:
     """Merge into `client_state` of `engine.save_checkpoint` so the checkpoint can become universal."""
-    return {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(run)}
+    return {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine)}
 
 
 def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) -> Path:
@@ -106,9 +107,7 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
             "exists and is not a universal checkpoint, so it will not be replaced",
             "choose a new or empty directory",
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = fsio.staging_dir(out)
     args = argparse.Namespace(
         input_folder=str(tag_dir),
         output_folder=str(staging),
@@ -118,8 +117,9 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
         strict=True,
         inject_missing_state=False,
     )
-    with contextlib.redirect_stdout(sys.stderr):  # the converter prints progress on stdout
-        ds_to_universal.main(args)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
-    return out
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the converter prints progress on stdout
+            ds_to_universal.main(args)
+        return fsio.publish_dir(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from dsx3d.cli.cmd_check import positive_int
+from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
 
 log = logging.getLogger("dsx3d")
@@ -17,7 +18,7 @@ log = logging.getLogger("dsx3d")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify",
-        help="train a tiny model single-process and under a dp x tp x pp layout, compare losses and weights",
+        help=summary("verify"),
         description="Runs N optimizer steps with plain HF on one process and with the dsx3d engine (DeepSpeed "
         "pipeline, ZeRO-1, TP) on forked gloo ranks from the same weights and data, then compares per-step "
         "losses, gradient norms and final weights. Exit 0 within tolerance, 1 otherwise.",
@@ -45,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _config_and_model(args: argparse.Namespace):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dsx3d.families import tiny_config
+    from dsx3d.models.families import tiny_config
 
     if args.model:
         if not Path(args.model).is_dir():

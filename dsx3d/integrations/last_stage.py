@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from dsx3d.dist import comm
-from dsx3d.dist.tp_ops import gather_last_dim
+from dsx3d.distributed import comm
+from dsx3d.distributed.tensor_parallel.mappings import gather_last_dim
 from dsx3d.integrations.batches import count_targets
 
 

@@ -11,7 +11,7 @@ Patches, each applied by an explicit, idempotent call (`install()` applies them 
   one whole model replica per process, which such a layout is not), saying what to use instead.
 
 `dsx3d.integrations.trainer` calls `install()` when imported (a recipe path must work in the TrainingArguments
-built right after `from dsx3d import Trainer`); `dsx3d.dist.comm.init_distributed` calls `skip_cpu_shm_build()`.
+built right after `from dsx3d import Trainer`); `dsx3d.distributed.comm.init_distributed` calls `skip_cpu_shm_build()`.
 
 PRIVATE_HOOKS lists the private (underscore) and undocumented names of transformers, DeepSpeed and accelerate
 that dsx3d overrides, calls or patches, with the parameters it expects; tests/test_compat.py checks each one

@@ -39,7 +39,7 @@ from torch.utils.data import IterableDataset, SequentialSampler
 from transformers.trainer_pt_utils import nested_concat, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize, speed_metrics
 
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
 from dsx3d.integrations import patches
 from dsx3d.integrations.batches import (
@@ -102,7 +102,7 @@ class _State:
     layout: Layout
     placement: RankPlacement
     source: Any
-    run: Any = None
+    engine: Any = None
     loss: LastStageLoss | None = None
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     eval_steps: int = 0
@@ -209,7 +209,7 @@ class Trainer(transformers.Trainer):
 
     def _engine(self) -> Any:
         state = self._dsx3d
-        if state.run is None:
+        if state.engine is None:
             from dsx3d.engine import build_engine
 
             args = self.args
@@ -224,7 +224,7 @@ class Trainer(transformers.Trainer):
                     "adam_w_mode": True,
                 },
             }
-            state.run = build_engine(
+            state.engine = build_engine(
                 state.recipe,
                 hf_config=self._hf_model.config,
                 source=state.source,
@@ -234,19 +234,19 @@ class Trainer(transformers.Trainer):
             state.source = None  # the weights are in the engine now; a state-dict source can go
             # HF's scheduler (over EngineOptimizer) sets the learning rate. DeepSpeed's, built from the config,
             # must not step as well, and the rate it set at construction (its warm-up start) must not stay.
-            state.run.engine.lr_scheduler = None
-            for group in state.run.engine.optimizer.param_groups:
+            state.engine.ds_engine.lr_scheduler = None
+            for group in state.engine.ds_engine.optimizer.param_groups:
                 group["lr"] = args.learning_rate
-            state.loss = _install_loss(state.run, self.compute_loss_func)
+            state.loss = _install_loss(state.engine, self.compute_loss_func)
             state.rows = state.recipe.train.micro_batch_size
-        return state.run
+        return state.engine
 
     def _shape_rows(self, rows: int) -> None:
         """Before running micro-batches of `rows` rows: a pipeline exchanges activation shapes once and reuses
         its buffers, so a change of micro-batch size (training <-> evaluation) must reset them."""
         state = self._dsx3d
         if rows != state.rows:
-            reset = getattr(state.run.engine, "reset_activation_shape", None)  # pipeline engines only
+            reset = getattr(state.engine.ds_engine, "reset_activation_shape", None)  # pipeline engines only
             if reset is not None:
                 reset()
             state.rows = rows
@@ -267,23 +267,23 @@ class Trainer(transformers.Trainer):
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            engine = self._engine().engine
-            self.optimizer = EngineOptimizer(lambda: engine.optimizer.param_groups)
+            ds_engine = self._engine().ds_engine
+            self.optimizer = EngineOptimizer(lambda: ds_engine.optimizer.param_groups)
         return self.optimizer
 
     def _prepare_for_training(
         self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
     ) -> tuple[Any, Any]:
-        run = self._engine()
+        engine = self._engine()
         if self._created_lr_scheduler:  # a second train() gets a fresh schedule, as in HF
             self.lr_scheduler = None
             self._created_lr_scheduler = False
         self.create_optimizer()
         self.create_scheduler(num_training_steps=max_steps)
-        self.model_wrapped = self.deepspeed = run.engine
+        self.model_wrapped = self.deepspeed = engine.ds_engine
         scheduler: Any = self.lr_scheduler
         if resume_from_checkpoint is not None:
-            run.engine.load_checkpoint(
+            engine.ds_engine.load_checkpoint(
                 resume_from_checkpoint, load_optimizer_states=True, load_lr_scheduler_states=False
             )
             scheduler.load_state_dict(
@@ -402,13 +402,13 @@ class Trainer(transformers.Trainer):
         if len(state.pending) < train.gradient_accumulation_steps:
             return torch.zeros((), device=self.args.device)
         micro, state.pending = state.pending, []
-        run = self._engine()
+        engine = self._engine()
         self._shape_rows(train.micro_batch_size)
         assert state.loss is not None
         state.loss.training = True
         state.loss.step_tokens = self._count_over_dp(sum(count_targets(labels) for _, labels in micro))
         state.loss.scale = train.gradient_accumulation_steps * self.layout.dp
-        loss = run.train_step(iter(micro))
+        loss = engine.train_step(iter(micro))
         return torch.tensor(loss, device=self.args.device)
 
     def _count_over_dp(self, local: int) -> int:
@@ -479,7 +479,7 @@ class Trainer(transformers.Trainer):
         out pad with empty ones. Unless `prediction_loss_only`, the last stage keeps what compute_metrics needs
         (`preprocess_logits_for_metrics` of each micro-batch, or its logits) and every rank receives it, with the
         labels (and inputs), in dataset order, as HF gathers them (padded across batches with -100)."""
-        run, train = self._engine(), self._dsx3d.recipe.train
+        engine, train = self._engine(), self._dsx3d.recipe.train
         m, rows, seq = train.gradient_accumulation_steps, self.args.per_device_eval_batch_size, train.seq_len
         self._shape_rows(rows)
         self.callback_handler.eval_dataloader = dataloader
@@ -487,7 +487,7 @@ class Trainer(transformers.Trainer):
         assert loss is not None
         only_loss = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
         loss.training = False
-        loss.capture = None if only_loss else capture_for(self.preprocess_logits_for_metrics, _vocab_shard(run))
+        loss.capture = None if only_loss else capture_for(self.preprocess_logits_for_metrics, _vocab_shard(engine))
         loss.captured = []
         per_rank = -(-dataloader.batch_sampler.num_micro_batches // self.layout.dp)
         steps = -(-per_rank // m)
@@ -500,7 +500,7 @@ class Trainer(transformers.Trainer):
             micro += [empty_micro_batch(rows, seq)] * (m - len(micro))
             kept += [(torch.as_tensor(b["labels"]), torch.as_tensor(b["input_ids"])) for b in real]
             local_tokens += sum(count_targets(labels) for _, labels in micro)
-            total_loss += run.eval_loss(iter(micro)) * m * self.layout.dp  # the engine averages over micro x dp
+            total_loss += engine.eval_loss(iter(micro)) * m * self.layout.dp  # the engine averages over micro x dp
             loss.captured = loss.captured[: len(kept)]  # the padding micro-batches' predictions go
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         tokens = self._count_over_dp(local_tokens)
@@ -581,7 +581,7 @@ class Trainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's DeepSpeed checkpoint (stage weights, optimizer partitions) plus HF's scheduler state.
         Resuming needs the same layout."""
-        self._engine().engine.save_checkpoint(output_dir)
+        self._engine().ds_engine.save_checkpoint(output_dir)
         if self.args.should_save:
             scheduler: Any = self.lr_scheduler
             torch.save(scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
@@ -589,7 +589,7 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         log.info("dsx3d.Trainer: loading the best model from %s", best)
-        self._engine().engine.load_checkpoint(
+        self._engine().ds_engine.load_checkpoint(
             best, load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True
         )
 
@@ -677,15 +677,15 @@ def _weight_source(model: Any, seed: int) -> Any:
     return InitSource(model.config, seed)
 
 
-def _install_loss(run: Any, compute_loss_func: Any) -> LastStageLoss:
+def _install_loss(engine: Any, compute_loss_func: Any) -> LastStageLoss:
     """Put dsx3d.Trainer's loss in the engine's place: it wraps the engine's own (vocab-parallel) loss."""
-    loss = LastStageLoss(run.module.loss_fn, _vocab_shard(run), compute_loss_func)
-    run.module.loss_fn = loss
+    loss = LastStageLoss(engine.module.loss_fn, _vocab_shard(engine), compute_loss_func)
+    engine.module.loss_fn = loss
     return loss
 
 
-def _vocab_shard(run: Any) -> VocabShard:
-    builder = run.module.dsx3d_builder
+def _vocab_shard(engine: Any) -> VocabShard:
+    builder = engine.module.dsx3d_builder
     return VocabShard(builder.vocab_start, builder.vocab, builder.tp.group)
 
 
@@ -703,12 +703,12 @@ def _trim(value: Any, shape: torch.Size) -> Any:
     return value
 
 
-def _load_trained_weights(run: Any, model: Any) -> None:
+def _load_trained_weights(engine: Any, model: Any) -> None:
     """Copy the engine's weights into the HF `model` on every rank (a collective). The DP-rank-0 ranks send
     their TP shards; every rank merges them (TP shards concatenated, vocabulary padding trimmed)."""
-    from dsx3d.models.export import merge_shards
+    from dsx3d.models.shards import merge_shards
 
-    shards = run.hf_shards() if run.placement.dp == 0 else {}
+    shards = engine.hf_shards() if engine.placement.dp == 0 else {}
     gathered: list[Any] = comm.all_gather_object(shards)
     params = dict(model.named_parameters())
     sizes = {name: params[name].shape[dim] for ranks in gathered for name, (_, dim, _) in ranks.items() if dim is not None and name in params}

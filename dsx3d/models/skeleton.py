@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from dsx3d.models.plans import FamilyPlan
+from dsx3d.models.family import FamilySpec
 
 LayerCall = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -81,7 +81,7 @@ def with_hidden(call: LayerCall, hidden: torch.Tensor) -> LayerCall:
 class Skeleton:
     """One per process. Owns the meta-device CausalLM; stage modules take the submodules they own from it."""
 
-    def __init__(self, config: PretrainedConfig, plan: FamilyPlan):
+    def __init__(self, config: PretrainedConfig, plan: FamilySpec):
         self.config, self.plan = config, plan
         with init_empty_weights(include_buffers=False):
             # fp32 whatever dtype a checkpoint's config.json names: DeepSpeed casts for bf16 runs, and an fp32

@@ -20,7 +20,7 @@ import tempfile
 
 def main(argv: list[str] | None = None) -> list[float]:
     from dsx3d.data import build_train_data
-    from dsx3d.dist import comm
+    from dsx3d.distributed import comm
     from dsx3d.engine import build_engine
     from dsx3d.recipe import load_recipe
 

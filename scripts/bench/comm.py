@@ -1,6 +1,6 @@
 """Communication per step by group type (TP, PP, DP), counted, against the estimator's analytic volumes.
 
-Every call this process makes into torch.distributed is counted by `dsx3d.dist.counting` (a hook on the
+Every call this process makes into torch.distributed is counted by `bench.counting` (a hook on the
 ProcessGroup methods all collectives and p2p calls end in, DeepSpeed's included) with its group's ranks and
 its buffer size, during `--steps` optimizer steps after one warm-up step (the first step also exchanges
 tensor shapes once). A call is attributed to a group type by its ranks, from the layout: the TP (slice)
@@ -11,8 +11,8 @@ ring-counted (`CommRecord.sent_bytes`), the estimator's unit. TP and PP must agr
 `dsx3d.estimate` per stage; DP is compared too (DeepSpeed also all-reduces two 4-byte scalars over DP, the
 gradient norm's partial sum and the loss, which the estimator leaves out).
 
-    python scripts/bench_comm.py [--quick] [--dp 2 --tp 2 --pp 2] [--checkpointing] [--family qwen3] [--no-write]
-    python scripts/bench_comm.py --sweep     # every family with plans, quick (about 10 minutes on 2 cores)
+    python -m scripts.bench.comm [--quick] [--dp 2 --tp 2 --pp 2] [--checkpointing] [--family qwen3] [--no-write]
+    python -m scripts.bench.comm --sweep     # every family with plans, quick (about 10 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import math
 from collections import defaultdict
 from typing import Any
 
-import bench_common as bc
 import torch
 
 from dsx3d.testing.harness import run_ranks, warm_up
+from scripts.bench import common as bc
 
 
 def classify(record: Any, layout: Any) -> str:
@@ -61,11 +61,11 @@ def worker(
     steps: int,
     ckpt: bool,
 ) -> dict[str, Any]:
-    from dsx3d.dist.counting import CommCounter
+    from scripts.bench.counting import CommCounter
 
     dp, tp, pp = dims
     contender = bc.dsx3d_contender("dsx3d", work, state, dp=dp, tp=tp, pp=pp, activation_checkpointing=ckpt)
-    run = contender.engine
+    engine = contender.engine
     batches = bc.make_batches(work, steps + 1)
     with CommCounter() as counter:
         contender.step(batches[0])  # warm-up: DeepSpeed sends tensor shapes once, on the first step
@@ -78,7 +78,7 @@ def worker(
     )
     ops: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in records:
-        kind = classify(r, run.layout)
+        kind = classify(r, engine.layout)
         per_kind[kind]["sent_bytes"] += r.sent_bytes() / steps
         per_kind[kind]["buffer_bytes"] += r.nbytes // steps
         per_kind[kind]["calls"] += 1
@@ -86,8 +86,8 @@ def worker(
     for kind, d in per_kind.items():
         d["calls"] = d["calls"] // steps
         d["ops"] = {op: n // steps for op, n in ops[kind].items()}  # type: ignore[assignment]
-    layers = sum(1 for layer in run.module.forward_funcs if type(layer).__name__ == "DecoderStage")
-    return {"rank": rank, "stage": run.placement.pp, "layers": layers, "per_kind": dict(per_kind)}
+    layers = sum(1 for layer in engine.module.forward_funcs if type(layer).__name__ == "DecoderLayerPipe")
+    return {"rank": rank, "stage": engine.placement.pp, "layers": layers, "per_kind": dict(per_kind)}
 
 
 def analytic(work: bc.Workload, dims: tuple[int, int, int], stage_layers: list[int], ckpt: bool) -> Any:
@@ -117,8 +117,8 @@ def run(
     family: str | None = None,
 ) -> dict[str, Any]:
     """Measure and compare; returns the result (also what the smoke test asserts on). `family`: a
-    model_type whose `dsx3d.families.tiny_config` replaces the benchmark's Llama (other TP plans, tying)."""
-    from dsx3d.families import tiny_config
+    model_type whose `dsx3d.models.families.tiny_config` replaces the benchmark's Llama (other TP plans, tying)."""
+    from dsx3d.models.families import tiny_config
 
     steps = steps or (1 if quick else 3)
     dp, tp, pp = dims
@@ -178,9 +178,9 @@ def run(
 
 
 def sweep() -> dict[str, Any]:
-    """Every family with TP and PP plans (`dsx3d.families.families_with_plans`), quick, dp1 tp2 pp2: which
+    """Every family with TP and PP plans (`dsx3d.models.families.families_with_plans`), quick, dp1 tp2 pp2: which
     agree exactly (TP, PP, tied), which differ (by how much), which dsx3d refuses or cannot build."""
-    from dsx3d.families import families_with_plans
+    from dsx3d.models.families import families_with_plans
 
     families: dict[str, Any] = {}
     for family in families_with_plans():
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="a tiny config of this model_type instead of the Llama (qwen3, gemma2, ...)",
     )
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
+    parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     parser.add_argument(
         "--sweep", action="store_true", help="every family with plans, quick, dp1 tp2 pp2 (minutes)"
     )

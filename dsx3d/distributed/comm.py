@@ -53,6 +53,11 @@ def get_world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 
 
+def new_group(ranks: list[int]) -> ProcessGroup:
+    """A process group over `ranks` (every rank of the world must call this, in the same order)."""
+    return dist.new_group(ranks)
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     if is_initialized():
         dist.barrier(group=group)

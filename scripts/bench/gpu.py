@@ -11,12 +11,12 @@ Step time: wall time from a barrier to the step's loss on the host (a device syn
 ratios are medians of per-round ratios. MFU = (6 N + 12 L h s) x tokens/s / peak, N = decoder and head
 parameters (dsx3d.estimate.timing.model_flops_per_token), peak = --peak-tflops (H200/H100 bf16 dense: 989).
 
-    bash scripts/bench_gpu.sh              # sets up a Python with CUDA torch, then runs this
-    python scripts/bench_gpu.py [--rounds 8] [--micro-batch 4] [--seq-len 2048] [--grad-accum 2]
-    python scripts/bench_gpu.py --cpu-smoke   # the same code path on CPU with a tiny model (no GPU needed)
+    bash scripts/bench/gpu.sh              # sets up a Python with CUDA torch, then runs this
+    python -m scripts.bench.gpu [--rounds 8] [--micro-batch 4] [--seq-len 2048] [--grad-accum 2]
+    python -m scripts.bench.gpu --cpu-smoke   # the same code path on CPU with a tiny model (no GPU needed)
 
 Prints one JSON object on stdout; with $OUT set also writes $OUT/bench_gpu.json; --write merges it into
-bench/results.json under "gpu".
+scripts/bench/results.json under "gpu".
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import bench_common as bc
 import torch
 
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
+from scripts.bench import common as bc
 
 
 def llama_1b() -> Any:
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--cpu-smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing"
     )
     parser.add_argument(
-        "--write", action="store_true", help="merge the result into bench/results.json under 'gpu'"
+        "--write", action="store_true", help="merge the result into scripts/bench/results.json under 'gpu'"
     )
     args = parser.parse_args(argv)
     with bc.provenance(args.cpu_smoke) as meta, bc.stdout_to_stderr():

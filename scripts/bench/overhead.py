@@ -6,7 +6,7 @@ micro-batch size, accumulation, AdamW, clipping: one DeepSpeed JSON) and are ste
 of the per-round ratios (goal <= 1.03); the same ratio of CPU seconds (summed over ranks) is reported too,
 steadier when other jobs load the machine. The per-step losses of the two must agree: same work.
 
-    python scripts/bench_overhead.py [--quick] [--rounds N] [--no-write]
+    python -m scripts.bench.overhead [--quick] [--rounds N] [--no-write]
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import argparse
 import statistics
 from typing import Any
 
-import bench_common as bc
 import torch
 
 from dsx3d.testing.harness import run_ranks, warm_up
+from scripts.bench import common as bc
 
 GOAL = 1.03
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 rounds: a smoke run")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 30, quick 3)")
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
+    parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 30)
     warmup = 1 if args.quick else 2

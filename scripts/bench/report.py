@@ -1,7 +1,7 @@
-"""Render bench/results.json as the README's "Benchmarks" section (markdown): every figure with its command,
+"""Render scripts/bench/results.json as the README's "Benchmarks" section (markdown): every figure with its command,
 the machine, the versions and the load average it was measured under.
 
-    python scripts/bench_report.py [--results bench/results.json] [--out FILE]
+    python -m scripts.bench.report [--results scripts/bench/results.json] [--out FILE]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results.json"
+RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
 def _load(r: dict[str, Any]) -> str:
@@ -258,24 +258,24 @@ METHODS = """### How the figures are measured
   shared machine move with other jobs' load. CPU seconds per step (`time.process_time`, summed over ranks)
   are given next to wall time: they leave out time lost to other jobs and time blocked on peers. Every
   contender starts from the same weights and sees the same batches; equal first-step losses show it.
-- **Overhead** (`scripts/bench_overhead.py`): dsx3d at dp=2 (its DeepSpeed PipelineEngine, one stage) and
+- **Overhead** (`scripts/bench/overhead.py`): dsx3d at dp=2 (its DeepSpeed PipelineEngine, one stage) and
   `deepspeed.initialize` on the plain HF model with the same DeepSpeed JSON (ZeRO-1, AdamW, clipping, the
   same micro-batch and accumulation).
-- **Alternatives** (`scripts/bench_alternatives.py`): torch DDP (through `dsx3d.dist.ddp.wrap_ddp`, torch
+- **Alternatives** (`scripts/bench/alternatives.py`): torch DDP (through `scripts.bench.ddp.wrap_ddp`, torch
   AdamW, `no_sync` accumulation, clipping) and HF-style ZeRO-3 (`deepspeed.initialize`, stage 3, the bucket
   and persistence sizes transformers fills in for "auto") on the plain HF model, and dsx3d under a few
   layouts, at equal world size and global batch. Peak memory: each of DDP, ZeRO-3 and dsx3d's fastest layout
   alone in freshly forked ranks; RSS high-water (/proc/self/status VmHWM, reset with /proc/self/clear_refs
   right after the fork) minus the RSS at the fork (the forked parent's libraries are shared), over build
   and two steps; model states = distinct parameter, gradient and optimizer-state storages after the steps.
-- **Bubble** (`scripts/bench_bubble.py`): every PipelineEngine instruction is timed by wrapping the engine's
+- **Bubble** (`scripts/bench/bubble.py`): every PipelineEngine instruction is timed by wrapping the engine's
   instruction table. Busy = ForwardPass + BackwardPass (the loss is in the last stage's forward); the window
   runs from the barrier to the last BackwardPass on any stage (gradient reduction and optimizer step are not
   pipeline time); idle = 1 - busy / window. (p-1)/(m+p-1) assumes equal stages and free p2p; busy time per
   micro-batch and stage is shown, and p2p transfers and wake-up latency (long on a loaded machine) count as
   idle, so the measured idle sits a little above the formula. p = 2 on 2 cores (p = 4 would time-slice
   stages on shared cores).
-- **Communication** (`scripts/bench_comm.py`): `dsx3d.dist.counting.CommCounter` wraps the ProcessGroup
+- **Communication** (`scripts/bench/comm.py`): `bench.counting.CommCounter` wraps the ProcessGroup
   methods every torch.distributed call ends in (DeepSpeed's included), recording op, group ranks and buffer
   bytes; a call is attributed to TP, DP, PP (send/recv between adjacent stages) or the tied pair by its
   ranks. Bytes one rank sends, ring-counted: all-reduce 2(g-1)/g of the buffer, all-gather (g-1)/g, send all
@@ -287,7 +287,7 @@ METHODS = """### How the figures are measured
   token ids that travel with the activations between stages. `dsx3d.estimate` now counts these from the
   family's TP plan (with the all-gathers of `colwise_gather_output` / `rowwise_split_input` styles and the
   q/k-norm gradients); the per-family sweep above says where it agrees to the byte.
-- **Estimator accuracy** (`scripts/bench_memory.py`): a CPU process has no device memory and its RSS mixes
+- **Estimator accuracy** (`scripts/bench/memory.py`): a CPU process has no device memory and its RSS mixes
   in libraries and allocator caching, so the bytes the estimator models are accounted exactly: a census of
   distinct storages held by the stage's parameters, their gradients and DeepSpeed's ZeRO optimizer (taken
   after every pipeline instruction and before the inner optimizer step), plus the high-water of bytes
@@ -295,7 +295,7 @@ METHODS = """### How the figures are measured
   Peak = max over instructions of (states after it + activation high-water during it), over 3 steps.
   Neither side counts transient buffers inside ops (optimizer temporaries, gradients being computed),
   communication buffers or allocator slack: the RSS column shows how much that is on CPU.
-- **GPU** (`bash scripts/bench_gpu.sh`): bf16 tokens/s and MFU of a 1.1B Llama (Llama-3.2-1B's shape,
+- **GPU** (`bash scripts/bench/gpu.sh`): bf16 tokens/s and MFU of a 1.1B Llama (Llama-3.2-1B's shape,
   32k vocabulary, untied) through dsx3d at tp=1 pp=1 against `deepspeed.initialize` on the plain HF model
   with the same JSON and against the plain HF model with torch AdamW in bf16, alternated in one process.
 """
@@ -304,15 +304,15 @@ METHODS = """### How the figures are measured
 COMMANDS = """### Reproducing
 
     source scripts/env.sh
-    python scripts/bench_overhead.py        # about 1-2 min each on 2 cores; --quick for a smoke run
-    python scripts/bench_alternatives.py
-    python scripts/bench_bubble.py
-    python scripts/bench_comm.py            # also --checkpointing, --family qwen3 --dp 1, ...
-    python scripts/bench_memory.py
-    python scripts/bench_report.py          # this section, from bench/results.json
-    bash scripts/bench_gpu.sh               # on a CUDA machine
+    python -m scripts.bench.overhead        # about 1-2 min each on 2 cores; --quick for a smoke run
+    python -m scripts.bench.alternatives
+    python -m scripts.bench.bubble
+    python -m scripts.bench.comm            # also --checkpointing, --family qwen3 --dp 1, ...
+    python -m scripts.bench.memory
+    python -m scripts.bench.report          # this section, from scripts/bench/results.json
+    bash scripts/bench/gpu.sh               # on a CUDA machine
 
-Each script prints its result as JSON and merges it into bench/results.json (`--no-write` to skip).
+Each script prints its result as JSON and merges it into scripts/bench/results.json (`--no-write` to skip).
 """
 
 
@@ -349,7 +349,7 @@ def render(results: dict[str, Any]) -> str:
         lines += [
             "### GPU",
             "",
-            "Not measured yet (no GPU here). On a CUDA machine: `bash scripts/bench_gpu.sh`.",
+            "Not measured yet (no GPU here). On a CUDA machine: `bash scripts/bench/gpu.sh`.",
             "",
         ]
     lines.append(METHODS)

@@ -3,7 +3,7 @@
 # at tp=1 pp=1 vs the plain HF model, same process. Needs one CUDA GPU; fits in about 8 minutes on an H200
 # (set-up included when no pip download is needed; the measurement itself takes 1-2 minutes).
 #
-#   bash scripts/bench_gpu.sh [bench_gpu.py options]      e.g. --rounds 8 --micro-batch 4 --seq-len 2048
+#   bash scripts/bench/gpu.sh [bench_gpu.py options]      e.g. --rounds 8 --micro-batch 4 --seq-len 2048
 #
 # Python: $PYTHON if set, else .venv-gpu/bin/python if it works, else the system python3 if it has CUDA torch
 # and the pinned packages. Otherwise it creates .venv-gpu (with --system-site-packages, so a system CUDA torch
@@ -13,7 +13,7 @@
 # writes $OUT/bench_gpu.json. Without pip access: point PYTHON at a ready environment, or pre-fetch wheels
 # (pip download) and set PIP_NO_INDEX=1 PIP_FIND_LINKS=/path/to/wheels, which pip reads from the environment.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 TOKENIZERS_PARALLELISM=false DS_SKIP_CUDA_CHECK=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -47,4 +47,4 @@ if [ -z "$PY" ]; then
 fi
 echo "[bench_gpu] python: $PY ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'))" >&2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
-exec timeout 450 "$PY" scripts/bench_gpu.py "$@"
+exec timeout 450 "$PY" -m scripts.bench.gpu "$@"

@@ -1,22 +1,23 @@
 """What a family's own plans say: where the embedding, decoder layers, final norm and head live, and how
 each linear is sharded. Families are driven by `base_model_pp_plan` / `base_model_tp_plan` from their
-configs; only families whose plans leave a gap need an entry in `EXTRA_PLANS`.
+configs; only families whose plans leave a gap need an entry in `dsx3d.models.families`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from dsx3d.errors import UserError
-from dsx3d.tp_styles import SUPPORTED_TP_STYLES
+from dsx3d.models import tp_plan
+from dsx3d.models.families import EXTRA_PLANS, declared_tp_plan
+from dsx3d.models.shape import text_config
 
 
 @dataclass(frozen=True)
-class FamilyPlan:
+class FamilySpec:
     model_type: str
     lm_class: Any
     base_prefix: str
@@ -31,23 +32,10 @@ class FamilyPlan:
 
     def tp_style(self, base_relative_name: str) -> str | None:
         """The plan's style for a module name relative to the base model ("layers.3.mlp.up_proj")."""
-        for pattern, style in self.tp_plan.items():
-            if re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), base_relative_name):
-                return style
-        return None
+        return tp_plan.style_for(self.tp_plan, base_relative_name)
 
     def unsupported_tp_styles(self) -> set[str]:
-        return set(self.tp_plan.values()) - SUPPORTED_TP_STYLES
-
-
-# Families whose configs declare no plans, given explicitly: model_type -> (pp plan, tp plan).
-EXTRA_PLANS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
-
-# Gaps in a family's own TP plan: parameters that see TP-sharded activations but are not declared.
-EXTRA_TP_STYLES: dict[str, dict[str, str]] = {
-    # xIELU activation with learned scalars, applied to the column-parallel MLP activations
-    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
-}
+        return set(self.tp_plan.values()) - tp_plan.SUPPORTED_TP_STYLES
 
 
 def _lm_class(config: PretrainedConfig) -> Any:
@@ -62,16 +50,16 @@ def _lm_class(config: PretrainedConfig) -> Any:
 
 
 def is_tied(config: PretrainedConfig) -> bool:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return bool(getattr(text, "tie_word_embeddings", False))
 
 
-def resolve_family(config: PretrainedConfig) -> FamilyPlan:
+def resolve_family(config: PretrainedConfig) -> FamilySpec:
     """Read the family's plans; raise a UserError naming the family if they cannot drive a pipeline."""
     pp_plan = getattr(config, "base_model_pp_plan", None)
-    tp_plan = getattr(config, "base_model_tp_plan", None) or {}
+    styles = declared_tp_plan(config)
     if not pp_plan and config.model_type in EXTRA_PLANS:
-        pp_plan, tp_plan = EXTRA_PLANS[config.model_type]
+        pp_plan, styles = EXTRA_PLANS[config.model_type]
     if not pp_plan:
         raise UserError.single(
             "model.config.model_type", config.model_type,
@@ -90,7 +78,7 @@ def resolve_family(config: PretrainedConfig) -> FamilyPlan:
         )
     layers = layer_names[0]
     head_plan = getattr(lm_class, "_pp_plan", None) or {"lm_head": None}
-    return FamilyPlan(
+    return FamilySpec(
         model_type=config.model_type,
         lm_class=lm_class,
         base_prefix=lm_class.base_model_prefix,
@@ -98,6 +86,6 @@ def resolve_family(config: PretrainedConfig) -> FamilyPlan:
         layers_name=layers,
         epilogue_names=tuple(n for n in names[names.index(layers) + 1 :] if pp_plan[n][0] == ["hidden_states"]),
         head_name=next(iter(head_plan)),
-        tp_plan={**tp_plan, **EXTRA_TP_STYLES.get(config.model_type, {})},
+        tp_plan=styles,
         tied=is_tied(config),
     )

@@ -11,7 +11,7 @@ not pipeline time. Idle fraction of stage s = 1 - busy_s / window, averaged over
 analytic figure assumes equally loaded stages; the measured per-micro-batch busy time of each stage is
 reported so an imbalance can be seen.
 
-    python scripts/bench_bubble.py [--quick] [--pp 2] [--rounds N] [--no-write]
+    python -m scripts.bench.bubble [--quick] [--pp 2] [--rounds N] [--no-write]
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import statistics
 import time
 from typing import Any
 
-import bench_common as bc
 import torch
 
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
 from dsx3d.testing.harness import run_ranks, warm_up
+from scripts.bench import common as bc
 
 BUSY = ("ForwardPass", "BackwardPass")
 
@@ -41,7 +41,7 @@ def worker(
     contenders, clocks = [], {}
     for m, work in works.items():
         c = bc.dsx3d_contender(f"m{m}", work, state, dp=1, pp=pp)
-        clocks[c.name] = bc.InstructionClock(c.engine.engine)
+        clocks[c.name] = bc.InstructionClock(c.engine.ds_engine)
         contenders.append(c)
     batches = {c.name: bc.make_batches(works[int(c.name[1:])], warmup + rounds) for c in contenders}
     steps: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks); p > cores oversubscribes")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8, quick 2)")
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
+    parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     args = parser.parse_args(argv)
     rounds, warmup, p = args.rounds or (2 if args.quick else 8), 1, args.pp
     config = bc.bench_config(args.quick)

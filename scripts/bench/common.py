@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks (scripts/bench_*.py): the model, the contenders, alternated timing, memory
+"""Shared pieces of the benchmarks (scripts/bench/*.py): the model, the contenders, alternated timing, memory
 probes and the results file.
 
 Measuring on a shared 2-core machine (see the notes in README "Benchmarks"): absolute step times swing with
@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import fcntl
-import json
 import os
 import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,11 +31,9 @@ with contextlib.redirect_stdout(sys.stderr):
 
     get_accelerator()
 
-from dsx3d.dist import comm  # noqa: E402
-from dsx3d.dist.ddp import wrap_ddp  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results.json"
+from dsx3d.distributed import comm  # noqa: E402
+from scripts.bench.ddp import wrap_ddp  # noqa: E402
+from scripts.bench.results import REPO, RESULTS, command, emit, loadavg, merge_results, rounded  # noqa: E402,F401
 
 # -- the model and the work -------------------------------------------------------------------------------
 
@@ -168,16 +162,16 @@ def dsx3d_contender(
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    run = build_engine(
+    engine = build_engine(
         recipe_for(work, dp, tp, pp, **train), hf_config=work.config, source=StateDictSource(state)
     )
-    dp_rank = run.placement.dp
+    dp_rank = engine.placement.dp
 
     def step(batch: torch.Tensor) -> float:
         micro = rank_micro_batches(work, batch, dp, dp_rank)
-        return run.train_step(iter([(ids, ids) for ids in micro]))
+        return engine.train_step(iter([(ids, ids) for ids in micro]))
 
-    return Contender(name, step, engine=run, loss_is_global=True, info={"dp": dp, "tp": tp, "pp": pp})
+    return Contender(name, step, engine=engine, loss_is_global=True, info={"dp": dp, "tp": tp, "pp": pp})
 
 
 def hf_ds_config(work: Workload, world: int, zero_stage: int) -> dict[str, Any]:
@@ -426,14 +420,6 @@ def versions() -> dict[str, str]:
     }
 
 
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def command() -> str:
-    return "python " + " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
-
-
 @contextlib.contextmanager
 def provenance(quick: bool) -> Iterator[dict[str, Any]]:
     """Metadata every result carries: command, machine, versions, and the load average before and after."""
@@ -467,38 +453,3 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def merge_results(key: str, value: Any, path: Path = RESULTS) -> None:
-    """Set `key` in the results JSON, keeping every other key (other benchmarks, other workers), under an
-    exclusive lock on the folder, written atomically (temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data: dict[str, Any] = {}
-        if path.exists():
-            text = path.read_text()
-            data = json.loads(text) if text.strip() else {}
-        data[key] = value
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    finally:
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        os.close(lock)
-
-
-def emit(key: str, result: dict[str, Any], write: bool) -> None:
-    """Print the result as one JSON object on stdout and merge it into bench/results.json."""
-    if write:
-        merge_results(key, result)
-    print(json.dumps({key: result}, indent=2, sort_keys=True))
-
-
-def rounded(x: float, digits: int = 4) -> float:
-    return float(f"{x:.{digits}g}")

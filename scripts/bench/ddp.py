@@ -7,5 +7,5 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def wrap_ddp(module: torch.nn.Module, **kwargs: object) -> DistributedDataParallel:
-    """DDP over the default process group (initialised by dsx3d.dist.comm.init_distributed)."""
+    """DDP over the default process group (initialised by dsx3d.distributed.comm.init_distributed)."""
     return DistributedDataParallel(module, **kwargs)  # type: ignore[arg-type]

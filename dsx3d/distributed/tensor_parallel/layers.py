@@ -10,8 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsx3d.dist.tp_ops import copy_to_tp, gather_last_dim, reduce_from_tp, split_last_dim
-from dsx3d.models.tp_context import TPContext
+from dsx3d.distributed.tensor_parallel.context import TPContext
+from dsx3d.distributed.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_last_dim,
+    reduce_from_tp,
+    split_last_dim,
+)
 
 
 def mark_sharded(param: nn.Parameter, dim: int) -> None:

@@ -9,7 +9,7 @@ Memory: DDP, ZeRO-3 and dsx3d's best layout are then run alone, each in freshly 
 high-water (/proc/self/status VmHWM, reset right after the fork) over the RSS at the fork, during build and
 training steps, and the model-state bytes (distinct parameter, gradient and optimizer-state storages).
 
-    python scripts/bench_alternatives.py [--quick] [--world 4] [--rounds N] [--no-write]
+    python -m scripts.bench.alternatives [--quick] [--world 4] [--rounds N] [--no-write]
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import gc
 import statistics
 from typing import Any
 
-import bench_common as bc
 import torch
-from bench_memory import census
 
 from dsx3d.testing.harness import run_ranks, warm_up
+from scripts.bench import common as bc
+from scripts.bench.memory import census
 
 
 def layouts(world: int) -> list[tuple[int, int, int]]:
@@ -71,7 +71,7 @@ def memory_worker(
     if name == "ddp":
         states = _ddp_states(c)
     else:
-        engine = c.engine.engine if name.startswith("dsx3d") else c.engine
+        engine = c.engine.ds_engine if name.startswith("dsx3d") else c.engine
         states = {k: sum(v.values()) for k, v in census(engine).items()}
     return {
         "base_mib": base / 1024,
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run")
     parser.add_argument("--world", type=int, default=4, help="ranks (every contender uses all of them)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 6, quick 2)")
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
+    parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     args = parser.parse_args(argv)
     rounds, world = args.rounds or (2 if args.quick else 6), args.world
     config = bc.bench_config(args.quick)

@@ -13,7 +13,7 @@ from dsx3d.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "tiny-llama-3d.yaml"
-SEED_FLAGS = ["plan", "--world-size", "16", "--gpus-per-node", "8", "--tp", "2", "--pp", "4"]
+REFERENCE_FLAGS = ["plan", "--world-size", "16", "--gpus-per-node", "8", "--tp", "2", "--pp", "4"]
 
 
 def _write_recipe(tmp_path: Path, **sections: dict) -> Path:
@@ -34,7 +34,7 @@ def test_plan_recipe_prints_table_and_bubble(capsys: pytest.CaptureFixture[str])
 
 
 def test_plan_json_is_exactly_one_object(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*SEED_FLAGS, "--json"]) == 0
+    assert main([*REFERENCE_FLAGS, "--json"]) == 0
     out = capsys.readouterr().out
     data = json.loads(out)  # fails on anything but one JSON document
     assert out.strip().count("\n") == 0
@@ -56,7 +56,7 @@ def test_plan_recipe_json_has_checker_warnings(tmp_path: Path, capsys: pytest.Ca
 
 def test_plan_svg_writes_a_picture(tmp_path: Path) -> None:
     target = tmp_path / "plan.svg"
-    assert main([*SEED_FLAGS, "--svg", str(target)]) == 0
+    assert main([*REFERENCE_FLAGS, "--svg", str(target)]) == 0
     assert "<svg" in target.read_text()[:2000]
 
 
@@ -72,7 +72,7 @@ def test_plan_nodes_give_the_world(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_degrees_must_multiply_to_world(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*SEED_FLAGS, "--dp", "4"]) == 2
+    assert main([*REFERENCE_FLAGS, "--dp", "4"]) == 2
     assert "--world-size" in capsys.readouterr().err
 
 
@@ -135,3 +135,51 @@ def test_sizes_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["check", str(TINY), "--world-size", "0"])
     assert exc.value.code == 2 and "positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_plan_and_estimate_show_the_engines_split(recipe: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dsx3d plan` and `dsx3d estimate` report the decoder layers per stage that the engine builds, for
+    every shipped recipe (one split function serves all three)."""
+    from dsx3d.hf_config import load_hf_config
+    from dsx3d.models.pipeline import stage_bounds
+    from dsx3d.recipe import load_recipe
+
+    r = load_recipe(recipe)
+    if r.parallel.pp == 1:
+        pytest.skip("no pipeline split")
+    capsys.readouterr()  # DeepSpeed announces its accelerator on stdout when first imported
+    assert main(["plan", str(recipe), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["stage_layers"]
+    assert main(["estimate", str(recipe), "--json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert planned == estimated["stage_layers"] == [st["layers"] for st in estimated["stages"]]
+    config = load_hf_config(r.model)
+    bounds = stage_bounds(config, r.parallel.pp, r.train.seq_len, r.parallel.stage_layers)
+    n = config.num_hidden_layers
+    assert planned == [len(set(range(a, b)) & set(range(1, n + 1))) for a, b in zip(bounds[:-1], bounds[1:])]
+    assert main(["plan", str(recipe)]) == 0
+    assert f"decoder layers per stage: {planned}" in capsys.readouterr().out
+
+
+def test_help_and_version_are_quick_to_reach(capsys: pytest.CaptureFixture[str]) -> None:
+    """`dsx3d --help` lists every command without importing any command module (they pull in torch)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from dsx3d.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'pydantic') if m in sys.modules]\n"
+        "sys.exit(1 if heavy else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in ("plan", "check", "config", "verify", "estimate", "train", "export", "accelerate-config"):
+        assert f"    {name}" in out.stdout
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    from dsx3d import __version__
+
+    assert capsys.readouterr().out.strip() == f"dsx3d {__version__}"

@@ -10,7 +10,7 @@ with save_pretrained into a temporary directory (fp32 by default, sharded at 500
 - HF: one forked process runs `AutoModelForCausalLM.from_pretrained(dtype=float32)` and touches every
   weight (from_pretrained memory-maps safetensors: untouched pages would not count).
 
-    python scripts/bench_load_memory.py [--dtype fp32|bf16] [--no-write]
+    python -m scripts.bench.load_memory [--dtype fp32|bf16] [--no-write]
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench_common as bc
 import torch
 
 from dsx3d.testing.harness import run_ranks, warm_up
+from scripts.bench import common as bc
 
 GOAL = 1.15
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="fp32",
         help="dtype of the checkpoint on disk (the model loads in fp32)",
     )
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
+    parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     args = parser.parse_args(argv)
     warm_up()
     workdir = Path(tempfile.mkdtemp(prefix="dsx3d-bench-load-"))

@@ -12,29 +12,30 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from dsx3d.dist.tp_ops import all_reduce_grad_hook, vocab_parallel_cross_entropy
-from dsx3d.models.plans import FamilyPlan
-from dsx3d.models.skeleton import Skeleton, with_hidden
-from dsx3d.models.tp_context import TPContext
-from dsx3d.models.tp_layers import (
+from dsx3d.distributed.tensor_parallel.context import TPContext
+from dsx3d.distributed.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from dsx3d.distributed.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
     mark_sharded,
 )
+from dsx3d.distributed.tensor_parallel.mappings import all_reduce_grad_hook
+from dsx3d.models import tp_plan
+from dsx3d.models.family import FamilySpec
+from dsx3d.models.skeleton import Skeleton, with_hidden
 from dsx3d.models.weights import WeightSource, materialize
-from dsx3d.tp_styles import SUPPORTED_TP_STYLES
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-class StageBuilder:
+class LayerBuilder:
     """Per-process state shared by the layers of this rank's stage."""
 
-    def __init__(self, config: PretrainedConfig, plan: FamilyPlan, tp: TPContext, source: WeightSource):
+    def __init__(self, config: PretrainedConfig, plan: FamilySpec, tp: TPContext, source: WeightSource):
         self.config, self.plan, self.tp, self.source = config, plan, tp, source
         self.skeleton = Skeleton(config, plan)
         self.vocab = config.get_text_config().vocab_size
@@ -45,29 +46,20 @@ class StageBuilder:
     # -- owning modules ------------------------------------------------------------------------------------
 
     def _shard(self, module: nn.Module, rel_name: str) -> None:
-        """Apply the family's TP plan to `module` (named `rel_name` relative to the base model), in place."""
+        """Apply the family's TP plan to `module` (named `rel_name` relative to the base model), in place,
+        as `dsx3d.models.tp_plan` decides for each submodule."""
         if self.tp.size == 1:
             return
-        replicated: list[str] = []  # subtrees kept whole on every TP rank (see SUPPORTED_TP_STYLES)
-        for sub_name, sub in list(module.named_modules()):
-            if any(sub_name.startswith(r + ".") for r in replicated):
-                continue
-            full = f"{rel_name}.{sub_name}" if sub_name else rel_name
-            style = self.plan.tp_style(full)
-            if style is None:
-                continue
-            if style not in SUPPORTED_TP_STYLES or not isinstance(sub, nn.Linear) and style != "replicated_with_grad_allreduce":
-                # MoE experts, packed or MLA projections: their input is the full residual stream, so a
-                # whole copy per TP rank computes the same output and gets the same full gradient.
-                replicated.append(sub_name)
-                continue
-            if style == "replicated_with_grad_allreduce":
+        for sub_name, sub, sharding in tp_plan.plan_modules(
+            module, rel_name, self.plan.tp_plan, lambda m: isinstance(m, nn.Linear)
+        ):
+            if sharding.grad_allreduce:
                 sub._dsx3d_grad_allreduce = True  # hooked once its real parameters exist (_hook_replicated)
                 continue
-            if style in ("colwise", "colwise_gather_output"):
-                new: nn.Module = ColumnParallelLinear(sub, self.tp, gather_output=style == "colwise_gather_output")
+            if sharding.column:
+                new: nn.Module = ColumnParallelLinear(sub, self.tp, gather_output=sharding.gather_output)
             else:
-                new = RowParallelLinear(sub, self.tp, split_input=style == "rowwise_split_input")
+                new = RowParallelLinear(sub, self.tp, split_input=sharding.split_input)
             parent_name, _, attr = sub_name.rpartition(".")
             setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
 
@@ -130,18 +122,18 @@ class StageBuilder:
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """HF's causal-LM loss on vocab shards: predict token t+1 at position t, mean over non-ignored."""
-        target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
+        target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
         per_token = vocab_parallel_cross_entropy(
             logits.reshape(-1, logits.shape[-1]), target, self.vocab_start, self.vocab, self.tp.group
         )
-        count = (target != -100).sum().clamp(min=1)
+        count = (target != IGNORE_INDEX).sum().clamp(min=1)
         return per_token.sum() / count
 
 
-class EmbeddingStage(nn.Module):
+class EmbeddingPipe(nn.Module):
     """input_ids -> (hidden_states entering layer 0, input_ids)."""
 
-    def __init__(self, builder: StageBuilder):
+    def __init__(self, builder: LayerBuilder):
         super().__init__()
         self.builder = [builder]  # a list keeps it out of nn.Module's registry
         self.embed = builder.own_embedding()
@@ -151,10 +143,10 @@ class EmbeddingStage(nn.Module):
         return self.builder[0].skeleton.embed(input_ids), input_ids
 
 
-class DecoderStage(nn.Module):
+class DecoderLayerPipe(nn.Module):
     """One HF decoder layer, called exactly as the base model's forward would call it."""
 
-    def __init__(self, builder: StageBuilder, index: int):
+    def __init__(self, builder: LayerBuilder, index: int):
         super().__init__()
         self.builder, self.index = [builder], index
         self.layer = builder.own_layer(index)
@@ -167,10 +159,10 @@ class DecoderStage(nn.Module):
         return (out[0] if isinstance(out, tuple) else out), input_ids
 
 
-class EpilogueStage(nn.Module):
+class EpiloguePipe(nn.Module):
     """The base model's modules after the last layer (the final norm)."""
 
-    def __init__(self, builder: StageBuilder):
+    def __init__(self, builder: LayerBuilder):
         super().__init__()
         self.builder = [builder]
         self.mods = nn.ModuleList(builder.own(name) for name in builder.plan.epilogue_names)
@@ -182,10 +174,10 @@ class EpilogueStage(nn.Module):
         return hidden, input_ids
 
 
-class HeadStage(nn.Module):
+class HeadPipe(nn.Module):
     """Untied LM head: (hidden, ids) -> vocab-sharded logits (b, s, V_padded / tp)."""
 
-    def __init__(self, builder: StageBuilder):
+    def __init__(self, builder: LayerBuilder):
         super().__init__()
         self.builder = [builder]
         self.lm_head = builder.install_head(*builder.head_params())
@@ -195,11 +187,11 @@ class HeadStage(nn.Module):
         return self.builder[0].skeleton.head(hidden, input_ids)
 
 
-class TiedEmbeddingStage(nn.Module):
+class TiedEmbeddingPipe(nn.Module):
     """The embedding shard shared by the first stage (lookup) and the last (LM head), via TiedLayerSpec;
     with tp > 1 each rank ties its own vocab shard."""
 
-    def __init__(self, builder: StageBuilder, on_first_stage: bool, on_last_stage: bool):
+    def __init__(self, builder: LayerBuilder, on_first_stage: bool, on_last_stage: bool):
         super().__init__()
         self.builder = [builder]
         self.embed = builder.own_embedding()
@@ -211,6 +203,6 @@ class TiedEmbeddingStage(nn.Module):
         return self.builder[0].skeleton.embed(input_ids), input_ids
 
 
-def tied_head_forward(module: TiedEmbeddingStage, inputs: Any) -> torch.Tensor:
+def tied_head_forward(module: TiedEmbeddingPipe, inputs: Any) -> torch.Tensor:
     hidden, input_ids = inputs
     return module.builder[0].skeleton.head(hidden, input_ids)

@@ -2,7 +2,7 @@
 # run_clm.py under `accelerate launch`: a tiny local Llama checkpoint fine-tuned with dsx3d.Trainer on 4
 # processes, pp 2 x dp 2. Runs on a CPU-only machine (gloo) as on GPUs.
 #
-#   bash scripts/examples/accelerate_launch.sh [WORK_DIR]      # default WORK_DIR: runs/example-accelerate
+#   bash scripts/examples/accelerate.sh [WORK_DIR]      # default WORK_DIR: runs/example-accelerate
 #
 # Steps: create the checkpoint (save_pretrained), write a recipe for it, generate the accelerate config and the
 # DeepSpeed JSON it names (`dsx3d accelerate-config`), then launch. The script reads the layout from

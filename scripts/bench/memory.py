@@ -17,7 +17,7 @@ Not seen by either side: transient buffers inside an op (the optimizer's tempora
 backward runs), communication buffers and allocator slack. The RSS high-water over the training steps
 (/proc/self/status VmHWM, reset after the build) is reported next to it for context.
 
-    python scripts/bench_memory.py [--quick] [--no-write]
+    python -m scripts.bench.memory [--quick] [--no-write]
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import argparse
 import gc
 from typing import Any
 
-import bench_common as bc
 import torch
 
 from dsx3d.testing.harness import run_ranks, warm_up
+from scripts.bench import common as bc
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
 MiB = 1024**2
@@ -133,7 +133,7 @@ def worker(
 ) -> dict[str, Any]:
     dp, tp, pp = dims
     contender = bc.dsx3d_contender("dsx3d", work, state, dp=dp, tp=tp, pp=pp)
-    engine = contender.engine.engine
+    engine = contender.engine.ds_engine
     meter = SavedTensorMeter()
     peak: dict[str, Any] = {"total": 0, "states": 0, "activations": 0, "by_kind": {}}
 
@@ -167,7 +167,7 @@ def worker(
             contender.step(batch)
     rss_peak = bc.proc_status_kb("VmHWM")
     layers = sum(
-        1 for layer in contender.engine.module.forward_funcs if type(layer).__name__ == "DecoderStage"
+        1 for layer in contender.engine.module.forward_funcs if type(layer).__name__ == "DecoderLayerPipe"
     )
     return {
         "rank": rank,
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, two layouts: a smoke run")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results.json")
+    parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     args = parser.parse_args(argv)
     config = bc.bench_config(args.quick)
     work = bc.Workload(config, micro_batch=2, seq_len=32 if args.quick else 128, global_batch=8)

@@ -1,5 +1,7 @@
-"""Tiny configs for every causal-LM family whose config ships pipeline and TP plans, and the families
-dsx3d refuses (with the reason), so support is a measured list rather than a claim."""
+"""Everything dsx3d knows about particular model families, in one place: tiny configs for every causal-LM
+family whose config ships pipeline and TP plans, the gaps in some families' plans, the MLP kind of families
+without a plan, and the families dsx3d refuses (with the reason), so support is a measured list rather
+than a claim. Everything else is read from each family's own config and plans."""
 
 from __future__ import annotations
 
@@ -7,6 +9,29 @@ from typing import Any
 
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+# Families whose configs declare no plans, given explicitly: model_type -> (pp plan, tp plan).
+EXTRA_PLANS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+
+# Gaps in a family's own TP plan: parameters that see TP-sharded activations but are not declared.
+EXTRA_TP_STYLES: dict[str, dict[str, str]] = {
+    # xIELU activation with learned scalars, applied to the column-parallel MLP activations
+    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+}
+
+
+
+def declared_tp_plan(config: Any) -> dict[str, str]:
+    """The family's `base_model_tp_plan` with dsx3d's additions (EXTRA_TP_STYLES), as the engine applies it."""
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    return {**plan, **EXTRA_TP_STYLES.get(str(getattr(config, "model_type", "")), {})}
+
+
+# Families without a TP plan whose MLP is fc_in -> act -> fc_out (2 matrices); with a plan, the plan's MLP
+# entries say it (dsx3d.models.shape); otherwise a gated MLP (gate, up, down) is assumed.
+NON_GATED_MLP = frozenset(
+    {"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon", "phi", "mpt", "codegen", "starcoder2", "biogpt", "gpt_neo"}
+)
 
 # Small dimensions applied to whichever of these keys a family's config has.
 TINY_DIMS: dict[str, Any] = {

@@ -1,5 +1,8 @@
-"""What the estimator needs to know about a model: parameter counts per part, and the shapes that size
-activations and FLOPs. Built from an HF config or from a bare parameter count; no tensors.
+"""The one reader of a model's shape: parameter counts per part, and the dimensions that size activations,
+FLOPs and TP traffic. Built from an HF config or from a bare parameter count; no tensors (pure).
+
+The engine's stage split (`dsx3d.partition`), the checker (`model_dim`) and the estimator all read the model
+through this module, so they cannot disagree on what a layer costs.
 
 Parameters are split into *sharded* (linear weights, column-parallel biases, the vocab-parallel embedding
 and head: divided by tp) and *replicated* (norms, row-parallel biases: every TP rank holds them).
@@ -11,27 +14,51 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsx3d.errors import UserError
-from dsx3d.tp_styles import SUPPORTED_TP_STYLES
+from dsx3d.models import tp_plan
 
-# Families whose MLP is fc_in -> act -> fc_out (2 matrices); every other family is taken as gated
-# (gate, up, down: 3 matrices), the Llama-style default.
-NON_GATED_MLP = frozenset(
-    {
-        "gpt2",
-        "gpt_neox",
-        "gptj",
-        "gpt_bigcode",
-        "opt",
-        "bloom",
-        "falcon",
-        "phi",
-        "mpt",
-        "codegen",
-        "starcoder2",
-        "biogpt",
-        "gpt_neo",
-    }
-)
+# Attribute spellings across families (gpt2 says n_head, falcon num_kv_heads, ...), first present wins.
+_ATTRIBUTE_NAMES = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
+    "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: multimodal configs nest it (`get_text_config`), plain ones are it."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_dim(config: Any, name: str) -> int | None:
+    """One dimension of the text model (`num_attention_heads`, ...) under any family's spelling, or None."""
+    text = text_config(config)
+    for attr in _ATTRIBUTE_NAMES.get(name, (name,)):
+        try:
+            value = getattr(text, attr, None)
+        except Exception:  # heterogeneous configs refuse global access to per-layer dims
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def is_gated_mlp(config: Any) -> bool:
+    """Gate, up and down matrices (Llama-style GLU) rather than fc_in -> act -> fc_out. The family's TP plan
+    names its MLP linears; families without MLP entries in a plan are looked up in
+    `dsx3d.models.families.NON_GATED_MLP`."""
+    from dsx3d.models.families import NON_GATED_MLP, declared_tp_plan
+
+    plan = declared_tp_plan(config)
+    mlp_leaves = [
+        k.rsplit(".", 1)[-1]
+        for k in plan
+        if k.startswith("layers.*.") and "attn" not in k and "attention" not in k and k.count(".") >= 3
+    ]
+    if mlp_leaves:
+        return any(leaf.startswith("gate_") or leaf in ("w1", "w3") for leaf in mlp_leaves)
+    return str(getattr(config, "model_type", "")) not in NON_GATED_MLP
 
 
 @dataclass(frozen=True)
@@ -77,16 +104,16 @@ class ModelShape:
     vocab_size: int = 0
     tie_word_embeddings: bool = False
     model_type: str = "unknown"
-    tp_forward_allreduces: int = 2
+    tp_forward_allreduces: float = 2
     """All-reduces of b*s*h a decoder layer issues forward at tp > 1: one per row-parallel linear."""
-    tp_backward_allreduces: int = 5
+    tp_backward_allreduces: float = 5
     """... and backward: one per column-parallel linear (dsx3d shards each HF projection on its own, so a
     Llama layer has 5: q, k, v, gate, up). Defaults are a Llama layer's; HF configs count their TP plan."""
-    tp_grad_allreduce_params: int = 0
+    tp_grad_allreduce_params: float = 0
     """Parameters per layer kept whole on every TP rank whose gradients are summed over TP (q/k norms)."""
-    tp_forward_gather_width: int = 0
+    tp_forward_gather_width: float = 0
     """Values per token a decoder layer all-gathers forward (outputs of `colwise_gather_output` linears)."""
-    tp_backward_gather_width: int = 0
+    tp_backward_gather_width: float = 0
     """... and backward (input gradients of `rowwise_split_input` linears)."""
 
     @property
@@ -166,71 +193,62 @@ def _layer_params(
 
 @dataclass(frozen=True)
 class TPTraffic:
-    """What one decoder layer sends over TP per micro-batch, in units the timing model scales by b*s."""
+    """What one decoder layer sends over TP per micro-batch, in units the timing model scales by b*s (means
+    over the layers, so fractional for families that mix layer kinds). Defaults: a Llama layer."""
 
-    forward_allreduces: int = 2
-    backward_allreduces: int = 5
-    grad_allreduce_params: int = 0
-    forward_gather_width: int = 0
-    backward_gather_width: int = 0
-
-
-def _linear_width(name: str, side: str, heads: int, kv: int, d: int, ffn: int) -> int:
-    """Features on the sharded side of a plan entry's linear: the output of a column-parallel one
-    (side "out"), the input of a row-parallel one (side "in"), read from the HF module name."""
-    leaf = name.rsplit(".", 1)[-1]
-    if ".mlp." in name:
-        return 2 * ffn if "gate_up" in leaf and side == "out" else ffn
-    if side == "in":
-        return heads * d
-    if "qkv" in leaf or "query_key_value" in leaf:
-        return (heads + 2 * kv) * d
-    return kv * d if leaf.startswith(("k_", "v_", "key", "value")) else heads * d
+    forward_allreduces: float = 2
+    backward_allreduces: float = 5
+    grad_allreduce_params: float = 0
+    forward_gather_width: float = 0
+    backward_gather_width: float = 0
 
 
-def tp_plan_traffic(config: Any, experts: int, heads: int, kv: int, d: int, ffn: int) -> TPTraffic:
-    """A decoder layer's TP traffic from the family's `base_model_tp_plan`, as dsx3d applies it
-    (`dsx3d.models.stages.StageBuilder._shard`, `dsx3d.models.tp_layers`): rowwise styles all-reduce their
-    output forward; colwise styles all-reduce their input gradient backward; `colwise_gather_output` also
-    all-gathers its output forward, `rowwise_split_input` its input gradient backward;
-    `replicated_with_grad_allreduce` modules (q/k norms over head_dim) all-reduce their weight gradient. A
-    module with a style dsx3d does not implement stays whole with its children; MoE experts stay whole on
-    every TP rank, so in MoE families only the attention entries count. Families without a plan get a Llama
-    layer's traffic. Exact for families whose layers are all alike; families that mix layer kinds (dense and
-    MoE layers, linear-attention layers) get the traffic of the plan's full-attention, dense-or-MoE layer."""
-    plan = getattr(config, "base_model_tp_plan", None) or {}
-    if not plan:
+def tp_traffic(config: Any) -> TPTraffic:
+    """A decoder layer's TP traffic as the engine shards it: the family's TP plan read by the engine's own
+    interpreter (`dsx3d.models.tp_plan.plan_modules`) over the layers of a meta-device model (no memory;
+    about 0.3 s for a 70B model). Row-parallel linears all-reduce their output forward, column-parallel ones
+    their input gradient backward; `colwise_gather_output` also all-gathers its output forward,
+    `rowwise_split_input` its input gradient backward; `replicated_with_grad_allreduce` modules (q/k norms)
+    all-reduce their weight gradient. Modules kept whole (MoE experts, packed projections) send nothing.
+    Families that mix layer kinds (linear and full attention, dense and MoE MLPs) get the mean over their
+    layers. A family the engine cannot resolve gets a Llama layer's traffic."""
+    try:
+        return _tp_traffic(config)
+    except Exception:  # families without plans, or whose models cannot be built from this config
         return TPTraffic()
-    layer_plan = {k: v for k, v in plan.items() if k.startswith("layers.*.") and "experts" not in k}
-    # a module whose own style dsx3d does not implement stays whole on every TP rank, children included
-    whole = [k for k, v in layer_plan.items() if v not in SUPPORTED_TP_STYLES]
-    layer_plan = {k: v for k, v in layer_plan.items() if not any(k.startswith(w + ".") for w in whole)}
-    if experts > 1:
-        layer_plan = {k: v for k, v in layer_plan.items() if ".mlp." not in k}
-    row = ("rowwise", "rowwise_split_input")
-    col = ("colwise", "colwise_gather_output")
-    return TPTraffic(
-        forward_allreduces=sum(1 for v in layer_plan.values() if v in row),
-        backward_allreduces=sum(1 for v in layer_plan.values() if v in col),
-        grad_allreduce_params=sum(d for v in layer_plan.values() if v == "replicated_with_grad_allreduce"),
-        forward_gather_width=sum(
-            _linear_width(k, "out", heads, kv, d, ffn)
-            for k, v in layer_plan.items()
-            if v == "colwise_gather_output"
-        ),
-        backward_gather_width=sum(
-            _linear_width(k, "in", heads, kv, d, ffn)
-            for k, v in layer_plan.items()
-            if v == "rowwise_split_input"
-        ),
-    )
+
+
+def _tp_traffic(config: Any) -> TPTraffic:
+    import torch
+    from torch import nn
+
+    from dsx3d.models.family import resolve_family
+
+    spec = resolve_family(config)
+    with torch.device("meta"):
+        lm = spec.lm_class._from_config(config)
+    layers = getattr(getattr(lm, spec.base_prefix), spec.layers_name)
+    fwd = bwd = grad = fwd_gather = bwd_gather = 0
+    for i, layer in enumerate(layers):
+        for _, sub, sharding in tp_plan.plan_modules(
+            layer, f"{spec.layers_name}.{i}", spec.tp_plan, lambda m: isinstance(m, nn.Linear)
+        ):
+            if sharding.grad_allreduce:
+                grad += sum(p.numel() for p in sub.parameters())
+            elif sharding.row:
+                fwd += 1
+                bwd_gather += sub.in_features if sharding.split_input else 0
+            else:
+                bwd += 1
+                fwd_gather += sub.out_features if sharding.gather_output else 0
+    n = len(layers)
+    return TPTraffic(fwd / n, bwd / n, grad / n, fwd_gather / n, bwd_gather / n)
 
 
 def shape_from_hf_config(config: Any) -> ModelShape:
     """Count a decoder-only HF config (Llama-style attention and MLP, GQA, MoE as top-k of E equal
     experts). Multimodal configs use their text config."""
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    plan_source, config = config, text_config(config)
     model_type = str(getattr(config, "model_type", "unknown"))
     try:
         h = int(_get(config, "hidden_size", "n_embd", "d_model"))
@@ -258,7 +276,7 @@ def shape_from_hf_config(config: Any) -> ModelShape:
             default=4 * h,
         )
     )
-    gated = model_type not in NON_GATED_MLP
+    gated = is_gated_mlp(config)
     layer = _layer_params(
         h,
         heads,
@@ -271,7 +289,7 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         bool(_get(config, "mlp_bias", default=False)),
     )
     per_expert = (3 if gated else 2) * h * ffn
-    tp = tp_plan_traffic(config, experts, heads, kv, d, ffn)
+    tp = tp_traffic(plan_source)
     return ModelShape(
         num_layers=layers,
         layer=layer,
