@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.distributed import comm
+from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
 from dsx3d.hf_config import load_hf_config
@@ -109,4 +110,6 @@ def build_engine(
     params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
     placement = layout.placement(comm.get_rank())
+    # dropout: the same replicated stream on the ranks of a TP group (a resume restores each rank's state)
+    seed_ranks(recipe.train.seed, pp_rank=placement.pp, dp_rank=placement.dp)
     return Engine3D(engine, module, layout, placement, hf_config, ds_config)

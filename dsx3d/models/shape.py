@@ -44,6 +44,16 @@ def model_dim(config: Any, name: str) -> int | None:
     return None
 
 
+def dropout_probabilities(config: Any) -> dict[str, float]:
+    """The config's non-zero dropout probabilities ("attention_dropout", "resid_pdrop", ...)."""
+    text = text_config(config)
+    out = {}
+    for key, value in text.to_dict().items() if hasattr(text, "to_dict") else []:
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            out[key] = value
+    return out
+
+
 def is_gated_mlp(config: Any) -> bool:
     """Gate, up and down matrices (Llama-style GLU) rather than fc_in -> act -> fc_out. The family's TP plan
     names its MLP linears; families without MLP entries in a plan are looked up in
