@@ -15,11 +15,13 @@ from transformers import PretrainedConfig
 
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.distributed import comm
+from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, RankPlacement
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline
+from dsx3d.models.shape import model_dim
 from dsx3d.models.shards import Shard, local_hf_shards
 from dsx3d.models.weights import WeightSource
 from dsx3d.recipe import Recipe
@@ -91,7 +93,7 @@ def build_engine(
     layout = recipe.layout(world)
     if layout.world_size != world:
         raise UserError.single("parallel", f"dp*tp*pp={layout.world_size}", f"the job has {world} processes", "match the launcher's process count")
-    ds_config = build_ds_config(recipe, world)
+    ds_config = build_ds_config(recipe, world, hidden_size=model_dim(hf_config, "hidden_size"))
     if ds_overrides:
         from dsx3d.ds_config import deep_merge
 
@@ -109,4 +111,6 @@ def build_engine(
     params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
     placement = layout.placement(comm.get_rank())
+    # dropout: the same replicated stream on the ranks of a TP group (a resume restores each rank's state)
+    seed_ranks(recipe.train.seed, pp_rank=placement.pp, dp_rank=placement.dp)
     return Engine3D(engine, module, layout, placement, hf_config, ds_config)

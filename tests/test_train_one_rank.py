@@ -76,13 +76,14 @@ def test_one_rank_without_launcher_variables_trains_and_reports_to_csv(tmp_path:
 def test_report_to_values_and_missing_packages(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A backend whose package is missing is a checker error naming train.report_to (DeepSpeed would fail
     minutes later, on rank 0 only); "none" and a single name are accepted as HF's report_to accepts them."""
-    from dsx3d.run import tracking
+    import importlib.util
 
     assert recipe_from_dict(_recipe(tmp_path, "none")).train.report_to == []
     assert recipe_from_dict(_recipe(tmp_path, ["csv", "tensorboard"])).train.report_to == ["csv", "tensorboard"]
     with pytest.raises(Exception, match="report_to"):
         recipe_from_dict(_recipe(tmp_path, "mlflow"))
-    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb") else find_spec(name, *a))
     recipe = recipe_from_dict(_recipe(tmp_path, ["csv", "tensorboard", "wandb"]))
     problems = [p for p in check_recipe(recipe) if p.key == "train.report_to"]
     assert sorted(p.value for p in problems) == ["tensorboard", "wandb"], problems

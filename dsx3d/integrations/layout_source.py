@@ -22,14 +22,13 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from dsx3d.ds_config import deep_merge
+from dsx3d.ds_config import AUTO, auto_paths, deep_merge, resolve_auto
 from dsx3d.errors import Problem, UserError
 from dsx3d.integrations.patches import is_recipe_path
 from dsx3d.integrations.trainer_args import Claim
 from dsx3d.recipe import Recipe, load_recipe, recipe_from_dict
 
 ACCELERATE_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
-AUTO = "auto"
 # DeepSpeed's scheduler types and the HF schedule of the same shape (dsx3d.Trainer runs HF's scheduler)
 DS_SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 Claims = dict[str, list[Claim]]
@@ -196,10 +195,13 @@ def _hf_config_with_recipe(
                 problems.append(Problem(f"zero_optimization.stage ({name})", stage, f"disagrees with zero.stage = {recipe.zero.stage} ({recipe_path})",
                                         "give the ZeRO stage in one place, or the same in each"))  # fmt: skip
             recipe = recipe.model_copy(update={"zero": recipe.zero.model_copy(update={"stage": int(stage)})})
-        _resolve_zero_auto(zero, hidden_size)
+        if zero.get("stage") == AUTO:
+            del zero["stage"]
+    # what is left: ZeRO's bucket sizes from the hidden size (HF's formulas), nothing else
+    overrides = resolve_auto(overrides, {}, recipe.train, hidden_size)
     problems += [
         Problem(f"{name}: {path}", AUTO, "dsx3d resolves \"auto\" only where HF's Trainer does", "give a number")
-        for path in _auto_paths(overrides)
+        for path in auto_paths(overrides)
     ]
     if problems:
         raise UserError(problems)
@@ -207,28 +209,6 @@ def _hf_config_with_recipe(
     data = {**recipe.model_dump(mode="json", exclude_unset=True), "deepspeed": merged, "zero": recipe.zero.model_dump()}
     recipe = recipe_from_dict(data, source=str(recipe_path))
     return recipe, claims
-
-
-def _resolve_zero_auto(zero: dict[str, Any], hidden_size: int | None) -> None:
-    """HF's formulas (transformers.integrations.deepspeed.trainer_config_finalize), from the hidden size h."""
-    if hidden_size is None:
-        return
-    h = hidden_size
-    for key, value in (
-        ("reduce_bucket_size", h * h),
-        ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
-        ("stage3_param_persistence_threshold", 10 * h),
-    ):
-        if zero.get(key) == AUTO:
-            zero[key] = value
-    if zero.get("stage") == AUTO:
-        del zero["stage"]
-
-
-def _auto_paths(config: Any, prefix: str = "") -> list[str]:
-    if isinstance(config, dict):
-        return [p for k, v in config.items() for p in _auto_paths(v, f"{prefix}{k}.")]
-    return [prefix.rstrip(".")] if config == AUTO else []
 
 
 def model_config_mapping(config: PretrainedConfig) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from dsx3d.distributed.tensor_parallel.layers import (
 from dsx3d.distributed.tensor_parallel.mappings import all_reduce_grad_hook
 from dsx3d.models import tp_plan
 from dsx3d.models.family import FamilySpec
+from dsx3d.models.shape import dropout_probabilities
 from dsx3d.models.skeleton import Skeleton, with_hidden
 from dsx3d.models.weights import WeightSource, materialize
 
@@ -38,6 +39,8 @@ class LayerBuilder:
     def __init__(self, config: PretrainedConfig, plan: FamilySpec, tp: TPContext, source: WeightSource):
         self.config, self.plan, self.tp, self.source = config, plan, tp, source
         self.skeleton = Skeleton(config, plan)
+        # dropout masks per TP region (dsx3d.distributed.tensor_parallel.random); a no-op without dropout
+        tp.random.active = bool(dropout_probabilities(config))
         self.vocab = config.get_text_config().vocab_size
         self.padded_vocab = padded_vocab(self.vocab, tp.size)
         self.vocab_start = tp.chunk_bounds(self.padded_vocab)[0]
@@ -140,7 +143,7 @@ class EmbeddingPipe(nn.Module):
         self.extras = nn.ModuleList(builder.own_prologue_extras())
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.builder[0].skeleton.embed(input_ids), input_ids
+        return self.builder[0].skeleton.embed(input_ids, training=self.training), input_ids
 
 
 class DecoderLayerPipe(nn.Module):
@@ -153,9 +156,14 @@ class DecoderLayerPipe(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, input_ids = inputs
-        call = self.builder[0].skeleton.layer_calls(input_ids, hidden.dtype)[self.index]
+        builder = self.builder[0]
+        call = builder.skeleton.layer_calls(input_ids, hidden.dtype)[self.index]
         args, kwargs = with_hidden(call, hidden)
-        out = self.layer(*args, **kwargs)
+        builder.tp.close_regions()  # a layer starts and ends on the replicated dropout stream
+        try:
+            out = self.layer(*args, **kwargs)
+        finally:
+            builder.tp.close_regions()
         return (out[0] if isinstance(out, tuple) else out), input_ids
 
 
@@ -200,7 +208,7 @@ class TiedEmbeddingPipe(nn.Module):
             builder.install_head(self.embed.weight)  # type: ignore[arg-type]
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.builder[0].skeleton.embed(input_ids), input_ids
+        return self.builder[0].skeleton.embed(input_ids, training=self.training), input_ids
 
 
 def tied_head_forward(module: TiedEmbeddingPipe, inputs: Any) -> torch.Tensor:

@@ -11,7 +11,6 @@ Only rank 0 writes, as for metrics.jsonl.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 from collections.abc import Sequence
@@ -20,16 +19,8 @@ from typing import Any
 
 BACKENDS = ("tensorboard", "wandb", "csv")
 """The values of train.report_to besides "none"."""
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-"""The package each backend imports (csv needs none); the checker refuses a backend whose package is missing."""
 FIGURES = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device")
 """The metrics.jsonl fields each backend receives, as train/<name> at the record's step."""
-
-
-def missing_package(backend: str) -> str | None:
-    """The package `backend` needs that is not importable here, else None."""
-    package = PACKAGES.get(backend)
-    return package if package is not None and importlib.util.find_spec(package) is None else None
 
 
 def monitor_sections(report_to: Sequence[str], output_dir: Path, job_name: str) -> dict[str, Any]:

@@ -45,8 +45,10 @@ class ColumnParallelLinear(nn.Module):
             mark_sharded(self.bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.tp.group), self.weight, self.bias)
-        return gather_last_dim(y, self.tp.group) if self.gather_output else y
+        if self.gather_output:  # the output is replicated again: no per-rank region follows
+            y = F.linear(copy_to_tp(x, self.tp.group), self.weight, self.bias)
+            return gather_last_dim(y, self.tp.group)
+        return F.linear(self.tp.enter_region(x, training=self.training), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -63,9 +65,11 @@ class RowParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else _empty_param(self.out_features, like=linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_input:
+        if self.split_input:  # the input was replicated: no per-rank region to leave
             x = split_last_dim(x, self.tp.group)
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp.group)
+            y = reduce_from_tp(F.linear(x, self.weight), self.tp.group)
+        else:
+            y = self.tp.exit_region(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
