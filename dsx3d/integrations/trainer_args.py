@@ -11,12 +11,15 @@ accumulation, clipping, dtype, activation checkpointing) and HF's default decide
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dsx3d.errors import Problem
 from dsx3d.recipe import Recipe, TrainSection
+
+log = logging.getLogger("dsx3d")
 
 Claim = tuple[str, Any]
 """(where a value is given, for messages: "r.yaml: train.micro_batch_size", the value)."""
@@ -160,6 +163,9 @@ def reconcile(args: Any, recipe: Recipe, layout_claims: dict[str, list[Claim]]) 
         return recipe, problems
     for shared in SHARED:
         if shared.field in agreed:
+            if shared.read(args) is None:  # not given in TrainingArguments: say where its value comes from
+                where = layout_claims[shared.field][0][0] if layout_claims.get(shared.field) else "the layout's default"
+                log.info("dsx3d.Trainer: TrainingArguments.%s = %r, from %s", shared.hf_key, agreed[shared.field], where)
             shared.write(args, agreed[shared.field])
     known = {k: v for k, v in agreed.items() if k != "lr_schedule" or v in RECIPE_TO_HF_SCHEDULE}
     train = TrainSection.model_validate({**recipe.train.model_dump(), **known})
