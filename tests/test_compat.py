@@ -50,6 +50,16 @@ def test_private_attributes_are_still_set(qualified: str) -> None:
     assert not missing, f"{qualified} no longer contains {missing}"
 
 
+def test_patched_hooks_are_checked_as_the_library_defines_them() -> None:
+    """dsx3d's patches wrap with functools.wraps, so after `install()` the check still sees the original."""
+    from dsx3d.integrations import patches
+
+    patches.install()
+    for module, path, params in PRIVATE_HOOKS:
+        if path in ("Accelerator.prepare", "integrations.deepspeed.HfTrainerDeepSpeedConfig.__init__"):
+            test_private_hook_exists_with_the_expected_parameters(module, path, params)
+
+
 def test_a_changed_signature_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check fails when a hook changes: a renamed parameter of Trainer._clip_grad_norm."""
     import transformers

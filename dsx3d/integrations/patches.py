@@ -20,6 +20,7 @@ against the installed versions, so an upgrade that changes one fails there, loud
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from pathlib import Path
@@ -86,6 +87,7 @@ def install_recipe_paths() -> None:
         return
     original = cls.__init__
 
+    @functools.wraps(original)  # the original's signature stays visible (tests/test_compat.py checks it)
     def __init__(self: Any, config_file_or_dict: Any) -> None:
         if is_recipe_path(config_file_or_dict):
             from dsx3d.integrations.layout_source import ds_config_of_recipe
@@ -115,6 +117,7 @@ def install_accelerate_guard() -> None:
         return
     original = cls.prepare
 
+    @functools.wraps(original)
     def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
         plugin = getattr(self.state, "deepspeed_plugin", None)
         refuse_model_parallel_prepare(getattr(plugin, "deepspeed_config", None), os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))
