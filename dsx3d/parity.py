@@ -55,7 +55,7 @@ class Criteria:
 
 
 CRITERIA = {
-    "fp32": Criteria(loss_rtol=1e-5, norm_rtol=1e-4, grad_rtol=1e-4, grad_floor=1e-6, roundoff=1e-5, weight_atol=1e-6),
+    "fp32": Criteria(loss_rtol=1e-5, norm_rtol=1e-5, grad_rtol=1e-4, grad_floor=1e-6, roundoff=1e-5, weight_atol=1e-6),
     # bf16 compute against an fp32 reference: bf16's 8-bit mantissa
     "bf16": Criteria(loss_rtol=5e-2, norm_rtol=5e-2, grad_rtol=5e-2, grad_floor=1e-3, roundoff=1e-2, weight_atol=1e-3),
 }
