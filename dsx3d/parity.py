@@ -2,8 +2,9 @@
 
 Both sides start from one state dict, see the same samples per optimizer step (global batch t is samples
 [t*B, (t+1)*B); micro-batch k of DP rank d is the slice (k*dp + d) of it), use AdamW with the same
-hyper-parameters and clip by the global gradient norm. The 3D side runs the real DeepSpeed pipeline engine
-with ZeRO-1 on forked gloo ranks.
+hyper-parameters and clip by the global gradient norm. The 3D side runs the engine `dsx3d train` runs (the
+DeepSpeed pipeline engine with pp > 1, the regular one with pp = 1) at the case's ZeRO stage on forked gloo
+ranks.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class ParityCase:
     seed: int = 0
     activation_checkpointing: bool = False
     stage_layers: list[int] | None = None
+    zero_stage: int = 1
+    """ZeRO stage of the engine (2 and 3 only with pp = 1, where DeepSpeed's regular engine runs)."""
 
     @property
     def world_size(self) -> int:
@@ -146,7 +149,7 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "dtype": case.dtype,
                 "activation_checkpointing": case.activation_checkpointing,
             },
-            "zero": {"stage": 1},
+            "zero": {"stage": case.zero_stage},
         }
     )
 
@@ -206,7 +209,7 @@ def run_parity(
         else {"loss": 5e-2, "param": 5e-2}
     )
     result = ParityResult(
-        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp},
+        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp, "zero_stage": case.zero_stage},
         losses_ref=losses_ref,
         losses_3d=losses_3d,
         grad_norms_ref=norms_ref,

@@ -1,0 +1,89 @@
+"""The model without a pipeline (parallel.pp = 1): one plain nn.Module for DeepSpeed's regular engine.
+
+It holds the same pipeline items as a one-stage `StagedPipelineModule` ([embedding, decoder 0 .. L-1,
+epilogue, head], built by the same StageBuilder, TP-sharded by the same plan-driven layers) under the same
+parameter names ("3.layer.mlp.up_proj.weight", "tied_modules.embed.embed.weight"), so exports, universal
+checkpoints and the offline exporter see one naming for both engines. Its forward runs the items in order
+and returns the vocab-parallel loss, which is what `deepspeed.initialize(model=...)` trains with ZeRO-0/1/2/3.
+
+With tied embeddings the LM head uses the embedding's parameter itself (each TP rank its own vocab shard);
+the head module is also registered here (`tied_head`) because ZeRO-3 gathers a partitioned parameter only
+around the forward of a module inside the engine's module tree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig
+
+from dsx3d.models.plans import resolve_family
+from dsx3d.models.stages import (
+    DecoderStage,
+    EmbeddingStage,
+    EpilogueStage,
+    HeadStage,
+    StageBuilder,
+    TiedEmbeddingStage,
+    tied_head_forward,
+)
+from dsx3d.models.tp_context import TPContext
+from dsx3d.models.weights import WeightSource
+
+TIED_KEY = "embed"
+"""The key of the tied embedding, as in pipeline.pipeline_specs (`tied_modules.embed`)."""
+
+
+class SequentialLM(nn.Module):
+    """input_ids, labels -> mean causal-LM loss over this rank's micro-batch (logits stay vocab-sharded)."""
+
+    def __init__(self, builder: StageBuilder, activation_checkpointing: bool = False):
+        super().__init__()
+        self.__dict__["dsx3d_builder"] = builder  # plain attribute, outside nn.Module's registry
+        self.activation_checkpointing = activation_checkpointing
+        n = builder.skeleton.num_layers
+        self.tied_modules = nn.ModuleDict()
+        self._tied = builder.plan.tied
+        if self._tied:
+            self.tied_modules[TIED_KEY] = TiedEmbeddingStage(builder, True, True)
+            self.tied_head = getattr(builder.skeleton.lm, builder.plan.head_name)
+        else:
+            self.add_module("0", EmbeddingStage(builder))
+        for i in range(n):
+            self.add_module(str(1 + i), DecoderStage(builder, i))
+        self.add_module(str(n + 1), EpilogueStage(builder))
+        if not self._tied:
+            self.add_module(str(n + 2), HeadStage(builder))
+        self._num_items = n + 3
+        self.loss_fn: Any = builder.loss
+        """Called as loss_fn(logits, labels), looked up at every forward (the Trainer drop-in replaces it)."""
+
+    def _item(self, index: int) -> nn.Module:
+        return self._modules[str(index)]  # type: ignore[return-value]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        last = self._num_items - 1
+        x: Any = self.tied_modules[TIED_KEY](input_ids) if self._tied else self._item(0)(input_ids)
+        for i in range(1, last):
+            item = self._item(i)
+            if self.activation_checkpointing and self.training and isinstance(item, DecoderStage):
+                x = checkpoint(item, x, use_reentrant=False)
+            else:
+                x = item(x)
+        logits = tied_head_forward(self.tied_modules[TIED_KEY], x) if self._tied else self._item(last)(x)  # type: ignore[arg-type]
+        return self.loss_fn(logits, labels)
+
+
+def build_sequential(
+    config: PretrainedConfig,
+    tp: TPContext,
+    source: WeightSource,
+    *,
+    activation_checkpointing: bool = False,
+) -> SequentialLM:
+    """This rank's whole model, TP-sharded over `tp` (whose group must be bound when tp.size > 1)."""
+    builder = StageBuilder(config, resolve_family(config), tp, source)
+    return SequentialLM(builder, activation_checkpointing=activation_checkpointing)
