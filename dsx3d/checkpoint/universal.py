@@ -37,6 +37,7 @@ from deepspeed.checkpoint.constants import (
 
 from dsx3d.dist import comm
 from dsx3d.errors import UserError
+from dsx3d.models.export import local_shape
 
 if TYPE_CHECKING:
     from dsx3d.engine import Engine3D
@@ -55,7 +56,7 @@ def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
     mine = []
     for name, p in run.module.named_parameters():
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
-        mine.append((name, dim, getattr(p, "hf_name", None) in vocab_names and p.dim() == 2))
+        mine.append((name, dim, getattr(p, "hf_name", None) in vocab_names and len(local_shape(p)) == 2))
     everyone = {entry for rank in comm.all_gather_object(mine) for entry in rank}  # type: ignore[attr-defined]
 
     def patterns(keep: Any) -> list[str]:
@@ -81,7 +82,10 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
     from deepspeed.checkpoint import ds_to_universal
 
     tag_dir, out = Path(tag_dir), Path(out_dir).absolute()
-    states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    # mp_rank_XX: pipelines and ZeRO-0/1/2; zero_pp_rank_0_mp_rank_XX: ZeRO-3 (every dp rank writes one)
+    states = sorted(tag_dir.glob("mp_rank_*_model_states.pt")) or sorted(
+        tag_dir.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")
+    )
     if not states:
         raise UserError.single(
             "CHECKPOINT_DIR",
