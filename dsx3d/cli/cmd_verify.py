@@ -18,9 +18,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify",
         help="train a tiny model single-process and under a dp x tp x pp layout, compare losses and weights",
-        description="Runs N optimizer steps with plain HF on one process and with the dsx3d engine (DeepSpeed "
-        "pipeline, ZeRO-1, TP) on forked gloo ranks from the same weights and data, then compares per-step "
-        "losses, gradient norms and final weights. Exit 0 within tolerance, 1 otherwise.",
+        description="Runs N optimizer steps with plain HF on one process and with the dsx3d engine (DeepSpeed's "
+        "pipeline engine with pp > 1, its regular engine with pp = 1; TP; the chosen ZeRO stage) on forked gloo "
+        "ranks from the same weights and data, then compares per-step losses, gradient norms and final weights. "
+        "Exit 0 within tolerance, 1 otherwise.",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--arch", default=None, help="model family with a built-in tiny config (default: llama)")
@@ -29,6 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", type=positive_int, default=2)
     p.add_argument("--tp", type=positive_int, default=2)
     p.add_argument("--pp", type=positive_int, default=2)
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=1,
+        help="ZeRO stage (default 1); 2 and 3 need --pp 1",
+    )
     p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches per step and DP rank")
     p.add_argument("--micro-batch-size", type=positive_int, default=2)
@@ -73,10 +81,13 @@ def run(args: argparse.Namespace) -> int:
     case = ParityCase(
         config, dp=args.dp, tp=args.tp, pp=args.pp, steps=args.steps, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr, dtype=args.dtype, seed=args.seed,
-        activation_checkpointing=args.activation_checkpointing,
+        activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage,
     )
     raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config))
-    log.info("verify: %s at dp=%d tp=%d pp=%d, %d steps, %s", config.model_type, args.dp, args.tp, args.pp, args.steps, args.dtype)
+    log.info(
+        "verify: %s at dp=%d tp=%d pp=%d, ZeRO-%d, %d steps, %s",
+        config.model_type, args.dp, args.tp, args.pp, args.zero_stage, args.steps, args.dtype,
+    )
     warm_up()
     try:
         result = run_parity(case, model=model, timeout_s=args.timeout)
@@ -91,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(r) -> None:
-    print(f"layout dp={r.layout['dp']} tp={r.layout['tp']} pp={r.layout['pp']}")
+    print(f"layout dp={r.layout['dp']} tp={r.layout['tp']} pp={r.layout['pp']} zero_stage={r.layout['zero_stage']}")
     print(f"{'step':>4}  {'loss (HF)':>12}  {'loss (3D)':>12}  {'grad norm (HF)':>14}  {'grad norm (3D)':>14}")
     for i, (a, b, c, d) in enumerate(zip(r.losses_ref, r.losses_3d, r.grad_norms_ref, r.grad_norms_3d, strict=True)):
         print(f"{i + 1:>4}  {a:>12.7f}  {b:>12.7f}  {c:>14.7f}  {d:>14.7f}")
