@@ -119,6 +119,34 @@ class Engine3D:
             return local_hf_shards(self.module, self.placement.tp)
 
 
+def _zero3_partitioner(ds_config: dict[str, Any], mpu: DataTensorParallelGroups) -> Callable[[torch.nn.Module], None] | None:
+    """With ZeRO-3, partition each model item over the DP group as soon as its weights are read (what
+    `deepspeed.zero.Init` does to a module built inside it), so a rank never holds the whole model; the
+    engine then finds the parameters partitioned already. It no longer casts them then ("ZeRO-Init params
+    are already at the configured dtype"), so bf16/fp16 parameters are cast here first, as the engine would
+    (parameters only: buffers such as rotary tables stay fp32). None for the other stages."""
+    if int(ds_config.get("zero_optimization", {}).get("stage", 0)) < 3:
+        return None
+    import deepspeed
+
+    dtype = None
+    if ds_config.get("bf16", {}).get("enabled"):
+        dtype = torch.bfloat16
+    elif ds_config.get("fp16", {}).get("enabled"):
+        dtype = torch.float16
+
+    def partition(item: torch.nn.Module) -> None:
+        if dtype is not None:
+            for p in item.parameters():
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+        deepspeed.zero.Init(
+            module=item, data_parallel_group=mpu.get_data_parallel_group(), config_dict_or_path=ds_config, mpu=mpu
+        )
+
+    return partition
+
+
 def default_weight_source(recipe: Recipe, hf_config: PretrainedConfig) -> WeightSource:
     """Checkpoint slices for `model.name_or_path`, else a fresh layout-independent initialisation."""
     if recipe.model.name_or_path is not None:
@@ -172,12 +200,17 @@ def build_engine(
         tp = TPContext(rank=placement.tp, size=layout.tp)
         tp.bind(mpu.get_tensor_model_parallel_group())
         module = build_sequential(
-            hf_config, tp, source, activation_checkpointing=recipe.train.activation_checkpointing
+            hf_config,
+            tp,
+            source,
+            activation_checkpointing=recipe.train.activation_checkpointing,
+            after_item=_zero3_partitioner(ds_config, mpu),
         )
     import deepspeed
 
     params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
+    module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go
     if not engine.zero_optimization() and not engine.bfloat16_enabled() and not engine.fp16_enabled():
         install_fp32_clipping(engine, placement.tp)
     return Engine3D(engine, module, layout, placement, hf_config, ds_config, mpu)

@@ -30,7 +30,9 @@ def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group: Any) -> torch.Tensor:
+def global_grad_norm(
+    params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group: Any
+) -> torch.Tensor:
     squares = torch.zeros(1, dtype=torch.float64)
     for p in params:
         if p.grad is not None and counted_once(p, tp_rank):
@@ -39,7 +41,9 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], tp_rank: int, model_p
     return squares.sqrt().float()
 
 
-def clip_grads(params: list[torch.nn.Parameter], max_norm: float, tp_rank: int, model_parallel_group: Any) -> float:
+def clip_grads(
+    params: list[torch.nn.Parameter], max_norm: float, tp_rank: int, model_parallel_group: Any
+) -> float:
     """Scale the gradients by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_; return the norm."""
     norm = global_grad_norm(params, tp_rank, model_parallel_group)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

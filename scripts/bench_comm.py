@@ -86,7 +86,7 @@ def worker(
     for kind, d in per_kind.items():
         d["calls"] = d["calls"] // steps
         d["ops"] = {op: n // steps for op, n in ops[kind].items()}  # type: ignore[assignment]
-    layers = sum(1 for layer in run.module.forward_funcs if type(layer).__name__ == "DecoderStage")
+    layers = sum(1 for m in run.module.modules() if type(m).__name__ == "DecoderStage")
     return {"rank": rank, "stage": run.placement.pp, "layers": layers, "per_kind": dict(per_kind)}
 
 

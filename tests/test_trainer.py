@@ -57,7 +57,7 @@ def _eval_set() -> Any:
     return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
-def _write_ds_config(path: Path, dp: int, tp: int, pp: int) -> Path:
+def _write_ds_config(path: Path, dp: int, tp: int, pp: int, zero_stage: int = 1) -> Path:
     recipe = recipe_from_dict(
         {
             "model": {"config": {"model_type": "llama"}},
@@ -70,7 +70,7 @@ def _write_ds_config(path: Path, dp: int, tp: int, pp: int) -> Path:
                 "dtype": "fp32",
                 "grad_clip": 1.0,
             },
-            "zero": {"stage": 1},
+            "zero": {"stage": zero_stage},
         }
     )
     path.write_text(json.dumps(build_ds_config(recipe, dp * tp * pp)))
@@ -155,10 +155,13 @@ def _trainer_ref(rank: int, work: Path, dp: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 2), (1, 2, 2)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}")
-def test_trainer_matches_plain_transformers(tmp_path: Path, layout: tuple[int, int, int]) -> None:
-    dp, tp, pp = layout
-    ds_config = _write_ds_config(tmp_path / "ds.json", dp, tp, pp)
+# the last one: no pipeline, DeepSpeed's regular engine with ZeRO-3 partitions over dp and TP shards
+@pytest.mark.parametrize(
+    "layout", [(2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 1, 3)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}-zero{t[3]}"
+)
+def test_trainer_matches_plain_transformers(tmp_path: Path, layout: tuple[int, int, int, int]) -> None:
+    dp, tp, pp, zero_stage = layout
+    ds_config = _write_ds_config(tmp_path / "ds.json", dp, tp, pp, zero_stage)
     ours = run_ranks(_trainer_3d, dp * tp * pp, tmp_path, ds_config)
     ref = run_ranks(_trainer_ref, 1, tmp_path, dp)[0]
     for key, tol in (("loss", TOL), ("grad_norm", 1e-4), ("learning_rate", 1e-9)):

@@ -65,7 +65,11 @@ def layer_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
 
 
 def _tp_files(tag_dir: Path, pattern: re.Pattern[str]) -> dict[int, Path]:
-    return {int(m.group(1)): p for p in tag_dir.iterdir() if (m := pattern.match(p.name))} if tag_dir.is_dir() else {}
+    return (
+        {int(m.group(1)): p for p in tag_dir.iterdir() if (m := pattern.match(p.name))}
+        if tag_dir.is_dir()
+        else {}
+    )
 
 
 def is_tag_dir(path: Path) -> bool:
@@ -127,17 +131,23 @@ class Zero3Partitions:
 
     def __init__(self, dp: int):
         self.dp = dp
-        self._layouts: dict[Path, tuple[list[list[torch.Tensor]], dict[str, tuple[int, int, tuple[int, ...]]]]] = {}
+        self._layouts: dict[
+            Path, tuple[list[list[torch.Tensor]], dict[str, tuple[int, int, tuple[int, ...]]]]
+        ] = {}
 
-    def _layout(self, model_states: Path) -> tuple[list[list[torch.Tensor]], dict[str, tuple[int, int, tuple[int, ...]]]]:
+    def _layout(
+        self, model_states: Path
+    ) -> tuple[list[list[torch.Tensor]], dict[str, tuple[int, int, tuple[int, ...]]]]:
         """Every dp rank's flat fp32 groups, and name -> (group, offset in each rank's flat group, shape)."""
         if model_states not in self._layouts:
             shapes: list[dict[str, Any]] = load_bin(model_states)["param_shapes"]
-            optim_name = model_states.name.removeprefix("zero_pp_rank_0_").replace("model_states", "optim_states")
+            optim_name = model_states.name.removeprefix("zero_pp_rank_0_").replace(
+                "model_states", "optim_states"
+            )
             flats = [
-                _load_optim_states(model_states.with_name(f"zero_pp_rank_{d}_{optim_name}"))["optimizer_state_dict"][
-                    "fp32_flat_groups"
-                ]
+                _load_optim_states(model_states.with_name(f"zero_pp_rank_{d}_{optim_name}"))[
+                    "optimizer_state_dict"
+                ]["fp32_flat_groups"]
                 for d in range(self.dp)
             ]
             index: dict[str, tuple[int, int, tuple[int, ...]]] = {}

@@ -7,9 +7,10 @@ its loop, LR scheduler, logging, callbacks and checkpoint bookkeeping; what touc
   accelerate, which would shard by world rank; batches become fixed-shape (input_ids, labels);
 - optimizer: DeepSpeed's AdamW over the stage's parameters, grouped like HF (no decay on biases and norms);
   HF holds a view of its param groups, so HF's scheduler sets the learning rate the engine steps with;
-- training_step: buffers the micro-batches of one optimizer step, then one `train_batch`, with the loss
-  weighted by tokens over the whole step as HF's Trainer does (num_items_in_batch);
-- evaluation: `eval_batch` through the pipeline (HF's path would ask DeepSpeed for ZeRO-3 inference);
+- training_step: buffers the micro-batches of one optimizer step, then one engine step (Engine3D.train_step:
+  the pipeline's `train_batch`, or with pp = 1 the regular engine at any ZeRO stage), with the loss weighted
+  by tokens over the whole step as HF's Trainer does (num_items_in_batch);
+- evaluation: Engine3D.eval_loss (HF's path would ask DeepSpeed for ZeRO-3 inference);
 - save_model: a Hugging Face checkpoint (dsx3d.checkpoint.export.export_hf); checkpoints for
   resume_from_checkpoint add the engine's own (DeepSpeed) checkpoint;
 - the figures HF reports (total batch size, samples/s, tokens/s, FLOPs) count every DP shard once.
@@ -72,8 +73,8 @@ _UNSUPPORTED_INIT_ARGS = {
 
 class EngineOptimizer(torch.optim.Optimizer):
     """What HF's Trainer holds as its optimizer: a view of the engine optimizer's param groups, so that HF's LR
-    scheduler sets the learning rate the engine steps with. step() and zero_grad() do nothing: `train_batch`
-    steps and clears the real optimizer."""
+    scheduler sets the learning rate the engine steps with. step() and zero_grad() do nothing: the engine's
+    step applies and clears the real optimizer."""
 
     def __init__(self, param_groups: list[dict[str, Any]]):
         super().__init__([torch.zeros(1, requires_grad=True)], {})

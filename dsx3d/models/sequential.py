@@ -13,6 +13,7 @@ around the forward of a module inside the engine's module tree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,8 +41,20 @@ TIED_KEY = "embed"
 class SequentialLM(nn.Module):
     """input_ids, labels -> mean causal-LM loss over this rank's micro-batch (logits stay vocab-sharded)."""
 
-    def __init__(self, builder: StageBuilder, activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        builder: StageBuilder,
+        activation_checkpointing: bool = False,
+        after_item: Callable[[nn.Module], None] | None = None,
+    ):
+        """`after_item` is called on each item as soon as its weights are read (ZeRO-3 partitions it there, so
+        no rank ever holds more than its partitions and one item's whole tensors)."""
         super().__init__()
+        def done(item: nn.Module) -> None:
+            builder.release_source()  # one item's source tensors at a time
+            if after_item is not None:
+                after_item(item)
+
         self.__dict__["dsx3d_builder"] = builder  # plain attribute, outside nn.Module's registry
         self.activation_checkpointing = activation_checkpointing
         n = builder.skeleton.num_layers
@@ -50,13 +63,18 @@ class SequentialLM(nn.Module):
         if self._tied:
             self.tied_modules[TIED_KEY] = TiedEmbeddingStage(builder, True, True)
             self.tied_head = getattr(builder.skeleton.lm, builder.plan.head_name)
+            done(self.tied_modules)
         else:
             self.add_module("0", EmbeddingStage(builder))
+            done(self._item(0))
         for i in range(n):
             self.add_module(str(1 + i), DecoderStage(builder, i))
+            done(self._item(1 + i))
         self.add_module(str(n + 1), EpilogueStage(builder))
+        done(self._item(n + 1))
         if not self._tied:
             self.add_module(str(n + 2), HeadStage(builder))
+            done(self._item(n + 2))
         self._num_items = n + 3
         self.loss_fn: Any = builder.loss
         """Called as loss_fn(logits, labels), looked up at every forward (the Trainer drop-in replaces it)."""
@@ -83,7 +101,8 @@ def build_sequential(
     source: WeightSource,
     *,
     activation_checkpointing: bool = False,
+    after_item: Callable[[nn.Module], None] | None = None,
 ) -> SequentialLM:
     """This rank's whole model, TP-sharded over `tp` (whose group must be bound when tp.size > 1)."""
     builder = StageBuilder(config, resolve_family(config), tp, source)
-    return SequentialLM(builder, activation_checkpointing=activation_checkpointing)
+    return SequentialLM(builder, activation_checkpointing=activation_checkpointing, after_item=after_item)
