@@ -302,3 +302,26 @@ def test_meta_model_reads_its_checkpoint_and_a_recipe_path_is_a_layout(tmp_path:
     )
     r = run_ranks(_meta_model_from_recipe, 1, tmp_path, recipe)[0]
     assert abs(r["got"] - r["expected"]) <= TOL, r
+
+
+def test_transformers_leaves_zero3_partitioning_to_dsx3d(tmp_path: Path) -> None:
+    """With a dsx3d layout at zero.stage 3 registered (TrainingArguments(deepspeed=...)), transformers would wrap
+    every model built afterwards (the user's from_pretrained, dsx3d's meta skeletons) in deepspeed.zero.Init
+    over the whole world; it once failed there on DeepSpeed's world-size batch check. Other configs keep
+    transformers' own ZeRO-3 handling."""
+    from transformers.integrations.deepspeed import (
+        HfDeepSpeedConfig,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
+    from dsx3d import Trainer  # noqa: F401  (importing it installs the hook, as for recipe paths)
+
+    ours = json.loads(_write_ds_config(tmp_path / "ds.json", 2, 2, 1, zero_stage=3).read_text())
+    try:
+        held = HfDeepSpeedConfig(ours)
+        assert held.config["zero_optimization"]["stage"] == 3 and not is_deepspeed_zero3_enabled()
+        held = HfDeepSpeedConfig({k: v for k, v in ours.items() if k != "dsx3d"})
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()

@@ -46,6 +46,7 @@ from dsx3d.integrations.batches import (
 from dsx3d.integrations.layout_source import (
     check_training_args,
     install_recipe_paths,
+    keep_hf_out_of_zero3,
     layout_source,
     load_recipe_source,
     model_config_mapping,
@@ -55,9 +56,11 @@ from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
 
-# At import, before the user builds TrainingArguments: transformers must accept a recipe path, and accelerate
-# (which calls deepspeed.init_distributed there under `accelerate launch`) must not build DeepSpeed's CPU op.
+# At import, before the user builds TrainingArguments: transformers must accept a recipe path and leave ZeRO-3
+# partitioning to dsx3d, and accelerate (which calls deepspeed.init_distributed there under `accelerate
+# launch`) must not build DeepSpeed's CPU op.
 install_recipe_paths()
+keep_hf_out_of_zero3()
 comm.skip_cpu_shm_build()
 
 # Trainer arguments that act on the HF model's forward or outputs, which the pipeline does not run.
