@@ -245,9 +245,9 @@ def check_files(located: ItemFiles, items: list[Item], tp: int) -> tuple[list[Pr
             for key in sorted(set(sd) - keys):
                 problems.append(Problem(str(path), key, "the model has no such parameter", _FIX_CKPT))
     unique: list[Problem] = []  # without a pipeline one file holds every item of its TP rank: say it once
-    for p in problems:
-        if p not in unique:
-            unique.append(p)
+    for problem in problems:
+        if problem not in unique:
+            unique.append(problem)
     return unique, dtype
 
 

@@ -55,7 +55,7 @@ def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
     }
     mine = []
     for name, p in run.module.named_parameters():
-        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
+        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined,union-attr]
         mine.append((name, dim, getattr(p, "hf_name", None) in vocab_names and len(local_shape(p)) == 2))
     everyone = {entry for rank in comm.all_gather_object(mine) for entry in rank}  # type: ignore[attr-defined]
 

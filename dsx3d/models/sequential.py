@@ -41,6 +41,8 @@ TIED_KEY = "embed"
 class SequentialLM(nn.Module):
     """input_ids, labels -> mean causal-LM loss over this rank's micro-batch (logits stay vocab-sharded)."""
 
+    dsx3d_builder: StageBuilder
+
     def __init__(
         self,
         builder: StageBuilder,
