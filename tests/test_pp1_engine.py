@@ -11,7 +11,8 @@ regular engine, with our dp/tp groups as its mpu, so ZeRO-0/1/2/3 all run. Forke
   the engine's held-out loss; the offline `dsx3d export` of its checkpoint equals it bit for bit; resuming the
   checkpoint continues with the uninterrupted run's losses; its universal conversion resumes at dp 4 x tp 1
   with the same losses;
-- `dsx3d.train.train` at dp 2 x tp 2 x ZeRO-2 stopped and resumed trains exactly like an uninterrupted run.
+- `dsx3d.train.train` at dp 2 x tp 2 x ZeRO-2: resumed from its step-2 checkpoint it trains exactly like the
+  uninterrupted run, and the offline export of its checkpoint equals its own export bit for bit.
 """
 
 from __future__ import annotations
@@ -283,8 +284,13 @@ def test_train_zero2_tp2_resumes_exactly(tmp_path: Path) -> None:
             }
         )
 
+    from dsx3d.cli import main
+
     full = run_ranks(_train, 4, recipe(tmp_path / "full"), {}, timeout_s=300)[0]
-    assert (tmp_path / "full" / "hf" / "model.safetensors.index.json").is_file()
+    # the offline export reads the regular engine's per-TP-rank modules: the run's own export, bit for bit
+    assert main(["export", str(tmp_path / "full" / "checkpoints"), str(tmp_path / "offline")]) == 0
+    ta, tb = _tensors(tmp_path / "full" / "hf"), _tensors(tmp_path / "offline")
+    assert set(ta) == set(tb) and all(torch.equal(ta[n], tb[n]) for n in ta)
     # the run kept its step-2 checkpoint (keep_checkpoints 2): resume a copy of the run from there
     shutil.copytree(tmp_path / "full", tmp_path / "resumed")
     (tmp_path / "resumed" / "checkpoints" / "latest").write_text("step-000002")
