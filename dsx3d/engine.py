@@ -19,17 +19,19 @@ import torch
 from transformers import PretrainedConfig
 
 from dsx3d.checker import check_recipe, raise_for_errors
-from dsx3d.dist import comm
-from dsx3d.dist.groups import DataTensorParallelGroups
+from dsx3d.distributed import comm
+from dsx3d.distributed.groups import DataTensorParallelGroups
+from dsx3d.distributed.tensor_parallel.context import TPContext
+from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
 from dsx3d.grad_clip import install_fp32_clipping
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, RankPlacement
-from dsx3d.models.export import Shard, local_hf_shards
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline
 from dsx3d.models.sequential import SequentialLM, build_sequential
-from dsx3d.models.tp_context import TPContext
+from dsx3d.models.shape import model_dim
+from dsx3d.models.shards import Shard, local_hf_shards
 from dsx3d.models.weights import WeightSource
 from dsx3d.recipe import Recipe
 
@@ -42,7 +44,7 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]
 class Engine3D:
     """A DeepSpeed engine (PipelineEngine with pp > 1, the regular one with pp = 1) with its layout."""
 
-    engine: Any
+    ds_engine: Any
     module: StagedPipelineModule | SequentialLM
     layout: Layout
     placement: RankPlacement
@@ -63,8 +65,8 @@ class Engine3D:
         """One optimizer step over gradient_accumulation_steps micro-batches of this DP rank; the loss is
         the mean over micro-batches and DP ranks, known on every rank."""
         if self.pipelined:
-            return float(self.engine.train_batch(data_iter=micro_batches))
-        engine, m = self.engine, self.engine.gradient_accumulation_steps()
+            return float(self.ds_engine.train_batch(data_iter=micro_batches))
+        engine, m = self.ds_engine, self.ds_engine.gradient_accumulation_steps()
         losses = []
         for _ in range(m):
             input_ids, labels = next(micro_batches)
@@ -77,9 +79,9 @@ class Engine3D:
     def eval_loss(self, micro_batches: Iterator[MicroBatch]) -> float:
         """The mean loss over gradient_accumulation_steps micro-batches and the DP ranks, without gradients."""
         if self.pipelined:
-            loss = self.engine.eval_batch(data_iter=micro_batches, compute_loss=True, reduce_output="avg")
+            loss = self.ds_engine.eval_batch(data_iter=micro_batches, compute_loss=True, reduce_output="avg")
             return float(loss)
-        engine, m = self.engine, self.engine.gradient_accumulation_steps()
+        engine, m = self.ds_engine, self.ds_engine.gradient_accumulation_steps()
         was_training = engine.module.training
         engine.eval()
         try:
@@ -97,12 +99,12 @@ class Engine3D:
 
     @property
     def grad_norm(self) -> float:
-        norm = self.engine.get_global_grad_norm()
+        norm = self.ds_engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
     @property
     def lr(self) -> float:
-        return float(self.engine.get_lr()[0])
+        return float(self.ds_engine.get_lr()[0])
 
     def gathered(self, params: Iterable[torch.nn.Parameter]) -> contextlib.AbstractContextManager[Any]:
         """Inside, ZeRO-3's partitioned `params` hold their whole (TP-shard) tensors; a collective over the DP
@@ -167,8 +169,8 @@ def build_engine(
     param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
 ) -> Engine3D:
     """Build this rank's model (its pipeline stage, or with pp = 1 the whole TP-sharded model) and its
-    DeepSpeed engine. The process group must exist
-    (dsx3d.dist.comm.init_distributed); the world size is the group's. `param_groups` splits the stage's
+    DeepSpeed engine. The process group must exist (dsx3d.distributed.comm.init_distributed); the world size
+    is the group's. `param_groups` splits the model's
     parameters into optimizer groups (the Trainer drop-in exempts biases and norms from weight decay, as HF
     does); by default every trainable parameter is in one group."""
     world = comm.get_world_size()
@@ -177,7 +179,7 @@ def build_engine(
     layout = recipe.layout(world)
     if layout.world_size != world:
         raise UserError.single("parallel", f"dp*tp*pp={layout.world_size}", f"the job has {world} processes", "match the launcher's process count")
-    ds_config = build_ds_config(recipe, world)
+    ds_config = build_ds_config(recipe, world, hidden_size=model_dim(hf_config, "hidden_size"))
     if ds_overrides:
         from dsx3d.ds_config import deep_merge
 
@@ -213,4 +215,6 @@ def build_engine(
     module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go
     if not engine.zero_optimization() and not engine.bfloat16_enabled() and not engine.fp16_enabled():
         install_fp32_clipping(engine, placement.tp)
+    # dropout: the same replicated stream on the ranks of a TP group (a resume restores each rank's state)
+    seed_ranks(recipe.train.seed, pp_rank=placement.pp, dp_rank=placement.dp)
     return Engine3D(engine, module, layout, placement, hf_config, ds_config, mpu)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
 
 
 def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:

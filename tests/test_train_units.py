@@ -15,11 +15,13 @@ import pytest
 import yaml
 from transformers import LlamaConfig
 
+from dsx3d.checkpoint.training_format import LATEST, read_latest, tag_for
 from dsx3d.cli import main
 from dsx3d.cli.cmd_train import describe_exit
 from dsx3d.errors import UserError
+from dsx3d.fsio import write_atomic
 from dsx3d.recipe import load_recipe, recipe_from_dict
-from dsx3d.run.checkpointing import LATEST, prune, read_latest, tag_for, tags_to_delete, write_text_atomic
+from dsx3d.run.checkpointing import prune, tags_to_delete
 from dsx3d.run.data import check_vocab
 from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, read_hostfile
 from dsx3d.run.metrics import Throughput, read_metrics
@@ -182,7 +184,7 @@ def test_check_start_allows_fresh_dirs_and_explicit_choices(tmp_path: Path) -> N
     paths.checkpoints.mkdir()
     (paths.checkpoints / "step-000010").mkdir()  # a crash during the first save: no latest, nothing to keep
     check_start(paths, resume=False, overwrite=False)
-    write_text_atomic(paths.checkpoints / LATEST, "step-000010")
+    write_atomic(paths.checkpoints / LATEST, "step-000010")
     with pytest.raises(UserError):
         check_start(paths, resume=False, overwrite=False)
     check_start(paths, resume=True, overwrite=False)
@@ -218,21 +220,21 @@ def test_prune_deletes_only_behind_latest(tmp_path: Path) -> None:
     for step in (10, 20, 30):
         (tmp_path / tag_for(step)).mkdir()
         (tmp_path / tag_for(step) / "file.pt").write_text("x")
-    write_text_atomic(tmp_path / LATEST, tag_for(20))
+    write_atomic(tmp_path / LATEST, tag_for(20))
     assert prune(tmp_path, keep=1) == [tag_for(10)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, tag_for(20), tag_for(30)]
 
 
 def test_latest_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer dying before the rename leaves the previous `latest` whole, and no temporary file."""
-    write_text_atomic(tmp_path / LATEST, tag_for(20))
+    write_atomic(tmp_path / LATEST, tag_for(20))
 
     def crash(src: str, dst: str) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        write_text_atomic(tmp_path / LATEST, tag_for(40))
+        write_atomic(tmp_path / LATEST, tag_for(40))
     monkeypatch.undo()
     assert read_latest(tmp_path) == tag_for(20)
     assert [p.name for p in tmp_path.iterdir()] == [LATEST]
@@ -347,11 +349,12 @@ def test_misplaced_ranks_are_those_the_launcher_put_elsewhere() -> None:
 def test_resume_with_another_layout_is_refused_before_deepspeed_loads(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
+    from dsx3d.checkpoint.training_format import LAYOUT_FILE
     from dsx3d.layout import Layout
-    from dsx3d.run.checkpointing import LAYOUT_FILE, Checkpointer
+    from dsx3d.run.checkpointing import Checkpointer
 
     saved = Checkpointer(SimpleNamespace(layout=Layout(dp=2, tp=2, pp=2, gpus_per_node=8)), tmp_path, "", 2)  # type: ignore[arg-type]
-    write_text_atomic(tmp_path / tag_for(10) / LAYOUT_FILE, json.dumps(saved._layout()))
+    write_atomic(tmp_path / tag_for(10) / LAYOUT_FILE, json.dumps(saved._layout()))
     saved._check_layout(tag_for(10))
     other = Checkpointer(SimpleNamespace(layout=Layout(dp=1, tp=2, pp=4, gpus_per_node=8)), tmp_path, "", 2)  # type: ignore[arg-type]
     with pytest.raises(UserError, match="dp 2 x tp 2 x pp 2"):

@@ -22,7 +22,6 @@ DeepSpeed records (the ZeRO stage enum and the loss-scaler state), which are all
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,17 @@ from typing import Any
 import torch
 
 from dsx3d.checkpoint.files import load_bin
+from dsx3d.checkpoint.training_format import (
+    MODEL_STATES_FILE,
+    ZERO3_MODEL_STATES_FILE,
+    layer_file_name,
+    layer_files,
+    model_states_name,
+    tp_rank_files,
+    zero3_states_name,
+)
 
 TIED_PREFIX = "tied_modules.embed."
-_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
-_MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-_ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt$")
 
 Reader = Callable[[Path, int], dict[str, Any]]
 """(file, item index) -> that item's tensors, keyed relative to the item ("layer.mlp.up_proj.weight")."""
@@ -51,30 +56,6 @@ class ItemFiles:
     read: Reader
     file_name: Callable[[int, int], str]
     """The file expected for (item, TP rank): what a missing one is called."""
-
-
-def layer_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
-    """Pipeline layer files: item -> TP rank -> file."""
-    out: dict[int, dict[int, Path]] = {}
-    if tag_dir.is_dir():
-        for p in tag_dir.iterdir():
-            m = _LAYER_FILE.match(p.name)
-            if m:
-                out.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
-    return out
-
-
-def _tp_files(tag_dir: Path, pattern: re.Pattern[str]) -> dict[int, Path]:
-    return (
-        {int(m.group(1)): p for p in tag_dir.iterdir() if (m := pattern.match(p.name))}
-        if tag_dir.is_dir()
-        else {}
-    )
-
-
-def is_tag_dir(path: Path) -> bool:
-    """Whether `path` holds a checkpoint of either engine (not the checkpoints directory above them)."""
-    return bool(layer_files(path) or _tp_files(path, _MODEL_STATES) or _tp_files(path, _ZERO3_MODEL_STATES))
 
 
 def item_prefix(index: int, tied: bool) -> str:
@@ -93,10 +74,10 @@ def locate(tag_dir: Path, *, pp: int, zero_stage: int, num_items: int, tied: boo
             "pipeline layer files",
             layer_files(tag_dir),
             lambda path, index: load_bin(path),
-            lambda i, t: f"layer_{i:02d}-model_{t:02d}-model_states.pt",
+            layer_file_name,
         )
     if zero_stage < 3:
-        per_tp = _tp_files(tag_dir, _MODEL_STATES)
+        per_tp = tp_rank_files(tag_dir, MODEL_STATES_FILE)
 
         def read_module(path: Path, index: int) -> dict[str, Any]:
             return _items_of(load_bin(path)["module"], item_prefix(index, tied))
@@ -105,15 +86,15 @@ def locate(tag_dir: Path, *, pp: int, zero_stage: int, num_items: int, tied: boo
             "model states",
             {i: dict(per_tp) for i in range(num_items)},
             read_module,
-            lambda i, t: f"mp_rank_{t:02d}_model_states.pt",
+            lambda i, t: model_states_name(t),
         )
-    per_tp = _tp_files(tag_dir, _ZERO3_MODEL_STATES)
+    per_tp = tp_rank_files(tag_dir, ZERO3_MODEL_STATES_FILE)
     partitions = Zero3Partitions(dp)
     return ItemFiles(
         f"ZeRO-3 partitions over {dp} dp ranks",
         {i: dict(per_tp) for i in range(num_items)},
         lambda path, index: partitions.read(path, item_prefix(index, tied)),
-        lambda i, t: f"zero_pp_rank_0_mp_rank_{t:02d}_model_states.pt (and its {dp} optim_states files)",
+        lambda i, t: f"{zero3_states_name(0, t, 'model')} (and its {dp} optim_states files)",
     )
 
 
@@ -141,11 +122,11 @@ class Zero3Partitions:
         """Every dp rank's flat fp32 groups, and name -> (group, offset in each rank's flat group, shape)."""
         if model_states not in self._layouts:
             shapes: list[dict[str, Any]] = load_bin(model_states)["param_shapes"]
-            optim_name = model_states.name.removeprefix("zero_pp_rank_0_").replace(
-                "model_states", "optim_states"
-            )
+            match = ZERO3_MODEL_STATES_FILE.match(model_states.name)
+            assert match is not None, model_states
+            tp_rank = int(match.group(1))
             flats = [
-                _load_optim_states(model_states.with_name(f"zero_pp_rank_{d}_{optim_name}"))[
+                _load_optim_states(model_states.with_name(zero3_states_name(d, tp_rank, "optim")))[
                     "optimizer_state_dict"
                 ]["fp32_flat_groups"]
                 for d in range(self.dp)

@@ -7,7 +7,7 @@ tensors of its own. A pipeline run (pp > 1) writes one file per (item, TP rank),
 partitions over the dp ranks (dsx3d.checkpoint.item_files says where each item lies in each format).
 
 The map from a file's keys to HF names and TP dims is not a second hand-written table: each item's stage
-module is built on the meta device exactly as training builds it (the same StageBuilder, at the
+module is built on the meta device exactly as training builds it (the same LayerBuilder, at the
 checkpoint's tp), so its parameter names are the file's keys and each parameter's `hf_name` and
 `partition_dim` say where the shard goes: colwise -> dim 0, rowwise -> dim 1, embedding and head -> dim 0
 with the vocab padding trimmed. Every file is checked (keys, shapes) before anything is written; then one
@@ -27,8 +27,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from dsx3d.checkpoint.item_files import ItemFiles, is_tag_dir, locate
+from dsx3d.checkpoint.item_files import ItemFiles, locate
 from dsx3d.checkpoint.names import expected_params, meta_model, to_hub_names
+from dsx3d.checkpoint.training_format import LATEST, LAYOUT_FILE, RECIPE_FILE, is_tag_dir
 from dsx3d.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     Entry,
@@ -41,25 +42,23 @@ from dsx3d.checkpoint.writer import (
     write_configs,
     write_index,
 )
+from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import load_hf_config
-from dsx3d.models.plans import resolve_family
-from dsx3d.models.stages import (
-    DecoderStage,
-    EmbeddingStage,
-    EpilogueStage,
-    HeadStage,
-    StageBuilder,
-    TiedEmbeddingStage,
+from dsx3d.models.family import resolve_family
+from dsx3d.models.pipe_layers import (
+    DecoderLayerPipe,
+    EmbeddingPipe,
+    EpiloguePipe,
+    HeadPipe,
+    LayerBuilder,
+    TiedEmbeddingPipe,
 )
-from dsx3d.models.tp_context import TPContext
+from dsx3d.models.weights import slice_along
 from dsx3d.recipe import Recipe, load_recipe
 
 log = logging.getLogger("dsx3d")
 
-RECIPE_FILE = "dsx3d_recipe.yaml"
-LAYOUT_FILE = "dsx3d_layout.json"
-LATEST_FILE = "latest"
 _FIX_CKPT = "export a complete checkpoint of this run (every model-states file of the tag, unmodified)"
 
 
@@ -93,27 +92,22 @@ class _MetaSource:
     def load(
         self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
-        t = torch.empty(self.params[name].shape, device="meta")
-        if dim is None:
-            return t
-        stop = t.shape[dim] if stop is None else min(stop, t.shape[dim])
-        start = min(start, stop)
-        return t.narrow(dim, start, stop - start)
+        return slice_along(torch.empty(self.params[name].shape, device="meta"), dim, start, stop)
 
 
 def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
     """For each pipeline item, its parameters as its layer files store them (meta build, no memory)."""
     plan = resolve_family(config)
     params = expected_params(meta_model(config), config)
-    builder = StageBuilder(config, plan, TPContext(rank=0, size=tp), _MetaSource(params))
-    first: nn.Module = TiedEmbeddingStage(builder, True, False) if plan.tied else EmbeddingStage(builder)
+    builder = LayerBuilder(config, plan, TPContext(rank=0, size=tp), _MetaSource(params))
+    first: nn.Module = TiedEmbeddingPipe(builder, True, False) if plan.tied else EmbeddingPipe(builder)
     modules = [
         first,
-        *(DecoderStage(builder, i) for i in range(builder.skeleton.num_layers)),
-        EpilogueStage(builder),
+        *(DecoderLayerPipe(builder, i) for i in range(builder.skeleton.num_layers)),
+        EpiloguePipe(builder),
     ]
     if not plan.tied:
-        modules.append(HeadStage(builder))
+        modules.append(HeadPipe(builder))
     items = []
     for module in modules:
         item: list[ItemParam] = []
@@ -143,7 +137,7 @@ def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
     if tag is None and is_tag_dir(path):
         return path
     if tag is None:
-        latest = path / LATEST_FILE
+        latest = path / LATEST
         if not latest.is_file():
             raise UserError.single(
                 "CHECKPOINT_DIR",

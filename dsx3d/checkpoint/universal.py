@@ -35,9 +35,11 @@ from deepspeed.checkpoint.constants import (
     VOCABULARY_PARAMETER_PATTERNS,
 )
 
-from dsx3d.dist import comm
+from dsx3d import fsio
+from dsx3d.checkpoint.training_format import MODEL_STATES_FILE, ZERO3_MODEL_STATES_FILE, tp_rank_files
+from dsx3d.distributed import comm
 from dsx3d.errors import UserError
-from dsx3d.models.export import local_shape
+from dsx3d.models.shards import local_shape
 
 if TYPE_CHECKING:
     from dsx3d.engine import Engine3D
@@ -46,15 +48,15 @@ LOAD_UNIVERSAL: dict[str, Any] = {"checkpoint": {"load_universal": True}}
 """ds_overrides for build_engine: the new layout's engine then loads universal checkpoints."""
 
 
-def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
+def universal_checkpoint_info(engine: Engine3D) -> dict[str, Any]:
     """How every parameter of every stage is split over TP, as ds_to_universal reads it. A collective."""
-    builder = run.module.dsx3d_builder
+    builder = engine.module.dsx3d_builder
     vocab_names = {
         f"{builder.plan.base_prefix}.{builder.plan.embed_name}.weight",
         f"{builder.plan.head_name}.weight",
     }
     mine = []
-    for name, p in run.module.named_parameters():
+    for name, p in engine.module.named_parameters():
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined,union-attr]
         mine.append((name, dim, getattr(p, "hf_name", None) in vocab_names and len(local_shape(p)) == 2))
     everyone = {entry for rank in comm.all_gather_object(mine) for entry in rank}  # type: ignore[attr-defined]
@@ -71,9 +73,9 @@ def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
     }
 
 
-def universal_client_state(run: Engine3D) -> dict[str, Any]:
+def universal_client_state(engine: Engine3D) -> dict[str, Any]:
     """Merge into `client_state` of `engine.save_checkpoint` so the checkpoint can become universal."""
-    return {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(run)}
+    return {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine)}
 
 
 def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) -> Path:
@@ -82,10 +84,9 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
     from deepspeed.checkpoint import ds_to_universal
 
     tag_dir, out = Path(tag_dir), Path(out_dir).absolute()
-    # mp_rank_XX: pipelines and ZeRO-0/1/2; zero_pp_rank_0_mp_rank_XX: ZeRO-3 (every dp rank writes one)
-    states = sorted(tag_dir.glob("mp_rank_*_model_states.pt")) or sorted(
-        tag_dir.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")
-    )
+    # mp_rank_YY: pipelines and ZeRO-0/1/2; zero_pp_rank_0_mp_rank_YY: ZeRO-3 (every dp rank writes one)
+    per_tp = tp_rank_files(tag_dir, MODEL_STATES_FILE) or tp_rank_files(tag_dir, ZERO3_MODEL_STATES_FILE)
+    states = [per_tp[t] for t in sorted(per_tp)]
     if not states:
         raise UserError.single(
             "CHECKPOINT_DIR",
@@ -110,9 +111,7 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
             "exists and is not a universal checkpoint, so it will not be replaced",
             "choose a new or empty directory",
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = fsio.staging_dir(out)
     args = argparse.Namespace(
         input_folder=str(tag_dir),
         output_folder=str(staging),
@@ -122,8 +121,9 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
         strict=True,
         inject_missing_state=False,
     )
-    with contextlib.redirect_stdout(sys.stderr):  # the converter prints progress on stdout
-        ds_to_universal.main(args)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
-    return out
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the converter prints progress on stdout
+            ds_to_universal.main(args)
+        return fsio.publish_dir(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

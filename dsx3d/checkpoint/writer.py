@@ -14,8 +14,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
+from dsx3d import fsio
 from dsx3d.checkpoint.files import DTYPE_NAMES, SAFETENSORS_INDEX
 from dsx3d.errors import UserError
 
@@ -199,22 +198,10 @@ def staging_dir(out: Path) -> Path:
             "exists and is not a model checkpoint directory, so export will not replace it",
             "choose a new or empty directory",
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    return fsio.staging_dir(out)
 
 
 def publish(staging: Path, out: Path) -> None:
-    """Move the finished staging directory to `out`, replacing an older export there."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-        os.rename(staging, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(staging, out)
-    try:
-        fd = os.open(out.parent, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    except OSError:  # some filesystems do not fsync directories; the rename itself is what matters
-        pass
+    """Move the finished staging directory to `out` (files 0644, directories 0755), replacing an older
+    export there."""
+    fsio.publish_dir(staging, out)

@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
 from dsx3d.estimate import (
     Estimate,
@@ -160,7 +161,7 @@ def load_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "estimate",
-        help="estimate memory per stage and step time of a layout",
+        help=summary("estimate"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -4,7 +4,7 @@
                [--global-batch B --seq-len S] [--top K] [--json] [--write-recipe FILE]
 
 CONFIG is a recipe YAML, an HF config.json or a checkpoint directory. Every candidate passes
-`dsx3d.checker` and fits the usable memory; for every other (dp, tp, pp, ZeRO) family the output says why it
+`dsx3d.checker` and fits the usable memory; for every other (dp, tp, pp, ZeRO) group the output says why it
 lost. `--json` prints one JSON object on stdout. The search and the model: `dsx3d.planner`, `dsx3d.estimate`.
 """
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         max_micro_batch=args.max_micro_batch,
     )
     if not result.checked:
-        log.warning("dsx3d.checker is not available: candidates were not checked")
+        log.warning("no model config given (bare --params): candidates were not checked by dsx3d check")
     if args.write_recipe and result.best is not None:
         _write_recipe(args.write_recipe, result.best, cluster, model, recipe)
     if args.json:
@@ -162,7 +162,7 @@ def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
         "checked": result.checked,
         "chosen": _candidate_json(best) if best else None,
         "top": [_candidate_json(c) for c in result.ranked[:top]],
-        "families": [
+        "groups": [
             {
                 "dp": f.dp,
                 "tp": f.tp,
@@ -172,7 +172,7 @@ def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
                 "reason": f.reason,
                 "best": _candidate_json(f.best),
             }
-            for f in result.families
+            for f in result.groups
         ],
         "skipped": result.skipped,
     }
@@ -181,7 +181,7 @@ def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
 def render(
     result: PlanResult, top: int, cluster: Cluster, total_params: int, global_batch: int, seq_len: int
 ) -> str:
-    """The ranked table, the choice with the checker's warnings, and why every other family lost."""
+    """The ranked table, the choice with the checker's warnings, and why every other layout group lost."""
     lines = [
         f"{total_params / 1e9:.2f}B parameters on {cluster.nodes} x {cluster.gpus_per_node} devices of "
         f"{cluster.gpu_memory_gb:g} GB; global batch {global_batch} x {seq_len} tokens",
@@ -201,10 +201,10 @@ def render(
         )
     if result.best is not None:
         lines += ["", "chosen: " + result.best.label()] + [f"  {w}" for w in result.best.warnings]
-    lines += ["", "why the other layouts lost (best of each dp x tp x pp x ZeRO family):"]
+    lines += ["", "why the other layouts lost (best of each dp x tp x pp x ZeRO group):"]
     lines += [
         f"  dp{f.dp} tp{f.tp} pp{f.pp} zero{f.zero_stage}: {f.reason}"
-        for f in result.families
+        for f in result.groups
         if f.status != "chosen"
     ]
     lines += [f"  skipped {note}" for note in result.skipped]

@@ -1,7 +1,7 @@
 """The model without a pipeline (parallel.pp = 1): one plain nn.Module for DeepSpeed's regular engine.
 
 It holds the same pipeline items as a one-stage `StagedPipelineModule` ([embedding, decoder 0 .. L-1,
-epilogue, head], built by the same StageBuilder, TP-sharded by the same plan-driven layers) under the same
+epilogue, head], built by the same LayerBuilder, TP-sharded by the same plan-driven layers) under the same
 parameter names ("3.layer.mlp.up_proj.weight", "tied_modules.embed.embed.weight"), so exports, universal
 checkpoints and the offline exporter see one naming for both engines. Its forward runs the items in order
 and returns the vocab-parallel loss, which is what `deepspeed.initialize(model=...)` trains with ZeRO-0/1/2/3.
@@ -21,17 +21,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
-from dsx3d.models.plans import resolve_family
-from dsx3d.models.stages import (
-    DecoderStage,
-    EmbeddingStage,
-    EpilogueStage,
-    HeadStage,
-    StageBuilder,
-    TiedEmbeddingStage,
+from dsx3d.distributed.tensor_parallel.context import TPContext
+from dsx3d.models.family import resolve_family
+from dsx3d.models.pipe_layers import (
+    DecoderLayerPipe,
+    EmbeddingPipe,
+    EpiloguePipe,
+    HeadPipe,
+    LayerBuilder,
+    TiedEmbeddingPipe,
     tied_head_forward,
 )
-from dsx3d.models.tp_context import TPContext
 from dsx3d.models.weights import WeightSource
 
 TIED_KEY = "embed"
@@ -41,11 +41,11 @@ TIED_KEY = "embed"
 class SequentialLM(nn.Module):
     """input_ids, labels -> mean causal-LM loss over this rank's micro-batch (logits stay vocab-sharded)."""
 
-    dsx3d_builder: StageBuilder
+    dsx3d_builder: LayerBuilder
 
     def __init__(
         self,
-        builder: StageBuilder,
+        builder: LayerBuilder,
         activation_checkpointing: bool = False,
         after_item: Callable[[nn.Module], None] | None = None,
     ):
@@ -63,19 +63,19 @@ class SequentialLM(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self._tied = builder.plan.tied
         if self._tied:
-            self.tied_modules[TIED_KEY] = TiedEmbeddingStage(builder, True, True)
+            self.tied_modules[TIED_KEY] = TiedEmbeddingPipe(builder, True, True)
             self.tied_head = getattr(builder.skeleton.lm, builder.plan.head_name)
             done(self.tied_modules)
         else:
-            self.add_module("0", EmbeddingStage(builder))
+            self.add_module("0", EmbeddingPipe(builder))
             done(self._item(0))
         for i in range(n):
-            self.add_module(str(1 + i), DecoderStage(builder, i))
+            self.add_module(str(1 + i), DecoderLayerPipe(builder, i))
             done(self._item(1 + i))
-        self.add_module(str(n + 1), EpilogueStage(builder))
+        self.add_module(str(n + 1), EpiloguePipe(builder))
         done(self._item(n + 1))
         if not self._tied:
-            self.add_module(str(n + 2), HeadStage(builder))
+            self.add_module(str(n + 2), HeadPipe(builder))
             done(self._item(n + 2))
         self._num_items = n + 3
         self.loss_fn: Any = builder.loss
@@ -89,7 +89,7 @@ class SequentialLM(nn.Module):
         x: Any = self.tied_modules[TIED_KEY](input_ids) if self._tied else self._item(0)(input_ids)
         for i in range(1, last):
             item = self._item(i)
-            if self.activation_checkpointing and self.training and isinstance(item, DecoderStage):
+            if self.activation_checkpointing and self.training and isinstance(item, DecoderLayerPipe):
                 x = checkpoint(item, x, use_reentrant=False)
             else:
                 x = item(x)
@@ -106,5 +106,5 @@ def build_sequential(
     after_item: Callable[[nn.Module], None] | None = None,
 ) -> SequentialLM:
     """This rank's whole model, TP-sharded over `tp` (whose group must be bound when tp.size > 1)."""
-    builder = StageBuilder(config, resolve_family(config), tp, source)
+    builder = LayerBuilder(config, resolve_family(config), tp, source)
     return SequentialLM(builder, activation_checkpointing=activation_checkpointing, after_item=after_item)

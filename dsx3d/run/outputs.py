@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsx3d.checkpoint.training_format import read_latest
 from dsx3d.errors import UserError
+from dsx3d.fsio import write_atomic
 from dsx3d.recipe import Recipe
-from dsx3d.run.checkpointing import read_latest, write_text_atomic
 
 log = logging.getLogger("dsx3d")
 
@@ -92,21 +93,9 @@ def clear_previous_run(paths: RunPaths) -> None:
 def save_run_files(
     paths: RunPaths, recipe_yaml: str, ds_config: dict[str, Any], placement: list[dict[str, Any]]
 ) -> None:
-    write_text_atomic(paths.recipe, recipe_yaml)
-    write_text_atomic(paths.ds_config, json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
-    write_text_atomic(paths.placement, json.dumps(placement, indent=1) + "\n")
-
-
-def export_hf_if_available(run: Any, out_dir: Path, tokenizer: Any) -> Path | None:
-    """The HF export (a collective) through dsx3d.checkpoint.export, when that module exists."""
-    try:
-        from dsx3d.checkpoint.export import export_hf
-    except ModuleNotFoundError as err:
-        if err.name not in ("dsx3d.checkpoint", "dsx3d.checkpoint.export"):
-            raise
-        log.info("HF export skipped: dsx3d.checkpoint.export is not available in this installation")
-        return None
-    return export_hf(run, out_dir, tokenizer=tokenizer)
+    write_atomic(paths.recipe, recipe_yaml)
+    write_atomic(paths.ds_config, json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
+    write_atomic(paths.placement, json.dumps(placement, indent=1) + "\n")
 
 
 def add_start_mode(parser: argparse.ArgumentParser) -> None:
