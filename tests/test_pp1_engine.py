@@ -10,7 +10,7 @@ regular engine, with our dp/tp groups as its mpu, so ZeRO-0/1/2/3 all run. Forke
 - ZeRO-3 at dp 2 x tp 2: the collective HF export (gathering partitions) loads with from_pretrained and gives
   the engine's held-out loss; the offline `dsx3d export` of its checkpoint equals it bit for bit; resuming the
   checkpoint continues with the uninterrupted run's losses; its universal conversion resumes at dp 4 x tp 1
-  with the same losses;
+  with the same losses (with DSX3D_SWEEP=1);
 - `dsx3d.train.train` at dp 2 x tp 2 x ZeRO-2: resumed from its step-2 checkpoint it trains exactly like the
   uninterrupted run, and the offline export of its checkpoint equals its own export bit for bit.
 """
@@ -220,6 +220,8 @@ def test_zero3_export_offline_export_resume_and_universal(tmp_path: Path) -> Non
     assert got == pytest.approx(losses[2:], abs=1e-6, rel=0), (got, losses)
 
     # universal: the dp 2 x tp 2 tag resumes at dp 4 x tp 1 (same global batch), Adam state included
+    if os.environ.get("DSX3D_SWEEP") != "1":
+        return  # four more ranks: opt-in (DSX3D_SWEEP=1), CI stops here
     universal = to_universal(tag, tmp_path / "universal" / tag.name)
     wide = ParityCase(config, dp=4, tp=1, pp=1, zero_stage=3, micro_batches=1, steps=5, lr=3e-3)
     got = run_ranks(_resume_rank, wide.world_size, wide, case_recipe(wide), batches, universal, True)[0]
