@@ -93,7 +93,7 @@ class Engine3D:
 
     def _dp_mean(self, local: float) -> float:
         assert self.mpu is not None
-        t = torch.tensor([local], dtype=torch.float64)
+        t = torch.tensor([local], dtype=torch.float64, device=self.ds_engine.device)  # nccl: on the GPU
         comm.all_reduce_sum(t, self.mpu.get_data_parallel_group())
         return float(t.item()) / self.layout.dp
 

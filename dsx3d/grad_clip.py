@@ -31,9 +31,9 @@ def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
 
 
 def global_grad_norm(
-    params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group: Any
+    params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group: Any, device: torch.device
 ) -> torch.Tensor:
-    squares = torch.zeros(1, dtype=torch.float64)
+    squares = torch.zeros(1, dtype=torch.float64, device=device)  # on the GPU for nccl
     for p in params:
         if p.grad is not None and counted_once(p, tp_rank):
             squares += p.grad.detach().double().pow(2).sum()
@@ -45,7 +45,8 @@ def clip_grads(
     params: list[torch.nn.Parameter], max_norm: float, tp_rank: int, model_parallel_group: Any
 ) -> float:
     """Scale the gradients by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_; return the norm."""
-    norm = global_grad_norm(params, tp_rank, model_parallel_group)
+    device = params[0].device if params else torch.device("cpu")
+    norm = global_grad_norm(params, tp_rank, model_parallel_group, device)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
