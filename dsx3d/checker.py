@@ -90,6 +90,22 @@ def _zero_with_pipeline(c: _Context) -> Iterator[Problem]:
         )
 
 
+def _low_precision_without_zero_under_tp(c: _Context) -> Iterator[Problem]:
+    """Without a pipeline and without ZeRO, DeepSpeed's regular engine wraps bf16/fp16 in its unfused fp16
+    optimizer, whose gradient norm runs over flattened gradients: the `tensor_model_parallel` marks are gone,
+    so TP ranks > 0 count nothing and clipping uses too small a norm (measured at tp 2: 0.86 for 1.24)."""
+    dtype = c.recipe.train.dtype
+    if c.pp == 1 and c.tp > 1 and dtype in ("bf16", "fp16") and c.recipe.zero.stage == 0:
+        yield Problem(
+            "zero.stage",
+            0,
+            f"with parallel.pp = 1, parallel.tp = {c.tp} and train.dtype = {dtype}, DeepSpeed's optimizer without "
+            "ZeRO computes the gradient norm over flattened gradients and counts the TP shards of rank 0 only, "
+            "so gradient clipping would differ from single-process training",
+            "set zero.stage: 1 (or 2, 3), or train.dtype: fp32",
+        )
+
+
 def _tp_inside_node(c: _Context) -> Iterator[Problem]:
     gpn = c.recipe.cluster.gpus_per_node
     if c.tp > gpn or gpn % c.tp:
@@ -372,6 +388,7 @@ def _tracking_packages(c: _Context) -> Iterator[Problem]:
 RULES: list[Rule] = [
     _world_size_matches,
     _zero_with_pipeline,
+    _low_precision_without_zero_under_tp,
     _tp_inside_node,
     _tp_divides_model,
     _vocab_padding,

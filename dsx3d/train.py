@@ -260,9 +260,11 @@ def setup_logging(rank: int) -> None:
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    # DeepSpeed's ZeRO-1 calls a torch collective that torch has renamed; once per rank is noise.
+    # DeepSpeed's ZeRO-1/2/3 call torch collectives that torch has renamed; once per rank is noise.
     warnings.filterwarnings(
-        "ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning
+        "ignore",
+        message=".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated",
+        category=FutureWarning,
     )
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     ds_logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)

@@ -116,10 +116,13 @@ def _trainer_ref(rank: int, work: Path, dp: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 2), (1, 2, 2)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}")
-def test_trainer_matches_plain_transformers(tmp_path: Path, layout: tuple[int, int, int]) -> None:
-    dp, tp, pp = layout
-    ds_config = _write_ds_config(tmp_path / "ds.json", dp, tp, pp)
+# the last one: no pipeline, DeepSpeed's regular engine with ZeRO-3 partitions over dp and TP shards
+@pytest.mark.parametrize(
+    "layout", [(2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 1, 3)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}-zero{t[3]}"
+)
+def test_trainer_matches_plain_transformers(tmp_path: Path, layout: tuple[int, int, int, int]) -> None:
+    dp, tp, pp, zero_stage = layout
+    ds_config = _write_ds_config(tmp_path / "ds.json", dp, tp, pp, zero_stage)
     ours = run_ranks(_trainer_3d, dp * tp * pp, tmp_path, ds_config)
     ref = run_ranks(_trainer_ref, 1, tmp_path, dp)[0]
     for key, tol in (("loss", TOL), ("grad_norm", 1e-4), ("learning_rate", 1e-9)):
@@ -293,3 +296,26 @@ def test_compute_loss_func_and_full_logit_metrics_match_plain_transformers(tmp_p
         a, b = _steps(ours["history"], key), _steps(ref["history"], key)
         assert len(a) == len(b) == STEPS and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= tol, (key, a, b)
     assert abs(ours["eval"]["eval_confidence"] - ref["eval"]["eval_confidence"]) <= TOL, (ours["eval"], ref["eval"])
+
+
+def test_transformers_leaves_zero3_partitioning_to_dsx3d(tmp_path: Path) -> None:
+    """With a dsx3d layout at zero.stage 3 registered (TrainingArguments(deepspeed=...)), transformers would wrap
+    every model built afterwards (the user's from_pretrained, dsx3d's meta skeletons) in deepspeed.zero.Init
+    over the whole world; it once failed there on DeepSpeed's world-size batch check. Other configs keep
+    transformers' own ZeRO-3 handling."""
+    from transformers.integrations.deepspeed import (
+        HfDeepSpeedConfig,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
+    from dsx3d import Trainer  # noqa: F401  (importing it installs the hook, as for recipe paths)
+
+    ours = json.loads(_write_ds_config(tmp_path / "ds.json", 2, 2, 1, zero_stage=3).read_text())
+    try:
+        held = HfDeepSpeedConfig(ours)
+        assert held.config["zero_optimization"]["stage"] == 3 and not is_deepspeed_zero3_enabled()
+        held = HfDeepSpeedConfig({k: v for k, v in ours.items() if k != "dsx3d"})
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()

@@ -58,7 +58,7 @@ def _resume_worker(rank: int, work: Path, ds_config: Path) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("layout", [(1, 2, 2)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}")
+@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 2, 1)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}")
 def test_resume_matches_the_uninterrupted_run_at_every_step(tmp_path: Path, layout: tuple[int, int, int]) -> None:
     dp, tp, pp = layout
     ds_config = write_ds_config(tmp_path / "ds.json", dp, tp, pp)

@@ -45,7 +45,7 @@ def eval_set(samples: int = 10) -> Any:
     return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
-def layout_recipe(dp: int, tp: int, pp: int, **train: Any) -> dict[str, Any]:
+def layout_recipe(dp: int, tp: int, pp: int, zero_stage: int = 1, **train: Any) -> dict[str, Any]:
     return {
         "model": {"config": {"model_type": "llama"}},
         "parallel": {"dp": dp, "tp": tp, "pp": pp},
@@ -58,13 +58,13 @@ def layout_recipe(dp: int, tp: int, pp: int, **train: Any) -> dict[str, Any]:
             "grad_clip": 1.0,
             **train,
         },
-        "zero": {"stage": 1},
+        "zero": {"stage": zero_stage},
     }
 
 
-def write_ds_config(path: Path, dp: int, tp: int, pp: int, **train: Any) -> Path:
+def write_ds_config(path: Path, dp: int, tp: int, pp: int, zero_stage: int = 1, **train: Any) -> Path:
     """The JSON `dsx3d config` writes for this layout."""
-    recipe = recipe_from_dict(layout_recipe(dp, tp, pp, **train))
+    recipe = recipe_from_dict(layout_recipe(dp, tp, pp, zero_stage, **train))
     path.write_text(json.dumps(build_ds_config(recipe, dp * tp * pp)))
     return path
 

@@ -69,6 +69,7 @@ PRIVATE_ATTRIBUTES = {
 def install() -> None:
     """Apply every patch (idempotent)."""
     install_recipe_paths()
+    keep_hf_out_of_zero3()
     skip_cpu_shm_build()
     install_accelerate_guard()
 
@@ -97,6 +98,28 @@ def install_recipe_paths() -> None:
 
     cls.__init__ = __init__
     cls._dsx3d_recipe_paths = True
+
+
+def keep_hf_out_of_zero3() -> None:
+    """Make transformers treat a dsx3d layout with zero.stage 3 as not ZeRO-3. While a DeepSpeed config with
+    stage 3 is registered (TrainingArguments(deepspeed=...), accelerate's plugin), transformers wraps every
+    model it builds in `deepspeed.zero.Init` over the whole world: the user's model would arrive partitioned
+    with DeepSpeed's world-size batch arithmetic (which fails for a layout with tp > 1), and so would the
+    meta-device skeletons dsx3d builds. dsx3d partitions the model itself, over the DP group only
+    (dsx3d.engine). Configs without a "dsx3d" section are left alone."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    cls: Any = hf_deepspeed.HfDeepSpeedConfig
+    if getattr(cls, "_dsx3d_zero3", False):
+        return
+    original = cls.is_zero3
+
+    @functools.wraps(original)
+    def is_zero3(self: Any) -> bool:
+        return False if "dsx3d" in getattr(self, "config", {}) else bool(original(self))
+
+    cls.is_zero3 = is_zero3
+    cls._dsx3d_zero3 = True
 
 
 def skip_cpu_shm_build() -> None:

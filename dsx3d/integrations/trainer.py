@@ -9,7 +9,8 @@ replaced:
   accelerate, which would shard by world rank; batches become fixed-shape (input_ids, labels);
 - optimizer: DeepSpeed's AdamW over the stage's parameters, grouped like HF (no decay on biases and norms);
   HF holds a live view of its param groups, so HF's scheduler sets the learning rate the engine steps with;
-- training_step: buffers the micro-batches of one optimizer step, then one engine step, with the loss weighted
+- training_step: buffers the micro-batches of one optimizer step, then one engine step (Engine3D.train_step:
+  the pipeline's `train_batch`, or with pp = 1 the regular engine at any ZeRO stage), with the loss weighted
   by tokens over the whole step as HF's Trainer does (num_items_in_batch), or the user's compute_loss_func;
 - evaluation and predict(): through the engine; the last stage keeps what compute_metrics needs
   (dsx3d.integrations.last_stage) and every rank receives it in dataset order;
