@@ -336,6 +336,22 @@ def _data_source(c: _Context) -> Iterator[Problem]:
         yield from err.problems
 
 
+def _vocab_holds_the_tokenizer(c: _Context) -> Iterator[Problem]:
+    """Token ids past the model's vocabulary fail only once every rank has trained its tokenizer."""
+    from dsx3d.data.tokenizer import trained_tokenizer_bound
+
+    bound, vocab = trained_tokenizer_bound(c.recipe), c.dim("vocab_size")
+    if bound is not None and vocab is not None and vocab < bound:
+        yield Problem(
+            "model.config.vocab_size" if c.recipe.model.config is not None else "data.tokenizer_vocab_size",
+            vocab if c.recipe.model.config is not None else c.recipe.data.tokenizer_vocab_size,
+            f"the byte-level BPE dsx3d trains on the corpus can have up to {bound} tokens (256 bytes, "
+            f"<|endoftext|> and merges up to data.tokenizer_vocab_size), more than the model's vocab_size {vocab}",
+            f"set model.config.vocab_size to at least {bound}, or data.tokenizer_vocab_size to at most {vocab} "
+            "(and vocab_size to at least 257), or give data.tokenizer",
+        )
+
+
 def _model_builds(c: _Context) -> Iterator[Problem]:
     """transformers accepts configs it cannot build (a pad_token_id outside the vocabulary, ...): build the
     model on the meta device (no memory) and name the key when it fails."""
@@ -403,6 +419,7 @@ RULES: list[Rule] = [
     _deepspeed_timers,
     _monitor_packages,
     _data_source,
+    _vocab_holds_the_tokenizer,
     _family_supported,
     _model_builds,
     _tracking_packages,

@@ -35,6 +35,14 @@ def _model(**dims: Any) -> dict[str, Any]:
 # (patch, world size, key, severity, words in the message); the id says what would otherwise go wrong.
 CASES = [
     pytest.param(
+        {"model": {"config": {"vocab_size": 1024}}},
+        None,
+        "model.config.vocab_size",
+        "error",
+        "can have up to 2048 tokens",
+        id="trained-tokenizer-larger-than-the-vocabulary",
+    ),
+    pytest.param(
         {"parallel": {"dp": 3}},
         None,
         "parallel.dp x parallel.tp x parallel.pp",
