@@ -418,16 +418,23 @@ RULES: list[Rule] = [
     _auto_left,
     _deepspeed_timers,
     _monitor_packages,
-    _data_source,
-    _vocab_holds_the_tokenizer,
     _family_supported,
     _model_builds,
     _tracking_packages,
 ]
 
+# Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.
+DATA_RULES: list[Rule] = [
+    _data_source,
+    _vocab_holds_the_tokenizer,
+]
 
-def check_recipe(recipe: Recipe, world_size: int | None = None, hf_config: Any = None) -> list[Problem]:
-    """Every problem of `recipe` on `world_size` ranks (default: the cluster's), errors and warnings.
+
+def check_recipe(
+    recipe: Recipe, world_size: int | None = None, hf_config: Any = None, *, data: bool = True
+) -> list[Problem]:
+    """Every problem of `recipe` on `world_size` ranks (default: the cluster's), errors and warnings;
+    with `data`, also of the data pipeline `dsx3d train` runs (`DATA_RULES`).
 
     Without `hf_config` the model's config is read from the recipe; if that fails, the failure is one of
     the problems and the rules that need the model are skipped.
@@ -446,7 +453,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None, hf_config: Any =
             f"cluster.nodes {recipe.cluster.nodes} x cluster.gpus_per_node {recipe.cluster.gpus_per_node}"
         )
     ctx = _Context(recipe, world_size, source, recipe.resolved_dp(world_size), hf_config)
-    for rule in RULES:
+    for rule in RULES + (DATA_RULES if data else []):
         problems.extend(rule(ctx))
     return problems
 

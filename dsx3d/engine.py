@@ -167,15 +167,17 @@ def build_engine(
     source: WeightSource | None = None,
     ds_overrides: dict[str, Any] | None = None,
     param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+    check_data: bool = False,
 ) -> Engine3D:
     """Build this rank's model (its pipeline stage, or with pp = 1 the whole TP-sharded model) and its
     DeepSpeed engine. The process group must exist (dsx3d.distributed.comm.init_distributed); the world size
     is the group's. `param_groups` splits the model's
     parameters into optimizer groups (the Trainer drop-in exempts biases and norms from weight decay, as HF
-    does); by default every trainable parameter is in one group."""
+    does); by default every trainable parameter is in one group. `check_data` adds the checker's rules on the
+    recipe's data pipeline (for `dsx3d train`, which reads it)."""
     world = comm.get_world_size()
     hf_config = hf_config if hf_config is not None else load_hf_config(recipe.model)
-    raise_for_errors(check_recipe(recipe, world_size=world, hf_config=hf_config))
+    raise_for_errors(check_recipe(recipe, world_size=world, hf_config=hf_config, data=check_data))
     layout = recipe.layout(world)
     if layout.world_size != world:
         raise UserError.single("parallel", f"dp*tp*pp={layout.world_size}", f"the job has {world} processes", "match the launcher's process count")

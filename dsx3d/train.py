@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -83,7 +84,7 @@ def train(
     with naming_dead_peers(info, peers):
         paths = RunPaths.of(recipe)
         check_start(paths, resume=resume, overwrite=overwrite)
-        engine = _quietly(build_engine, recipe)
+        engine = _quietly(functools.partial(build_engine, recipe, check_data=True))
         stream, tokenizer = _rank_data(recipe, engine, info)
         ckpt = Checkpointer(engine, paths.checkpoints, dump_recipe(recipe), recipe.train.keep_checkpoints)
         start = _resume(ckpt, stream) if resume else 0
