@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr, dtype=args.dtype, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage,
     )
-    raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config))
+    raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config, data=False))
     log.info(
         "verify: %s at dp=%d tp=%d pp=%d, ZeRO-%d, %d steps, %s",
         config.model_type, args.dp, args.tp, args.pp, args.zero_stage, args.steps, args.dtype,

@@ -226,5 +226,5 @@ def ds_config_of_recipe(path: str | Path) -> dict[str, Any]:
 
     recipe = load_recipe(path)
     world = int(os.environ.get("WORLD_SIZE", recipe.cluster_world_size))
-    raise_for_errors(check_recipe(recipe, world_size=world))
+    raise_for_errors(check_recipe(recipe, world_size=world, data=False))
     return build_ds_config(recipe, world)
