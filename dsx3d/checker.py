@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsx3d.errors import Problem, UserError
-from dsx3d.hf_config import load_hf_config, model_dim
+from dsx3d.hf_config import dimension_problems, load_hf_config, model_dim
 from dsx3d.layout import bubble_fraction
 from dsx3d.models.plans import resolve_family  # noqa: E402
 from dsx3d.recipe import Recipe
@@ -287,7 +287,104 @@ def _family_supported(c: _Context) -> Iterator[Problem]:
         yield from err.problems
 
 
+def _model_dimensions(c: _Context) -> Iterator[Problem]:
+    """Sizes are positive integers below bounds that keep every command's work bounded (the stage split is
+    cubic in the layer count); a negative or absurd size would otherwise reach training."""
+    if c.hf_config is not None:
+        key = "model.config" if c.recipe.model.config is not None else "model.name_or_path (config.json)"
+        yield from dimension_problems(c.hf_config, key)
+
+
+def _seq_len_vs_positions(c: _Context) -> Iterator[Problem]:
+    limit = c.dim("max_position_embeddings")
+    seq_len = c.recipe.train.seq_len
+    if limit is not None and limit > 0 and seq_len > limit:
+        yield Problem(
+            "train.seq_len",
+            seq_len,
+            f"longer than the model's max_position_embeddings = {limit}: positions past it are outside what the "
+            "model encodes (learned position tables have no row for them)",
+            f"set train.seq_len to at most {limit}, or raise the model's max_position_embeddings",
+        )
+
+
+def _output_dir(c: _Context) -> Iterator[Problem]:
+    from dsx3d.run.outputs import output_dir_problem
+
+    problem = output_dir_problem(c.recipe.output_dir)
+    if problem:
+        yield Problem(
+            "output_dir", c.recipe.output_dir, problem, "set output_dir to a directory of its own, such as runs/NAME"
+        )
+
+
+# Where each generated DeepSpeed value comes from, for reporting an override that replaces it. Longest
+# matching prefix wins; keys with their own rule above (batch sizes, ZeRO stage, precision) are not repeated.
+_OVERRIDE_SOURCES = {
+    "gradient_clipping": "train.grad_clip",
+    "optimizer.params.lr": "train.lr",
+    "optimizer.params.betas": "train.betas",
+    "optimizer.params.eps": "train.eps",
+    "optimizer.params.weight_decay": "train.weight_decay",
+    "optimizer": "dsx3d's AdamW settings from train",
+    "scheduler": "train.lr_schedule, train.warmup_steps, train.steps and train.min_lr",
+    "pipeline.activation_checkpoint_interval": "train.activation_checkpointing",
+    "pipeline": "dsx3d's pipeline settings",
+    "dsx3d": "the layout dsx3d records (parallel, cluster, train)",
+    "steps_per_print": "dsx3d's own logging",
+    "data_types.grad_accum_dtype": "train.dtype (fp32 accumulation for bf16)",
+}
+_OWN_RULES = {
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization.stage",
+    "bf16.enabled",
+    "fp16.enabled",
+    "pipeline_parallel",
+    "tensor_parallel",
+}
+
+
+def _shadowed(base: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    for key, value in overrides.items():
+        path = f"{prefix}{key}"
+        if key not in base:
+            continue
+        if isinstance(value, dict) and isinstance(base[key], dict):
+            yield from _shadowed(base[key], value, f"{path}.")
+        elif value != base[key]:
+            yield path, value, base[key]
+
+
+def _shadowing_overrides(c: _Context) -> Iterator[Problem]:
+    """Every `deepspeed:` value that replaces one dsx3d generates from the recipe is reported: the recipe
+    would otherwise say one thing while DeepSpeed does another."""
+    if not c.overrides or not c.dp:
+        return
+    from dsx3d.ds_config import build_ds_config
+
+    base = build_ds_config(c.recipe.model_copy(update={"deepspeed": {}}), c.world_size)
+    for path, value, generated in _shadowed(base, c.overrides):
+        if path in _OWN_RULES:
+            continue
+        source = next(
+            (s for prefix, s in sorted(_OVERRIDE_SOURCES.items(), key=lambda kv: -len(kv[0])) if path == prefix or path.startswith(prefix + ".")),
+            "a value dsx3d generates",
+        )
+        yield _warning(
+            f"deepspeed.{path}",
+            value,
+            f"replaces {generated!r}, which dsx3d derives from {source}; DeepSpeed will use the override",
+            f"remove deepspeed.{path} and set {source} instead, if that is what you meant",
+        )
+
+
 RULES: list[Rule] = [
+    _model_dimensions,
+    _seq_len_vs_positions,
+    _output_dir,
+    _shadowing_overrides,
     _world_size_matches,
     _zero_with_pipeline,
     _tp_inside_node,

@@ -55,21 +55,27 @@ class Layout:
         return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
 
     def placement(self, rank: int) -> RankPlacement:
-        coord = self.topology.get_coord(rank)
+        # The topology's row-major order over (pipe, data, model), computed rather than looked up:
+        # ProcessTopology.get_coord scans every rank, which made a placement table quadratic in the world.
+        # rank = (pp_rank * dp + dp_rank) * tp + tp_rank; tests compare both for every rank.
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        rest, tp_rank = divmod(rank, self.tp)
+        pp_rank, dp_rank = divmod(rest, self.dp)
         return RankPlacement(
             rank=rank,
             node=rank // self.gpus_per_node,
             local_rank=rank % self.gpus_per_node,
-            pp=coord.pipe,
-            dp=coord.data,
-            tp=coord.model,
+            pp=pp_rank,
+            dp=dp_rank,
+            tp=tp_rank,
         )
 
     def placements(self) -> list[RankPlacement]:
         return [self.placement(r) for r in range(self.world_size)]
 
     def rank_of(self, *, pp: int, dp: int, tp: int) -> int:
-        return self.topology.get_rank(pipe=pp, data=dp, model=tp)
+        return (pp * self.dp + dp) * self.tp + tp
 
     def tp_groups(self) -> list[list[int]]:
         return self.topology.get_axis_comm_lists("model") or [[r] for r in range(self.world_size)]

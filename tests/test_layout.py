@@ -65,3 +65,15 @@ def test_bubble_fraction() -> None:
     assert bubble_fraction(1, 8) == 0
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(4, 32) == pytest.approx(3 / 35)
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (2, 2, 2), (3, 2, 4), (1, 4, 3), (5, 1, 2)])
+def test_computed_placement_is_deepspeeds_topology(dp: int, tp: int, pp: int) -> None:
+    """Placement is arithmetic (a table of 100k ranks in well under a second); it must stay DeepSpeed's
+    order: PipeModelDataParallelTopology's get_coord and get_rank for every rank."""
+    lay = Layout(dp=dp, tp=tp, pp=pp, gpus_per_node=4)
+    for rank in range(lay.world_size):
+        coord = lay.topology.get_coord(rank)
+        p = lay.placement(rank)
+        assert (p.pp, p.dp, p.tp) == (coord.pipe, coord.data, coord.model)
+        assert lay.rank_of(pp=p.pp, dp=p.dp, tp=p.tp) == lay.topology.get_rank(pipe=p.pp, data=p.dp, model=p.tp)

@@ -22,10 +22,10 @@ import contextlib
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from deepspeed.checkpoint.constants import (
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
     TP_REPLICATED_PARAMETER_PATTERNS,
@@ -35,6 +35,9 @@ from deepspeed.checkpoint.constants import (
     VOCABULARY_PARAMETER_PATTERNS,
 )
 
+from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
+from dsx3d.checkpoint.safe_load import file_problem, weights_only_loads
+from dsx3d.checkpoint.safe_load import load as safe_load
 from dsx3d.dist import comm
 from dsx3d.errors import UserError
 
@@ -77,10 +80,17 @@ def universal_client_state(run: Engine3D) -> dict[str, Any]:
 
 def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) -> Path:
     """Rewrite a saved tag directory as a universal checkpoint in `out_dir` (one process; deepspeed's own
-    converter). `out_dir` is replaced; load it with engine.load_checkpoint(out_dir.parent, tag=out_dir.name)."""
+    converter, its loads made weights-only). `out_dir` is replaced only if it is empty or an earlier
+    conversion (its dsx3d_universal.json names every file); load it with
+    engine.load_checkpoint(out_dir.parent, tag=out_dir.name)."""
     from deepspeed.checkpoint import ds_to_universal
 
     tag_dir, out = Path(tag_dir), Path(out_dir).absolute()
+    problems = [f"{p.name}: {why}" for p in sorted(tag_dir.glob("*.pt")) if (why := file_problem(p))]
+    if problems:
+        raise UserError.single(
+            "CHECKPOINT_DIR", str(tag_dir), f"holds damaged or unsafe files ({'; '.join(problems[:3])})", "convert a complete tag"
+        )
     states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
     if not states:
         raise UserError.single(
@@ -89,9 +99,7 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
             "no mp_rank_XX_model_states.pt: not a DeepSpeed checkpoint tag",
             "pass a tag directory",
         )
-    if UNIVERSAL_CHECKPOINT_INFO not in torch.load(
-        states[0], map_location="cpu", weights_only=True, mmap=True
-    ):
+    if UNIVERSAL_CHECKPOINT_INFO not in safe_load(states[0], map_location="cpu", mmap=True):
         raise UserError.single(
             "CHECKPOINT_DIR",
             str(tag_dir),
@@ -99,16 +107,9 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
             "save with dsx3d.checkpoint.universal.universal_client_state(run) in the client state; or export "
             "to Hugging Face format (weights only) and resume from that",
         )
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "zero").is_dir())):
-        raise UserError.single(
-            "OUT_DIR",
-            str(out),
-            "exists and is not a universal checkpoint, so it will not be replaced",
-            "choose a new or empty directory",
-        )
+    check_replaceable(out, "universal", "OUT_DIR")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     args = argparse.Namespace(
         input_folder=str(tag_dir),
         output_folder=str(staging),
@@ -118,8 +119,14 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
         strict=True,
         inject_missing_state=False,
     )
-    with contextlib.redirect_stdout(sys.stderr):  # the converter prints progress on stdout
-        ds_to_universal.main(args)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
+    try:
+        with contextlib.redirect_stdout(sys.stderr), weights_only_loads():  # it prints progress on stdout
+            ds_to_universal.main(args)
+        write_manifest(staging, "universal")
+        check_replaceable(out, "universal", "OUT_DIR")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[dsx3d] %(message)s", stream=sys.stderr)
+    # force: each call writes to the sys.stderr of the moment (main runs in-process, several times, in tests)
+    logging.basicConfig(level=logging.INFO, format="[dsx3d] %(message)s", stream=sys.stderr, force=True)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
