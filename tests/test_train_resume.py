@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 
+from dsx3d.errors import UserError
 from dsx3d.recipe import Recipe, recipe_from_dict
 from dsx3d.run.checkpointing import LATEST, RECIPE_FILE, read_latest, tag_for
 from dsx3d.run.metrics import read_metrics
 from dsx3d.testing.harness import RankFailure, run_ranks
+from dsx3d.testing.payload import write_pickle_payload
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
@@ -158,3 +160,200 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(
     assert resumed.start_step == 2
     assert resumed.losses == pytest.approx(losses[2:], abs=1e-6, rel=0)
     assert (ckpt / LATEST).read_text() == tag_for(STEPS)
+
+
+# --- damaged checkpoints, a full disk, another layout ------------------------------------------------------
+
+
+def _copy_run(reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path, **train: Any) -> Recipe:
+    """The reference run's directory, copied, with its recipe pointing there (train values patched)."""
+    import shutil
+
+    _, ref_out = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    data = make_recipe(out, cache_dir).model_dump()
+    data["train"].update(train)
+    return recipe_from_dict(data)
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(
+    reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path
+) -> None:
+    """A truncated file in the tag `latest` names: the resume names it and continues from the previous
+    complete tag, training exactly like the uninterrupted run from there."""
+    recipe = _copy_run(reference, tmp_path, cache_dir, steps=STEPS + 2)
+    ckpt = tmp_path / "run" / "checkpoints"
+    victim = ckpt / tag_for(STEPS) / "layer_01-model_01-model_states.pt"
+    victim.write_bytes(victim.read_bytes()[:-500])
+    longer = run(recipe, resume=True)
+    assert longer.start_step == STEPS - SAVE_INTERVAL
+    losses, _ = reference
+    assert longer.losses[:SAVE_INTERVAL] == pytest.approx(losses[STEPS - SAVE_INTERVAL :], abs=1e-6, rel=0)
+    assert read_latest(ckpt) == tag_for(STEPS + 2)
+
+
+def _save_then_load_payload(rank: int, recipe: Recipe, target: str, marker: str, guarded: bool) -> str:
+    """One rank: save a real checkpoint, replace one of its files with a pickle payload, then let DeepSpeed
+    load it (through dsx3d's weights-only wrapper, or not)."""
+    import contextlib
+
+    from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
+    from dsx3d.engine import build_engine
+    from dsx3d.run.checkpointing import Checkpointer
+
+    run = build_engine(recipe)
+    ckpt = Path(recipe.output_dir) / "checkpoints"
+    Checkpointer(run, ckpt, recipe, 2).save(1, {"step": 1})
+    write_pickle_payload(next((ckpt / tag_for(1)).glob(target)), Path(marker))
+    guard = weights_only_loads() if guarded else contextlib.nullcontext()
+    try:
+        with guard:
+            run.engine.load_checkpoint(str(ckpt), tag=tag_for(1))
+    except UnsafeCheckpoint as err:
+        return str(err)
+    except Exception as err:  # unguarded: the payload ran, then DeepSpeed choked on what it returned
+        return f"{type(err).__name__}"
+    return "loaded"
+
+
+@pytest.mark.parametrize(
+    "target", ["mp_rank_00_model_states.pt", "*optim_states.pt", "layer_01-model_00-model_states.pt"]
+)
+def test_deepspeeds_own_loads_never_run_a_pickle_payload(tmp_path: Path, cache_dir: Path, target: str) -> None:
+    """Every file DeepSpeed's load_checkpoint reads (model states with the client state, ZeRO optimizer
+    state, layer weights), made a payload: through dsx3d the load is refused naming the file and the marker
+    never appears; DeepSpeed alone runs it (the control, so this test can fail)."""
+    data = make_recipe(tmp_path / "run", cache_dir).model_dump()
+    data["parallel"], data["cluster"]["gpus_per_node"] = {"dp": 1, "tp": 1, "pp": 1}, 1
+    recipe = recipe_from_dict(data)
+    marker = tmp_path / "marker"
+    said = run_ranks(_save_then_load_payload, 1, recipe, target, str(marker), True, timeout_s=120)[0]
+    assert "weights_only" in said and target.strip("*") in said and not marker.exists()
+    run_ranks(_save_then_load_payload, 1, recipe, target, str(marker), False, timeout_s=120)
+    assert marker.exists()
+
+
+def test_the_universal_converter_never_runs_a_pickle_payload(
+    reference: tuple[list[float], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ds_to_universal unpickles every optimizer file with weights_only=False; inside dsx3d it cannot run
+    code even when the up-front file check is bypassed."""
+    import shutil
+
+    import dsx3d.checkpoint.universal as universal
+    from dsx3d.checkpoint.safe_load import UnsafeCheckpoint
+
+    _, ref_out = reference
+    tag_dir = tmp_path / tag_for(STEPS)
+    shutil.copytree(ref_out / "checkpoints" / tag_for(STEPS), tag_dir)
+    write_pickle_payload(next(tag_dir.glob("zero_pp_rank_1_*optim_states.pt")), tmp_path / "marker")
+    with pytest.raises(UserError, match="weights-only load refuses"):
+        universal.to_universal(tag_dir, tmp_path / "uni")
+    monkeypatch.setattr(universal, "file_problem", lambda path: None)
+    with pytest.raises(UnsafeCheckpoint):
+        universal.to_universal(tag_dir, tmp_path / "uni")
+    assert not (tmp_path / "marker").exists() and not (tmp_path / "uni").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".uni")] == []
+
+
+def _no_leftovers(root: Path) -> list[str]:
+    return [
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if ".tmp" in p.name or p.name.startswith((".deleting", ".dsx3d-space-probe"))
+    ]
+
+
+def _check_disk_full_outcome(err: RankFailure, run_dir: Path, words: str) -> None:
+    ckpt = run_dir / "checkpoints"
+    assert words in err.root_error and "the previous checkpoint step-000002 is kept" in err.root_error
+    assert read_latest(ckpt) == tag_for(2)
+    assert not (ckpt / tag_for(4)).exists()
+    assert _no_leftovers(run_dir) == []
+    from dsx3d.run.checkpointing import tag_problems
+
+    assert tag_problems(ckpt / tag_for(2)) == []
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path, reference: tuple[list[float], Path]):
+    """A tmpfs with room for the run's files and one checkpoint, not two (where the machine can mount one)."""
+    import subprocess
+
+    _, ref_out = reference
+    tag_bytes = sum(p.stat().st_size for p in (ref_out / "checkpoints" / tag_for(STEPS)).rglob("*") if p.is_file())
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    size = int(tag_bytes * 1.4) + 400_000
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); the injected test covers it")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_says_so_keeps_the_previous_checkpoint_and_leaves_no_temporary_files(
+    tmpfs: Path, cache_dir: Path
+) -> None:
+    recipe = make_recipe(tmpfs / "run", cache_dir)
+    with pytest.raises(RankFailure) as info:
+        run(recipe)
+    _check_disk_full_outcome(info.value, tmpfs / "run", "no space left on device")
+
+
+def test_a_full_disk_on_one_rank_injected(tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same, by injection (any machine): rank 3 runs out of space half-way through a file of step 4."""
+    import errno
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    original = TorchCheckpointEngine.save
+
+    def full_disk(self: Any, state_dict: Any, path: str) -> Any:
+        if os.environ.get("RANK") == "3" and f"/{tag_for(4)}/" in str(path):
+            Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return original(self, state_dict, path)
+
+    monkeypatch.setattr(TorchCheckpointEngine, "save", full_disk)
+    with pytest.raises(RankFailure) as info:
+        run(make_recipe(tmp_path / "run", cache_dir))
+    _check_disk_full_outcome(info.value, tmp_path / "run", "rank 3: no space left on device")
+
+
+def _resume_at(recipe: Recipe, dp: int, tp: int, pp: int, grad_accum: int) -> Recipe:
+    data = recipe.model_dump()
+    data["parallel"] = {"dp": dp, "tp": tp, "pp": pp}
+    data["cluster"]["gpus_per_node"] = dp * tp * pp
+    data["train"]["gradient_accumulation_steps"] = grad_accum
+    return recipe_from_dict(data)
+
+
+@pytest.mark.parametrize(("dp", "tp", "pp", "grad_accum"), [(2, 1, 2, 2), (1, 2, 2, 4)], ids=["tp2-to-1", "dp2-to-1"])
+def test_resume_at_another_layout_reshards_and_trains_like_the_uninterrupted_run(
+    reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path, dp: int, tp: int, pp: int, grad_accum: int
+) -> None:
+    """Stopped at step 3 at dp 2 x tp 2 x pp 2, resumed with plain --resume at another layout (the same
+    global batch): the tag is converted to a universal checkpoint automatically, and every later loss
+    equals the uninterrupted run's (weights, Adam moments, schedule and data position all carried over)."""
+    losses, _ = reference
+    recipe = make_recipe(tmp_path / "run", cache_dir)
+    first = run(recipe, stop_at=3)
+    moved = _resume_at(recipe, dp, tp, pp, grad_accum)
+    second = run_ranks(_train, dp * tp * pp, moved, {"resume": True}, timeout_s=300)[0]
+    assert (second.start_step, second.end_step) == (3, STEPS)
+    assert first.losses + second.losses == pytest.approx(losses, abs=1e-5, rel=0)
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert read_latest(ckpt) == tag_for(STEPS)
+    # the resumed run saved steps 4 and 6 at its own layout; step 3 and its universal copy were pruned whole
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == [tag_for(4), tag_for(6)]
+    assert _no_leftovers(tmp_path / "run") == []
+
+
+def test_resume_with_another_seq_len_is_refused_before_loading(
+    reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path
+) -> None:
+    recipe = _copy_run(reference, tmp_path, cache_dir, seq_len=16)
+    with pytest.raises(RankFailure, match="train.seq_len"):
+        run(recipe, resume=True)

@@ -9,6 +9,7 @@
     checkpoints/step-000020/rng/rank-00003.pt   each rank's python, numpy, torch (and CUDA) RNG states
     checkpoints/step-000020/files/rank-00003.json   the files rank 3 wrote and their sizes
     checkpoints/step-000020/universal/          a universal copy, made when a resume changes the layout
+    checkpoints/step-000020/latest_universal    "universal" (written by DeepSpeed's converter)
     checkpoints/zero_to_fp32.py, zero_to_torch.py   DeepSpeed's converter scripts, copied at each save
 
 A tag read from `latest`, from the command line or from anywhere else is a single plain path component
@@ -52,7 +53,9 @@ _OWNED = [
         r"(\.deleting-)?step-\d{6,}/\.dsx3d_(recipe\.yaml|layout\.json)\.[^/]*\.tmp",
         r"(\.deleting-)?step-\d{6,}/rng/rank-\d+\.pt",
         r"(\.deleting-)?step-\d{6,}/files/(\.)?rank-\d+\.json(\.[^/]*\.tmp)?",
-        r"(\.deleting-)?step-\d{6,}/\.?universal(\.tmp)?/.+",
+        r"(\.deleting-)?step-\d{6,}/\.?universal(\.tmp[^/]*)?/.+",
+        r"(\.deleting-)?step-\d{6,}/\.?latest_universal(\.[^/]*\.tmp)?",
+        r"(\.deleting-)?step-\d{6,}/\.universal\.failed",
     )
 ]
 

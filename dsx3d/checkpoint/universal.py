@@ -40,6 +40,7 @@ from dsx3d.checkpoint.safe_load import file_problem, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
 from dsx3d.dist import comm
 from dsx3d.errors import UserError
+from dsx3d.run.atomic import write_text_atomic
 
 if TYPE_CHECKING:
     from dsx3d.engine import Engine3D
@@ -127,6 +128,8 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
+        # the converter names its output folder (our staging name) in latest_universal beside it
+        write_text_atomic(out.parent / "latest_universal", out.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
