@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dsx3d.errors import Problem, UserError
@@ -318,6 +319,27 @@ def _output_dir(c: _Context) -> Iterator[Problem]:
         )
 
 
+def _data_paths(c: _Context) -> Iterator[Problem]:
+    """Local data, tokenizer and cache paths are checked here, before any process starts, not first by
+    the ranks (the corpus' own resolution decides what is a local path and what a hub name)."""
+    data = c.recipe.data
+    if not data.source.startswith("builtin:"):
+        from dsx3d.data.corpus import _local_files
+
+        try:
+            _local_files(data.source, None)
+        except UserError as err:
+            yield from err.problems
+        except OSError as err:
+            yield Problem("data.source", data.source, f"cannot be read ({err.strerror})", "fix the path")
+    tokenizer = data.tokenizer
+    if tokenizer is not None and tokenizer.startswith(("/", "./", "../", "~")) and not Path(tokenizer).expanduser().is_dir():
+        yield Problem("data.tokenizer", tokenizer, "not a directory", "point it at a directory of tokenizer files")
+    cache = data.cache_dir
+    if cache is not None and Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir():
+        yield Problem("data.cache_dir", cache, "exists and is not a directory", "name a directory")
+
+
 # Where each generated DeepSpeed value comes from, for reporting an override that replaces it. Longest
 # matching prefix wins; keys with their own rule above (batch sizes, ZeRO stage, precision) are not repeated.
 _OVERRIDE_SOURCES = {
@@ -384,6 +406,7 @@ RULES: list[Rule] = [
     _model_dimensions,
     _seq_len_vs_positions,
     _output_dir,
+    _data_paths,
     _shadowing_overrides,
     _world_size_matches,
     _zero_with_pipeline,

@@ -194,7 +194,7 @@ def run_config(tag_dir: Path, trust_remote_code: bool = False) -> tuple[Recipe, 
             return recipe, AutoConfig.from_pretrained(str(tag_dir), trust_remote_code=trust_remote_code)
         except Exception as err:  # OSError, ValueError, transformers' validation errors
             raise UserError.single(
-                str(tag_dir / "config.json"), "(file)", f"unreadable ({str(err).splitlines()[0][:200]})", _FIX_CKPT
+                str(tag_dir / "config.json"), "(file)", f"unreadable ({_first_line(err)})", _FIX_CKPT
             ) from None
     return recipe, load_hf_config(model)
 
@@ -242,7 +242,7 @@ def check_files(
                     Problem(
                         str(path),
                         "(file)",
-                        f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:160]})",
+                        f"unreadable ({type(err).__name__}: {_first_line(err)})",
                         _FIX_CKPT,
                     )
                 )
@@ -360,3 +360,9 @@ def _copy_tokenizer(out: Path, explicit: str | Path | None, tag_dir: Path, recip
         if c is not None and Path(c).is_dir() and copy_tokenizer_files(Path(c), out):
             return
     log.info("no tokenizer files found to include in the export (pass --tokenizer DIR to add them)")
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an error's message (some, such as EOFError, have none)."""
+    lines = str(err).strip().splitlines()
+    return lines[0][:160] if lines else "no message"

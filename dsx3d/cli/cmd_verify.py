@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_parity(case, model=model, timeout_s=args.timeout)
     except RankFailure as err:
         print(f"error: rank {err.root_rank} failed: {err.root_error}", file=sys.stderr)
-        return 1
+        # bad input a rank found (a UserError's last traceback line) is exit 2 like any other
+        return 2 if err.root_error.startswith(f"{UserError.__module__}.{UserError.__name__}") else 1
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -466,4 +466,4 @@ class Checkpointer:
             state = safe_load(path)
             set_rng_state(state)
         except (UnsafeCheckpoint, KeyError, TypeError, ValueError) as err:
-            log.warning("RNG state not restored from %s (%s): random streams restart", path, str(err).splitlines()[0][:200])
+            log.warning("RNG state not restored from %s (%s): random streams restart", path, (str(err).strip().splitlines() or [type(err).__name__])[0][:200])
