@@ -7,16 +7,19 @@ function in `RULES`; each problem names the key path, the value, the reason and 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsx3d.ds_config import AUTO, auto_paths, build_ds_config
 from dsx3d.errors import Problem, UserError
-from dsx3d.hf_config import dimension_problems, load_hf_config, model_dim
+from dsx3d.hf_config import dimension_problems, load_hf_config
 from dsx3d.layout import bubble_fraction
-from dsx3d.models.plans import resolve_family  # noqa: E402
+from dsx3d.models.family import resolve_family  # noqa: E402
+from dsx3d.models.shape import model_dim
 from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -187,7 +190,7 @@ def _batch_overrides(c: _Context) -> Iterator[Problem]:
         "train_batch_size": ("train.micro_batch_size x train.gradient_accumulation_steps x dp", m * g * c.dp),
     }
     for key, (source, want) in owners.items():
-        if key not in c.overrides or c.overrides[key] == want or (key == "train_batch_size" and not c.dp):
+        if key not in c.overrides or c.overrides[key] in (want, AUTO) or (key == "train_batch_size" and not c.dp):
             continue
         yield Problem(
             f"deepspeed.{key}",
@@ -237,7 +240,7 @@ def _contradicting_overrides(c: _Context) -> Iterator[Problem]:
             "remove it and set parallel.tp",
         )
     zero = o.get("zero_optimization")
-    if isinstance(zero, dict) and "stage" in zero and zero["stage"] != c.recipe.zero.stage:
+    if isinstance(zero, dict) and zero.get("stage", AUTO) not in (AUTO, c.recipe.zero.stage):
         yield Problem(
             "deepspeed.zero_optimization.stage",
             zero["stage"],
@@ -246,7 +249,7 @@ def _contradicting_overrides(c: _Context) -> Iterator[Problem]:
         )
     for section in ("bf16", "fp16"):
         enabled = o.get(section, {}).get("enabled") if isinstance(o.get(section), dict) else None
-        if enabled is not None and bool(enabled) != (c.recipe.train.dtype == section):
+        if enabled not in (None, AUTO) and bool(enabled) != (c.recipe.train.dtype == section):
             yield Problem(
                 f"deepspeed.{section}.enabled",
                 enabled,
@@ -265,12 +268,78 @@ def _fp16(c: _Context) -> Iterator[Problem]:
         )
 
 
+def _auto_left(c: _Context) -> Iterator[Problem]:
+    """"auto" (the form of HF's example DeepSpeed JSONs) is resolved from the recipe where dsx3d derives the
+    value; anywhere else DeepSpeed would compare a string with numbers minutes after launch."""
+    if not auto_paths(c.overrides) or not c.dp or c.world_size % (c.tp * c.pp):
+        return
+    config = build_ds_config(c.recipe, c.world_size, hidden_size=c.dim("hidden_size"))
+    for path in auto_paths(config):
+        yield Problem(
+            f"deepspeed.{path}",
+            AUTO,
+            "dsx3d resolves \"auto\" only where it derives the value from the recipe (batch sizes, precision, "
+            "clipping, AdamW and schedule parameters, ZeRO bucket sizes)",
+            "give a number",
+        )
+
+
+def _deepspeed_timers(c: _Context) -> Iterator[Problem]:
+    if c.overrides.get("wall_clock_breakdown") and c.pp > 1:
+        yield Problem(
+            "deepspeed.wall_clock_breakdown",
+            c.overrides["wall_clock_breakdown"],
+            "DeepSpeed's pipeline engine starts its backward timer twice with it on and every rank fails "
+            "('bwd_microstep timer has already been started')",
+            "remove it: dsx3d logs step times and tokens/s itself (metrics.jsonl)",
+        )
+
+
+# DeepSpeed's monitor sections -> the package each needs.
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+
+
+def _monitor_packages(c: _Context) -> Iterator[Problem]:
+    for section, package in MONITOR_PACKAGES.items():
+        conf = c.overrides.get(section)
+        if isinstance(conf, dict) and conf.get("enabled") and importlib.util.find_spec(package) is None:
+            yield Problem(
+                f"deepspeed.{section}.enabled",
+                conf["enabled"],
+                f"this monitor needs the {package} package, which is not installed",
+                f"pip install {package}, or disable the section",
+            )
+
+
+def _data_source(c: _Context) -> Iterator[Problem]:
+    """A missing or unreadable data file fails only after every rank has started: say it now."""
+    from dsx3d.data.corpus import check_source
+
+    try:
+        check_source(c.recipe.data)
+    except UserError as err:
+        yield from err.problems
+
+
+def _model_builds(c: _Context) -> Iterator[Problem]:
+    """transformers accepts configs it cannot build (a pad_token_id outside the vocabulary, ...): build the
+    model on the meta device (no memory) and name the key when it fails."""
+    if c.hf_config is None:
+        return
+    from dsx3d.models.shape import build_meta_model
+
+    try:
+        build_meta_model(c.hf_config)
+    except UserError as err:
+        yield from err.problems
+
+
 def _family_supported(c: _Context) -> Iterator[Problem]:
-    """Families without plans, or refused after the parity sweep (dsx3d.families.REFUSED), stop here,
+    """Families without plans, or refused after the parity sweep (dsx3d.models.families.REFUSED), stop here,
     before any process starts, instead of failing inside the engine."""
     if c.hf_config is None:
         return
-    from dsx3d.families import refusal
+    from dsx3d.models.families import refusal
 
     reason = refusal(c.hf_config.model_type, c.tp)
     if reason is not None:
@@ -319,19 +388,10 @@ def _output_dir(c: _Context) -> Iterator[Problem]:
         )
 
 
-def _data_paths(c: _Context) -> Iterator[Problem]:
-    """Local data, tokenizer and cache paths are checked here, before any process starts, not first by
-    the ranks (the corpus' own resolution decides what is a local path and what a hub name)."""
+def _data_dirs(c: _Context) -> Iterator[Problem]:
+    """A local tokenizer directory and the cache directory are checked before any process starts (the data
+    source by _data_source)."""
     data = c.recipe.data
-    if not data.source.startswith("builtin:"):
-        from dsx3d.data.corpus import _local_files
-
-        try:
-            _local_files(data.source, None)
-        except UserError as err:
-            yield from err.problems
-        except OSError as err:
-            yield Problem("data.source", data.source, f"cannot be read ({err.strerror})", "fix the path")
     tokenizer = data.tokenizer
     if tokenizer is not None and tokenizer.startswith(("/", "./", "../", "~")) and not Path(tokenizer).expanduser().is_dir():
         yield Problem("data.tokenizer", tokenizer, "not a directory", "point it at a directory of tokenizer files")
@@ -375,7 +435,7 @@ def _shadowed(base: dict[str, Any], overrides: dict[str, Any], prefix: str = "")
             continue
         if isinstance(value, dict) and isinstance(base[key], dict):
             yield from _shadowed(base[key], value, f"{path}.")
-        elif value != base[key]:
+        elif value != base[key] and value != AUTO:  # "auto" takes dsx3d's value
             yield path, value, base[key]
 
 
@@ -384,9 +444,9 @@ def _shadowing_overrides(c: _Context) -> Iterator[Problem]:
     would otherwise say one thing while DeepSpeed does another."""
     if not c.overrides or not c.dp:
         return
-    from dsx3d.ds_config import build_ds_config
-
-    base = build_ds_config(c.recipe.model_copy(update={"deepspeed": {}}), c.world_size)
+    if c.world_size % (c.tp * c.pp):
+        return
+    base = build_ds_config(c.recipe.model_copy(update={"deepspeed": {}}), c.world_size, hidden_size=c.dim("hidden_size"))
     for path, value, generated in _shadowed(base, c.overrides):
         if path in _OWN_RULES:
             continue
@@ -406,7 +466,7 @@ RULES: list[Rule] = [
     _model_dimensions,
     _seq_len_vs_positions,
     _output_dir,
-    _data_paths,
+    _data_dirs,
     _shadowing_overrides,
     _world_size_matches,
     _zero_with_pipeline,
@@ -420,7 +480,12 @@ RULES: list[Rule] = [
     _grad_accum_dtype,
     _contradicting_overrides,
     _fp16,
+    _auto_left,
+    _deepspeed_timers,
+    _monitor_packages,
+    _data_source,
     _family_supported,
+    _model_builds,
 ]
 
 

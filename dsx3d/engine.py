@@ -14,13 +14,15 @@ import torch
 from transformers import PretrainedConfig
 
 from dsx3d.checker import check_recipe, raise_for_errors
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
+from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, RankPlacement
-from dsx3d.models.export import Shard, local_hf_shards
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline
+from dsx3d.models.shape import model_dim
+from dsx3d.models.shards import Shard, local_hf_shards
 from dsx3d.models.weights import WeightSource
 from dsx3d.recipe import Recipe
 
@@ -33,7 +35,7 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]
 class Engine3D:
     """A DeepSpeed PipelineEngine with the layout it runs under."""
 
-    engine: Any
+    ds_engine: Any
     module: StagedPipelineModule
     layout: Layout
     placement: RankPlacement
@@ -43,20 +45,20 @@ class Engine3D:
     def train_step(self, micro_batches: Iterator[MicroBatch]) -> float:
         """One optimizer step over gradient_accumulation_steps micro-batches of this DP rank; the loss is
         the mean over micro-batches and DP ranks, known on every rank."""
-        return float(self.engine.train_batch(data_iter=micro_batches))
+        return float(self.ds_engine.train_batch(data_iter=micro_batches))
 
     def eval_loss(self, micro_batches: Iterator[MicroBatch]) -> float:
-        loss = self.engine.eval_batch(data_iter=micro_batches, compute_loss=True, reduce_output="avg")
+        loss = self.ds_engine.eval_batch(data_iter=micro_batches, compute_loss=True, reduce_output="avg")
         return float(loss)
 
     @property
     def grad_norm(self) -> float:
-        norm = self.engine.get_global_grad_norm()
+        norm = self.ds_engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
     @property
     def lr(self) -> float:
-        return float(self.engine.get_lr()[0])
+        return float(self.ds_engine.get_lr()[0])
 
     def hf_shards(self) -> dict[str, Shard]:
         return local_hf_shards(self.module, self.placement.tp)
@@ -82,7 +84,7 @@ def build_engine(
     param_groups: Callable[[StagedPipelineModule], list[dict[str, Any]]] | None = None,
 ) -> Engine3D:
     """Build this rank's stage and its DeepSpeed engine. The process group must exist
-    (dsx3d.dist.comm.init_distributed); the world size is the group's. `param_groups` splits the stage's
+    (dsx3d.distributed.comm.init_distributed); the world size is the group's. `param_groups` splits the stage's
     parameters into optimizer groups (the Trainer drop-in exempts biases and norms from weight decay, as HF
     does); by default every trainable parameter is in one group."""
     world = comm.get_world_size()
@@ -91,7 +93,7 @@ def build_engine(
     layout = recipe.layout(world)
     if layout.world_size != world:
         raise UserError.single("parallel", f"dp*tp*pp={layout.world_size}", f"the job has {world} processes", "match the launcher's process count")
-    ds_config = build_ds_config(recipe, world)
+    ds_config = build_ds_config(recipe, world, hidden_size=model_dim(hf_config, "hidden_size"))
     if ds_overrides:
         from dsx3d.ds_config import deep_merge
 
@@ -109,4 +111,6 @@ def build_engine(
     params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
     placement = layout.placement(comm.get_rank())
+    # dropout: the same replicated stream on the ranks of a TP group (a resume restores each rank's state)
+    seed_ranks(recipe.train.seed, pp_rank=placement.pp, dp_rank=placement.dp)
     return Engine3D(engine, module, layout, placement, hf_config, ds_config)

@@ -1,7 +1,10 @@
-"""Where every rank sits: dp x tp x pp over nodes x gpus_per_node.
+"""Where every rank sits: dp x tp x pp over nodes x gpus_per_node (pure: no processes, no DeepSpeed).
 
-Rank order comes from DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model): TP ranks are
-adjacent, then DP, then PP. Nothing here needs a process group.
+Rank order is DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model): TP ranks are adjacent,
+then DP, then PP, i.e. rank = (pp_index * dp + dp_index) * tp + tp_index. The order is computed here, so the
+pure layer (recipe, checker, planner, estimator, `dsx3d plan`) never imports DeepSpeed;
+tests/test_layout.py checks it equals DeepSpeed's topology over a grid of shapes, and `Layout.topology`
+hands DeepSpeed's own object to the engine.
 """
 
 from __future__ import annotations
@@ -9,12 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from functools import cached_property
-
-# DeepSpeed's logger writes to stdout and already logs while importing (accelerator detection). Importing it
-# with stdout pointed at stderr binds its handler to stderr, so stdout stays clean for `dsx3d plan --json`.
-with contextlib.redirect_stdout(sys.stderr):
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "gpus_per_node"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
 
     @property
@@ -50,41 +48,38 @@ class Layout:
     def num_nodes(self) -> int:
         return -(-self.world_size // self.gpus_per_node)
 
-    @cached_property
-    def topology(self) -> PipeModelDataParallelTopology:
+    @property
+    def topology(self) -> Any:
+        """DeepSpeed's `PipeModelDataParallelTopology` for this layout (imports DeepSpeed: engine use only)."""
+        # DeepSpeed logs to stdout while importing (accelerator detection); keep stdout clean for --json
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
         return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
 
+    def rank_of(self, *, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
     def placement(self, rank: int) -> RankPlacement:
-        # The topology's row-major order over (pipe, data, model), computed rather than looked up:
-        # ProcessTopology.get_coord scans every rank, which made a placement table quadratic in the world.
-        # rank = (pp_rank * dp + dp_rank) * tp + tp_rank; tests compare both for every rank.
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
-        rest, tp_rank = divmod(rank, self.tp)
-        pp_rank, dp_rank = divmod(rest, self.dp)
+            raise ValueError(f"rank {rank} outside the layout's {self.world_size} ranks")
+        rest, tp = divmod(rank, self.tp)
+        pp, dp = divmod(rest, self.dp)
         return RankPlacement(
-            rank=rank,
-            node=rank // self.gpus_per_node,
-            local_rank=rank % self.gpus_per_node,
-            pp=pp_rank,
-            dp=dp_rank,
-            tp=tp_rank,
+            rank=rank, node=rank // self.gpus_per_node, local_rank=rank % self.gpus_per_node, pp=pp, dp=dp, tp=tp
         )
 
     def placements(self) -> list[RankPlacement]:
         return [self.placement(r) for r in range(self.world_size)]
 
-    def rank_of(self, *, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
-
     def tp_groups(self) -> list[list[int]]:
-        return self.topology.get_axis_comm_lists("model") or [[r] for r in range(self.world_size)]
+        return [[self.rank_of(pp=p, dp=d, tp=t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
 
     def dp_groups(self) -> list[list[int]]:
-        return self.topology.get_axis_comm_lists("data") or [[r] for r in range(self.world_size)]
+        return [[self.rank_of(pp=p, dp=d, tp=t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
 
     def pp_groups(self) -> list[list[int]]:
-        return self.topology.get_axis_comm_lists("pipe") or [[r] for r in range(self.world_size)]
+        return [[self.rank_of(pp=p, dp=d, tp=t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
     def tied_groups(self) -> list[list[int]]:
         """Ranks that share the tied embedding / LM head: first and last stage, same dp and tp index."""
@@ -97,7 +92,7 @@ class Layout:
         ]
 
     def stage_ranks(self, stage: int) -> list[int]:
-        return sorted(self.topology.filter_match(pipe=stage))
+        return list(range(stage * self.dp * self.tp, (stage + 1) * self.dp * self.tp))
 
     def crosses_node(self, group: list[int]) -> bool:
         return len({r // self.gpus_per_node for r in group}) > 1
@@ -109,6 +104,21 @@ class Layout:
             for s in range(len(pipeline) - 1)
             if pipeline[s] // self.gpus_per_node != pipeline[s + 1] // self.gpus_per_node
         ]
+
+    def tp_crosses_node(self) -> bool:
+        return any(self.crosses_node(g) for g in self.tp_groups())
+
+    def dp_crosses_node(self, stage: int) -> bool:
+        """Whether a DP group of `stage` spans nodes."""
+        return any(self.crosses_node(g) for g in self.dp_groups() if self.placement(g[0]).pp == stage)
+
+    def boundary_crosses_node(self, stage: int) -> bool:
+        """Whether the link from `stage` to `stage + 1` leaves a node (for any pipeline)."""
+        return any(self.crosses_node([g[stage], g[stage + 1]]) for g in self.pp_groups())
+
+    def ends_cross_node(self) -> bool:
+        """Whether the first and last stage of a pipeline (the tied-weight pair) sit on different nodes."""
+        return any(self.crosses_node([g[0], g[-1]]) for g in self.pp_groups())
 
     def describe(self) -> dict:
         """Everything `dsx3d plan --json` prints about the layout, as plain data."""

@@ -2,39 +2,61 @@
 
 Uniform-by-count splits ignore that the vocab-sized head (and the embedding's memory) sit on the end stages;
 on a tiny Llama DeepSpeed's default put 1.6-1.9x the work on the last stage. We weight every pipeline layer
-by its forward FLOPs per token and pick contiguous stages that minimise the most loaded one.
+by its forward FLOPs per token (from `dsx3d.models.shape`, the one reader of model dimensions) and pick
+contiguous stages that minimise the most loaded one. The engine (`dsx3d.models.pipeline.stage_bounds`) and
+the estimator both call `decoder_split`.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
+from dsx3d.errors import UserError
+from dsx3d.models.shape import ModelShape, ParamCount, shape_from_hf_config, text_config
 
-def layer_costs(config: Any, seq_len: int) -> tuple[float, float, float]:
-    """Forward FLOPs per token of (embedding, one decoder layer, LM head) for an HF text config.
 
-    Decoder layer: 2 x its matmul parameters (q, k, v, o and a gated or plain MLP) plus attention scores and
-    values, 4 x seq_len x num_heads x head_dim. Head: 2 x hidden x vocab. The embedding is a lookup, ~0.
+def pipeline_costs(shape: ModelShape, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of the pipeline items [embedding, L decoder layers, final norm, head].
+
+    Decoder layer: 2 x the parameters a token multiplies through (q, k, v, o and a gated or plain MLP; the
+    top-k experts of an MoE layer) plus attention scores and values, 4 x seq_len x num_heads x head_dim.
+    Head: 2 x hidden x vocab. The embedding is a lookup and the norm elementwise: ~0.
     """
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer = 2.0 * shape.layer_flop_params + 4.0 * seq_len * shape.attention_width
+    return [0.0, *([layer] * shape.num_layers), 0.0, 2.0 * shape.head]
+
+
+def decoder_split(shape: ModelShape, pp: int, seq_len: int) -> list[int]:
+    """Decoder layers per stage of the cost-balanced split: what the engine builds and the estimator
+    estimates. The last stage may hold no decoder layer when the head alone outweighs a stage's share."""
+    return list(_decoder_split(shape, pp, seq_len))
+
+
+@lru_cache(maxsize=512)
+def _decoder_split(shape: ModelShape, pp: int, seq_len: int) -> tuple[int, ...]:
+    if pp > shape.num_layers:
+        raise UserError.single(
+            "parallel.pp", pp, f"more stages than the model's {shape.num_layers} layers", f"use pp <= {shape.num_layers}"
+        )
+    bounds = balanced_bounds(pipeline_costs(shape, seq_len), pp)
+    n = shape.num_layers
+    # items 1..n are the decoder layers
+    return tuple(max(0, min(stop, n + 1) - max(start, 1)) for start, stop in zip(bounds[:-1], bounds[1:]))
+
+
+def stage_layers_for(config: Any, pp: int, seq_len: int, stage_layers: list[int] | None) -> list[int]:
+    """Decoder layers per stage: the recipe's `parallel.stage_layers`, else the cost-balanced split (the
+    estimator's too). A config whose dimensions cannot be read as one shape (per-layer head counts) is split
+    evenly by layer count."""
+    if stage_layers is not None:
+        return list(stage_layers)
     try:
-        return _layer_costs(c, seq_len)
-    except Exception:  # heterogeneous configs (per-layer head_dim...): fall back to parameter-free weights
-        return 0.0, 1.0, 1.0
-
-
-def _layer_costs(c: Any, seq_len: int) -> tuple[float, float, float]:
-    h = c.hidden_size
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or h // heads
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    inter = getattr(c, "intermediate_size", None) or 4 * h
-    gated = getattr(c, "hidden_act", "gelu") in ("silu", "swiglu") or hasattr(c, "mlp_bias")
-    attn_params = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    mlp_params = h * inter * (3 if gated else 2)
-    layer = 2.0 * (attn_params + mlp_params) + 4.0 * seq_len * heads * head_dim
-    head = 2.0 * h * c.vocab_size
-    return 0.0, layer, head
+        shape = shape_from_hf_config(config)
+    except Exception:  # heterogeneous configs (per-layer head_dim...) refuse global access to their dims
+        n = text_config(config).num_hidden_layers
+        shape = ModelShape(num_layers=n, layer=ParamCount(sharded=1), layer_flop_params=1, head=1)
+    return decoder_split(shape, pp, seq_len)
 
 
 def balanced_bounds(costs: list[float], num_stages: int) -> list[int]:

@@ -46,7 +46,7 @@ class Candidate:
     warnings: list[str] = field(default_factory=list)
 
     @property
-    def family(self) -> tuple[int, int, int, int]:
+    def group_key(self) -> tuple[int, int, int, int]:
         return (self.setup.dp, self.setup.tp, self.setup.pp, self.setup.zero_stage)
 
     def label(self) -> str:
@@ -58,8 +58,8 @@ class Candidate:
 
 
 @dataclass
-class Family:
-    """All candidates of one (dp, tp, pp, ZeRO) and the verdict on the family as a whole."""
+class LayoutGroup:
+    """All candidates of one (dp, tp, pp, ZeRO) and the verdict on the group as a whole."""
 
     dp: int
     tp: int
@@ -75,7 +75,7 @@ class Family:
 class PlanResult:
     ranked: list[Candidate]
     """Candidates that fit and pass the checker, fastest first."""
-    families: list[Family]
+    groups: list[LayoutGroup]
     skipped: list[str]
     """Degrees left out of the search, with the reason."""
     checked: bool
@@ -166,12 +166,10 @@ def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: 
     )
 
 
-def default_checker() -> Checker | None:
-    """`dsx3d.checker.check_recipe` bound to no world-size override, or None if it is not importable."""
-    try:
-        from dsx3d.checker import check_recipe
-    except ImportError:
-        return None
+def default_checker() -> Checker:
+    """`dsx3d.checker.check_recipe` bound to no world-size override."""
+    from dsx3d.checker import check_recipe
+
     return lambda recipe, hf_config: check_recipe(recipe, world_size=None, hf_config=hf_config)
 
 
@@ -233,7 +231,7 @@ def plan_layouts(
     candidates = [_judge(s, shape, hw, cluster, model, hf_config, checker) for s in setups]
     ranked = sorted((c for c in candidates if c.status == "ok"), key=_speed_order)
     return PlanResult(
-        ranked, _families(candidates, ranked), skipped, checker is not None and model is not None
+        ranked, _groups(candidates, ranked), skipped, checker is not None and model is not None
     )
 
 
@@ -242,30 +240,30 @@ def _speed_order(c: Candidate) -> tuple[float, float]:
     return -c.estimate.tokens_per_s, c.estimate.total_gb
 
 
-def _families(candidates: list[Candidate], ranked: list[Candidate]) -> list[Family]:
+def _groups(candidates: list[Candidate], ranked: list[Candidate]) -> list[LayoutGroup]:
     groups: dict[tuple[int, int, int, int], list[Candidate]] = {}
     for c in candidates:
-        groups.setdefault(c.family, []).append(c)
+        groups.setdefault(c.group_key, []).append(c)
     winner = ranked[0] if ranked else None
-    families = [_family_verdict(members, winner) for members in groups.values()]
-    return sorted(families, key=_family_order)
+    verdicts = [_group_verdict(members, winner) for members in groups.values()]
+    return sorted(verdicts, key=_group_order)
 
 
-def _family_order(f: Family) -> tuple[int, float]:
-    """Chosen, then slower families fastest first, then misfits smallest overflow first, then refusals."""
+def _group_order(f: LayoutGroup) -> tuple[int, float]:
+    """Chosen, then slower groups fastest first, then misfits smallest overflow first, then refusals."""
     rank = {"chosen": 0, "slower": 1, "no_fit": 2, "refused": 3}[f.status]
     if f.status == "no_fit":
         return rank, f.best.estimate.overflow_gb()
     return rank, -f.best.estimate.tokens_per_s
 
 
-def _family_verdict(members: list[Candidate], winner: Candidate | None) -> Family:
-    dp, tp, pp, zero = members[0].family
+def _group_verdict(members: list[Candidate], winner: Candidate | None) -> LayoutGroup:
+    dp, tp, pp, zero = members[0].group_key
     ok = [c for c in members if c.status == "ok"]
     if ok:
         best = min(ok, key=_speed_order)
         if winner is not None and best is winner:
-            return Family(dp, tp, pp, zero, "chosen", "fastest layout that fits", best)
+            return LayoutGroup(dp, tp, pp, zero, "chosen", "fastest layout that fits", best)
         factor = winner.estimate.tokens_per_s / best.estimate.tokens_per_s if winner else 1.0
         speed = (
             f"{best.estimate.tokens_per_s:,.0f} tokens/s ({best.label()}, {best.estimate.total_gb:.1f} GB)"
@@ -274,11 +272,11 @@ def _family_verdict(members: list[Candidate], winner: Candidate | None) -> Famil
             reason = f"ties with the choice at {speed}; the choice needs less memory"
         else:
             reason = f"slower: best {speed}, {factor:.2f}x slower than the choice"
-        return Family(dp, tp, pp, zero, "slower", reason, best)
+        return LayoutGroup(dp, tp, pp, zero, "slower", reason, best)
     no_fit = [c for c in members if c.status == "no_fit"]
     if no_fit:
         best = min(no_fit, key=lambda c: c.estimate.overflow_gb())
-        return Family(
+        return LayoutGroup(
             dp, tp, pp, zero, "no_fit", f"does not fit even with {best.label()}: {best.reason}", best
         )
-    return Family(dp, tp, pp, zero, "refused", f"refused by the checker: {members[0].reason}", members[0])
+    return LayoutGroup(dp, tp, pp, zero, "refused", f"refused by the checker: {members[0].reason}", members[0])

@@ -25,11 +25,12 @@ from typing import Any, NoReturn
 import torch
 from deepspeed.utils import logger as ds_logger
 
+from dsx3d.checkpoint.export import export_hf
 from dsx3d.data import MicroBatchStream, build_train_data
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
 from dsx3d.engine import Engine3D, build_engine
 from dsx3d.errors import RunFailure, UserError
-from dsx3d.estimate.model import shape_from_hf_config
+from dsx3d.models.shape import shape_from_hf_config
 from dsx3d.recipe import Recipe, dump_recipe, load_recipe
 from dsx3d.run.checkpointing import Checkpointer
 from dsx3d.run.data import check_vocab, prepare_once_per_node
@@ -39,7 +40,6 @@ from dsx3d.run.outputs import (
     RunPaths,
     add_start_mode,
     check_start,
-    export_hf_if_available,
     save_run_files,
     save_tokenizer,
     start_run_directory,
@@ -90,31 +90,31 @@ def train(
     with naming_dead_peers(info, peers), heartbeat(job_dir(peers), info, peers, hang_timeout_s):
         paths = RunPaths.of(recipe)
         removed = check_start(paths, resume=resume, overwrite=overwrite)
-        run = _quietly(build_engine, recipe)
-        stream, tokenizer = _rank_data(recipe, run, info)
-        ckpt = Checkpointer(run, paths.checkpoints, recipe, recipe.train.keep_checkpoints)
+        engine = _quietly(build_engine, recipe)
+        stream, tokenizer = _rank_data(recipe, engine, info)
+        ckpt = Checkpointer(engine, paths.checkpoints, recipe, recipe.train.keep_checkpoints)
         start = _resume(ckpt, stream) if resume else 0
         _save_beside_run(
             paths,
             recipe,
-            run,
+            engine,
             tokenizer,
-            check_placement(peers, run.layout, info),
+            check_placement(peers, engine.layout, info),
             info,
             removed=removed if start == 0 else None,
             resume=resume,
         )
         end = max(start, min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps))
-        losses = _train_steps(recipe, run, stream, ckpt, paths, start, end, info)
+        losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info)
         if end == recipe.train.steps:
-            _finish(run, paths, tokenizer, info)
+            _finish(engine, paths, tokenizer, info)
         return TrainResult(start, end, losses)
 
 
-def _rank_data(recipe: Recipe, run: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, Any]:
+def _rank_data(recipe: Recipe, engine: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, Any]:
     prepare_once_per_node(recipe, info.local_rank)
-    stream, tokenizer = build_train_data(recipe, run.layout.dp, run.placement.dp)
-    check_vocab(tokenizer, run.hf_config)
+    stream, tokenizer = build_train_data(recipe, engine.layout.dp, engine.placement.dp)
+    check_vocab(tokenizer, engine.hf_config)
     return stream, tokenizer
 
 
@@ -141,7 +141,7 @@ def _resume(ckpt: Checkpointer, stream: MicroBatchStream) -> int:
 def _save_beside_run(
     paths: RunPaths,
     recipe: Recipe,
-    run: Engine3D,
+    engine: Engine3D,
     tokenizer: Any,
     rows: list[dict[str, Any]],
     info: RankInfo,
@@ -152,15 +152,15 @@ def _save_beside_run(
     files are (re)written and named in the run's manifest."""
     if info.rank == 0:
         start_run_directory(paths, removed or [], resume=resume)
-        save_run_files(paths, dump_recipe(recipe), run.ds_config, rows)
+        save_run_files(paths, dump_recipe(recipe), engine.ds_config, rows)
         save_tokenizer(paths, tokenizer)
-        log.info("%s; run files in %s", _describe(run), paths.root)
+        log.info("%s; run files in %s", _describe(engine), paths.root)
     comm.barrier()  # nobody writes into the run directory before a fresh start cleared it
 
 
 def _train_steps(
     recipe: Recipe,
-    run: Engine3D,
+    engine: Engine3D,
     stream: MicroBatchStream,
     ckpt: Checkpointer,
     paths: RunPaths,
@@ -174,7 +174,7 @@ def _train_steps(
         train.steps,
         start,
         train.log_interval,
-        _throughput(recipe, run),
+        _throughput(recipe, engine),
         enabled=info.rank == 0,
     )
     losses: list[float] = []
@@ -184,28 +184,28 @@ def _train_steps(
             # Every rank draws the step's micro-batches, so even middle stages (which read none) keep the
             # stream, and its checkpointed position, in step.
             micro_batches = [next(stream) for _ in range(train.gradient_accumulation_steps)]
-            lr, began = run.lr, time.perf_counter()
-            loss = run.train_step(iter(micro_batches))
+            lr, began = engine.lr, time.perf_counter()
+            loss = engine.train_step(iter(micro_batches))
             if not math.isfinite(loss):
                 raise RunFailure(
                     f"the loss is {loss} at step {step}: training diverged (lower train.lr, raise "
                     f"train.warmup_steps, or check the data); the last checkpoint is kept",
                     everywhere=True,
                 )
-            reporter.step(step, loss, lr, run.grad_norm, time.perf_counter() - began)
+            reporter.step(step, loss, lr, engine.grad_norm, time.perf_counter() - began)
             losses.append(loss)
             if train.save_interval and step % train.save_interval == 0:
-                ckpt.save(step, _client_state(step, stream, run))
+                ckpt.save(step, _client_state(step, stream, engine))
                 saved = step
         if saved != end:  # the last step, or where stop_at ended the call
-            ckpt.save(end, _client_state(end, stream, run))
+            ckpt.save(end, _client_state(end, stream, engine))
     finally:
         reporter.close()
     return losses
 
 
-def _client_state(step: int, stream: MicroBatchStream, run: Engine3D) -> dict[str, Any]:
-    layout = run.layout
+def _client_state(step: int, stream: MicroBatchStream, engine: Engine3D) -> dict[str, Any]:
+    layout = engine.layout
     return {
         "version": 1,
         "step": step,
@@ -214,25 +214,25 @@ def _client_state(step: int, stream: MicroBatchStream, run: Engine3D) -> dict[st
     }
 
 
-def _finish(run: Engine3D, paths: RunPaths, tokenizer: Any, info: RankInfo) -> None:
+def _finish(engine: Engine3D, paths: RunPaths, tokenizer: Any, info: RankInfo) -> None:
     if info.rank == 0 and plot_loss(paths.metrics, paths.loss_plot, f"{paths.root.name}: training loss"):
         log.info("loss curve: %s", paths.loss_plot)
-    exported = export_hf_if_available(run, paths.hf, tokenizer)
+    exported = export_hf(engine, paths.hf, tokenizer=tokenizer)
     if info.rank == 0:
         log.info(
-            "done: %s", exported if exported is not None else f"DeepSpeed checkpoint in {paths.checkpoints}"
+            "done: %s", exported
         )
 
 
-def _throughput(recipe: Recipe, run: Engine3D) -> Throughput:
+def _throughput(recipe: Recipe, engine: Engine3D) -> Throughput:
     train = recipe.train
-    tokens = train.micro_batch_size * train.gradient_accumulation_steps * run.layout.dp * train.seq_len
-    return Throughput(tokens, shape_from_hf_config(run.hf_config).flop_params, run.layout.world_size)
+    tokens = train.micro_batch_size * train.gradient_accumulation_steps * engine.layout.dp * train.seq_len
+    return Throughput(tokens, shape_from_hf_config(engine.hf_config).flop_params, engine.layout.world_size)
 
 
-def _describe(run: Engine3D) -> str:
-    shape = shape_from_hf_config(run.hf_config)
-    layout = run.layout
+def _describe(engine: Engine3D) -> str:
+    shape = shape_from_hf_config(engine.hf_config)
+    layout = engine.layout
     return (
         f"model {shape.model_type}: {shape.total_params / 1e6:.2f}M parameters; layout dp {layout.dp} x tp {layout.tp} "
         f"x pp {layout.pp} on {layout.world_size} processes"

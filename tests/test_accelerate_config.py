@@ -81,7 +81,7 @@ def test_cli_refuses_multi_node_without_address(tmp_path: Path, capsys: pytest.C
 
 # -- a real launcher run ---------------------------------------------------------------------------------------
 
-EXAMPLE = ROOT / "scripts" / "example_trainer.py"
+EXAMPLE = ROOT / "scripts" / "examples" / "trainer.py"
 STEPS, TRAIN, EVAL, SEQ = 3, 32, 8, 32
 
 

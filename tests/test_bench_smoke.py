@@ -5,14 +5,9 @@ the counting hook itself (a hook that saw nothing would fail the non-zero check)
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_comm  # noqa: E402
+from scripts.bench import comm as bench_comm
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -17,7 +17,7 @@ from dsx3d.checkpoint.names import meta_model, to_hub_names
 from dsx3d.checkpoint.source import checkpoint_source
 from dsx3d.checkpoint.writer import Entry, SafetensorsWriter, parse_size, plan_files, staging_dir
 from dsx3d.errors import UserError
-from dsx3d.families import tiny_config
+from dsx3d.models.families import tiny_config
 
 
 def _save(
@@ -185,17 +185,17 @@ def test_a_bf16_checkpoint_builds_fp32_parameters_for_an_fp32_run(tmp_path: Path
     bf16 runs), or it would silently train in bf16 without master weights."""
     from transformers import AutoConfig
 
-    from dsx3d.models.plans import resolve_family
-    from dsx3d.models.stages import DecoderStage, StageBuilder
-    from dsx3d.models.tp_context import TPContext
+    from dsx3d.distributed.tensor_parallel.context import TPContext
+    from dsx3d.models.family import resolve_family
+    from dsx3d.models.pipe_layers import DecoderLayerPipe, LayerBuilder
 
     _save(tmp_path, dtype=torch.bfloat16)
     config = AutoConfig.from_pretrained(tmp_path)
     assert config.dtype == torch.bfloat16
-    builder = StageBuilder(
+    builder = LayerBuilder(
         config, resolve_family(config), TPContext(), checkpoint_source(str(tmp_path), config)
     )
-    layer = DecoderStage(builder, 0)
+    layer = DecoderLayerPipe(builder, 0)
     assert {p.dtype for p in layer.parameters()} == {torch.float32}
 
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from dsx3d.errors import UserError
-from dsx3d.families import tiny_config
+from dsx3d.models.families import tiny_config
 from dsx3d.parity import ParityCase, case_recipe, make_batches, micro_batch
 from dsx3d.recipe import ModelSection, Recipe, dump_recipe
 from dsx3d.testing.harness import run_ranks
@@ -74,12 +74,12 @@ def _roundtrip_rank(rank: int, recipe: Recipe, out: Path, ids: torch.Tensor) -> 
     from dsx3d.checkpoint.export import export_hf
     from dsx3d.engine import build_engine
 
-    run = build_engine(recipe)
-    _, logits = run.engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
-    export_hf(run, out)
-    if not run.engine.is_last_stage():
+    engine = build_engine(recipe)
+    _, logits = engine.ds_engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
+    export_hf(engine, out)
+    if not engine.ds_engine.is_last_stage():
         return None
-    tp_group = run.module.dsx3d_builder.tp.group
+    tp_group = engine.module.dsx3d_builder.tp.group
     if tp_group is not None:  # the last stage's logits are vocab shards: gather them
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
         dist.all_gather(parts, logits.contiguous(), group=tp_group)
@@ -137,17 +137,17 @@ def _train_rank(
     from dsx3d.checkpoint.universal import universal_client_state
     from dsx3d.engine import build_engine
 
-    run = build_engine(recipe)
-    dp_rank = run.placement.dp
-    losses = [run.train_step(_micro(case, batches[t], dp_rank)) for t in range(2)]
-    eval_loss = run.eval_loss(_micro(case, heldout, dp_rank))
-    run.engine.save_checkpoint(
-        str(tmp / "checkpoints"), tag="step-000002", client_state=universal_client_state(run)
+    engine = build_engine(recipe)
+    dp_rank = engine.placement.dp
+    losses = [engine.train_step(_micro(case, batches[t], dp_rank)) for t in range(2)]
+    eval_loss = engine.eval_loss(_micro(case, heldout, dp_rank))
+    engine.ds_engine.save_checkpoint(
+        str(tmp / "checkpoints"), tag="step-000002", client_state=universal_client_state(engine)
     )
     if rank == 0:  # what the training worker stores with each tag
         (tmp / "checkpoints" / "step-000002" / "dsx3d_recipe.yaml").write_text(dump_recipe(recipe))
-    export_hf(run, tmp / "export")
-    losses += [run.train_step(_micro(case, batches[t], dp_rank)) for t in (2, 3)]  # the uninterrupted run
+    export_hf(engine, tmp / "export")
+    losses += [engine.train_step(_micro(case, batches[t], dp_rank)) for t in (2, 3)]  # the uninterrupted run
     return {"losses": losses, "eval": eval_loss}
 
 
@@ -157,10 +157,10 @@ def _resume_rank(
     from dsx3d.checkpoint.universal import LOAD_UNIVERSAL
     from dsx3d.engine import build_engine
 
-    run = build_engine(recipe, ds_overrides=LOAD_UNIVERSAL if universal else None)
+    engine = build_engine(recipe, ds_overrides=LOAD_UNIVERSAL if universal else None)
     if universal is not None:
-        run.engine.load_checkpoint(str(universal.parent), tag=universal.name)
-    return [run.train_step(_micro(case, batches[t], run.placement.dp)) for t in (2, 3)]
+        engine.ds_engine.load_checkpoint(str(universal.parent), tag=universal.name)
+    return [engine.train_step(_micro(case, batches[t], engine.placement.dp)) for t in (2, 3)]
 
 
 def test_train_export_offline_export_and_reshard(tmp_path: Path) -> None:

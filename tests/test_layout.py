@@ -8,14 +8,14 @@ from dsx3d.layout import Layout, bubble_fraction
 
 
 @pytest.fixture
-def seed() -> Layout:
+def reference() -> Layout:
     """The reference case: 2 nodes x 8 GPUs, pp 4, tp 2, so dp 2."""
     return Layout(dp=2, tp=2, pp=4, gpus_per_node=8)
 
 
-def test_seed_stages_are_consecutive_blocks(seed: Layout) -> None:
-    assert seed.world_size == 16 and seed.num_nodes == 2
-    assert [seed.stage_ranks(s) for s in range(4)] == [
+def test_seed_stages_are_consecutive_blocks(reference: Layout) -> None:
+    assert reference.world_size == 16 and reference.num_nodes == 2
+    assert [reference.stage_ranks(s) for s in range(4)] == [
         [0, 1, 2, 3],
         [4, 5, 6, 7],
         [8, 9, 10, 11],
@@ -23,29 +23,29 @@ def test_seed_stages_are_consecutive_blocks(seed: Layout) -> None:
     ]
 
 
-def test_seed_groups(seed: Layout) -> None:
-    assert seed.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
-    assert seed.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
-    assert seed.pp_groups() == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
-    assert seed.tied_groups() == [[0, 12], [1, 13], [2, 14], [3, 15]]
+def test_seed_groups(reference: Layout) -> None:
+    assert reference.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert reference.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert reference.pp_groups() == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert reference.tied_groups() == [[0, 12], [1, 13], [2, 14], [3, 15]]
 
 
-def test_seed_only_pipelines_cross_nodes_between_stages_1_and_2(seed: Layout) -> None:
+def test_seed_only_pipelines_cross_nodes_between_stages_1_and_2(reference: Layout) -> None:
     """TP (every layer) and DP (every step) stay on the fast links; only one p2p hop per pipeline goes out."""
-    assert not any(seed.crosses_node(g) for g in seed.tp_groups() + seed.dp_groups())
-    assert all(seed.crosses_node(g) for g in seed.pp_groups())
-    assert {tuple(seed.node_crossings(g)) for g in seed.pp_groups()} == {((1, 2),)}
+    assert not any(reference.crosses_node(g) for g in reference.tp_groups() + reference.dp_groups())
+    assert all(reference.crosses_node(g) for g in reference.pp_groups())
+    assert {tuple(reference.node_crossings(g)) for g in reference.pp_groups()} == {((1, 2),)}
 
 
-def test_seed_placement_of_each_rank(seed: Layout) -> None:
-    rows = [(p.rank, p.node, p.local_rank, p.pp, p.dp, p.tp) for p in seed.placements()]
+def test_seed_placement_of_each_rank(reference: Layout) -> None:
+    rows = [(p.rank, p.node, p.local_rank, p.pp, p.dp, p.tp) for p in reference.placements()]
     assert rows[:4] == [(0, 0, 0, 0, 0, 0), (1, 0, 1, 0, 0, 1), (2, 0, 2, 0, 1, 0), (3, 0, 3, 0, 1, 1)]
     assert rows[13] == (13, 1, 5, 3, 0, 1)
-    assert all(seed.rank_of(pp=p.pp, dp=p.dp, tp=p.tp) == p.rank for p in seed.placements())
+    assert all(reference.rank_of(pp=p.pp, dp=p.dp, tp=p.tp) == p.rank for p in reference.placements())
 
 
-def test_describe_is_plain_data(seed: Layout) -> None:
-    d = seed.describe()
+def test_describe_is_plain_data(reference: Layout) -> None:
+    d = reference.describe()
     assert d["ranks"][5] == {"rank": 5, "node": 0, "local_rank": 5, "pp": 1, "dp": 0, "tp": 1}
     assert {"world_size", "dp", "tp", "pp", "gpus_per_node", "tp_groups", "dp_groups", "pp_groups"} <= set(d)
 
@@ -67,13 +67,37 @@ def test_bubble_fraction() -> None:
     assert bubble_fraction(4, 32) == pytest.approx(3 / 35)
 
 
-@pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (2, 2, 2), (3, 2, 4), (1, 4, 3), (5, 1, 2)])
-def test_computed_placement_is_deepspeeds_topology(dp: int, tp: int, pp: int) -> None:
-    """Placement is arithmetic (a table of 100k ranks in well under a second); it must stay DeepSpeed's
-    order: PipeModelDataParallelTopology's get_coord and get_rank for every rank."""
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("pp", [1, 2, 3, 5])
+def test_rank_order_equals_deepspeeds_topology(dp: int, tp: int, pp: int) -> None:
+    """dsx3d computes the rank order itself (the pure layer never imports DeepSpeed); it must be exactly
+    DeepSpeed's PipeModelDataParallelTopology, which the engine hands to the PipelineModule."""
     lay = Layout(dp=dp, tp=tp, pp=pp, gpus_per_node=4)
+    topo = lay.topology
     for rank in range(lay.world_size):
-        coord = lay.topology.get_coord(rank)
-        p = lay.placement(rank)
-        assert (p.pp, p.dp, p.tp) == (coord.pipe, coord.data, coord.model)
-        assert lay.rank_of(pp=p.pp, dp=p.dp, tp=p.tp) == lay.topology.get_rank(pipe=p.pp, data=p.dp, model=p.tp)
+        coord = topo.get_coord(rank)
+        place = lay.placement(rank)
+        assert (place.pp, place.dp, place.tp) == (coord.pipe, coord.data, coord.model)
+        assert lay.rank_of(pp=place.pp, dp=place.dp, tp=place.tp) == rank
+    one = [[r] for r in range(lay.world_size)]
+    assert lay.tp_groups() == (topo.get_axis_comm_lists("model") or one)
+    assert lay.dp_groups() == (topo.get_axis_comm_lists("data") or one)
+    assert lay.pp_groups() == (topo.get_axis_comm_lists("pipe") or one)
+    for stage in range(pp):
+        assert lay.stage_ranks(stage) == sorted(topo.filter_match(pipe=stage))
+
+
+def test_pure_layer_imports_without_deepspeed() -> None:
+    """recipe, layout, checker and estimator load without DeepSpeed or torch.distributed collectives code
+    of dsx3d (a fresh interpreter: this process has imported everything already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import dsx3d.recipe, dsx3d.layout, dsx3d.checker, dsx3d.estimate, dsx3d.planner; "
+        "bad = [m for m in sys.modules if m == 'deepspeed' or m.startswith(('deepspeed.', 'dsx3d.distributed'))]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -81,13 +81,13 @@ def test_never_proposes_what_the_checker_refuses(config, cluster, global_batch, 
 def test_refusals_and_misfits_are_explained():
     result, _, _ = _plan(ODD_QWEN3, Cluster(1, 8, 24), global_batch=64, seq_len=2048)
     assert any("tp=8" in note and "attention heads 12" in note for note in result.skipped)
-    refused = [f for f in result.families if f.status == "refused"]
+    refused = [f for f in result.groups if f.status == "refused"]
     assert refused and all(f.tp == 4 and "intermediate_size" in f.reason for f in refused)
-    assert {f.status for f in result.families} >= {"chosen", "slower"}
+    assert {f.status for f in result.groups} >= {"chosen", "slower"}
     big, _, _ = _plan(LLAMA3_70B, Cluster(8, 8, 80))
-    misfits = [f for f in big.families if f.status == "no_fit"]
+    misfits = [f for f in big.groups if f.status == "no_fit"]
     assert misfits and all("stage" in f.reason and "GB over" in f.reason for f in misfits)
-    slower = [f for f in big.families if f.status == "slower"]
+    slower = [f for f in big.groups if f.status == "slower"]
     assert all("x slower than the choice" in f.reason or "ties with the choice" in f.reason for f in slower)
 
 

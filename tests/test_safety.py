@@ -30,9 +30,9 @@ from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, file_problem, weights_o
 from dsx3d.checkpoint.training_format import LATEST, check_tag, files_path, read_latest, tag_for
 from dsx3d.cli import main
 from dsx3d.errors import UserError
+from dsx3d.fsio import write_atomic
 from dsx3d.layout import Layout
 from dsx3d.recipe import load_recipe, parse_yaml, recipe_from_dict
-from dsx3d.run.atomic import write_text_atomic
 from dsx3d.run.checkpointing import (
     choose_tag,
     disk_full,
@@ -151,14 +151,14 @@ def _fake_earlier_run(root: Path) -> list[str]:
     """What a run leaves: its manifest names its root and tokenizer files; checkpoints and an export."""
     paths = RunPaths(root)
     for name in ("recipe.yaml", "ds_config.json", "metrics.jsonl"):
-        write_text_atomic(root / name, "x")
-    write_text_atomic(paths.tokenizer / "tokenizer.json", "{}")
+        write_atomic(root / name, "x")
+    write_atomic(paths.tokenizer / "tokenizer.json", "{}")
     record(root, "run", ["recipe.yaml", "ds_config.json", "metrics.jsonl", "loss.png", "tokenizer/tokenizer.json"])
     for step in (2, 4):
-        write_text_atomic(paths.checkpoints / tag_for(step) / "mp_rank_00_model_states.pt", "x")
-        write_text_atomic(paths.checkpoints / tag_for(step) / "rng" / "rank-00000.pt", "x")
-    write_text_atomic(paths.checkpoints / LATEST, tag_for(4))
-    write_text_atomic(paths.hf / "config.json", "{}")
+        write_atomic(paths.checkpoints / tag_for(step) / "mp_rank_00_model_states.pt", "x")
+        write_atomic(paths.checkpoints / tag_for(step) / "rng" / "rank-00000.pt", "x")
+    write_atomic(paths.checkpoints / LATEST, tag_for(4))
+    write_atomic(paths.hf / "config.json", "{}")
     record(paths.hf, "export", ["config.json"])
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
@@ -167,9 +167,9 @@ def test_a_fresh_start_never_deletes_files_dsx3d_did_not_write(tmp_path: Path) -
     """The reported loss: without `latest`, a fresh start deleted checkpoints/, hf/ and metrics.jsonl
     whatever they held. Now files dsx3d did not write refuse the start, with or without --overwrite."""
     paths = RunPaths(tmp_path / "run")
-    write_text_atomic(paths.checkpoints / "notes.txt", "mine")
-    write_text_atomic(paths.hf / "model.bin", "mine")
-    write_text_atomic(paths.metrics, "mine")
+    write_atomic(paths.checkpoints / "notes.txt", "mine")
+    write_atomic(paths.hf / "model.bin", "mine")
+    write_atomic(paths.metrics, "mine")
     for resume, overwrite in ((False, False), (False, True), (True, False)):
         with pytest.raises(UserError, match="did not write.*checkpoints/notes.txt"):
             check_start(paths, resume=resume, overwrite=overwrite)
@@ -214,7 +214,7 @@ def test_train_dry_run_with_a_foreign_file_exits_2_and_deletes_nothing(
     data = yaml.safe_load(TINY.read_text())
     data["output_dir"] = str(tmp_path / "run")
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
-    write_text_atomic(tmp_path / "run" / "hf" / "weights.bin", "mine")
+    write_atomic(tmp_path / "run" / "hf" / "weights.bin", "mine")
     assert main(["train", str(tmp_path / "r.yaml"), "--overwrite", "--dry-run"]) == 2
     assert "hf/weights.bin" in capsys.readouterr().err
     assert (tmp_path / "run" / "hf" / "weights.bin").read_text() == "mine"
@@ -277,19 +277,19 @@ def test_export_refuses_a_tag_that_leaves_the_checkpoints(tmp_path: Path, capsys
 def _tag(ckpt: Path, step: int, world: int = 2) -> Path:
     """A tag as dsx3d writes it: per-rank file lists with sizes, over real torch files."""
     tag_dir = ckpt / tag_for(step)
-    write_text_atomic(tag_dir / "dsx3d_layout.json", json.dumps({"dp": 1, "tp": 1, "pp": world, "world_size": world}))
+    write_atomic(tag_dir / "dsx3d_layout.json", json.dumps({"dp": 1, "tp": 1, "pp": world, "world_size": world}))
     for rank in range(world):
         name = f"layer_{rank:02d}-model_00-model_states.pt"
         torch.save({"w": torch.ones(64)}, tag_dir / name)
         sizes = {name: (tag_dir / name).stat().st_size}
-        write_text_atomic(files_path(tag_dir, rank), json.dumps({"rank": rank, "files": sizes}))
+        write_atomic(files_path(tag_dir, rank), json.dumps({"rank": rank, "files": sizes}))
     return tag_dir
 
 
 def test_a_damaged_latest_is_named_and_the_previous_complete_tag_chosen(tmp_path: Path) -> None:
     for step in (2, 4, 6):
         _tag(tmp_path, step)
-    write_text_atomic(tmp_path / LATEST, tag_for(6))
+    write_atomic(tmp_path / LATEST, tag_for(6))
     assert choose_tag(tmp_path) == (tag_for(6), [])
     victim = tmp_path / tag_for(6) / "layer_01-model_00-model_states.pt"
     victim.write_bytes(victim.read_bytes()[:-100])  # truncated
@@ -307,7 +307,7 @@ def test_a_payload_in_a_tag_makes_it_damaged_without_running(tmp_path: Path) -> 
     tag_dir = _tag(tmp_path, 2)
     target = tag_dir / "layer_00-model_00-model_states.pt"
     _payload_file(target, tmp_path / "marker")
-    write_text_atomic(files_path(tag_dir, 0), json.dumps({"rank": 0, "files": {target.name: target.stat().st_size}}))
+    write_atomic(files_path(tag_dir, 0), json.dumps({"rank": 0, "files": {target.name: target.stat().st_size}}))
     problems = tag_problems(tag_dir)
     assert len(problems) == 1 and "weights-only load refuses" in problems[0]
     assert not (tmp_path / "marker").exists()

@@ -21,8 +21,9 @@ import psutil
 import pytest
 import yaml
 
-from dsx3d.run.checkpointing import read_latest, tag_for
+from dsx3d.checkpoint.training_format import read_latest, tag_for
 from dsx3d.run.metrics import read_metrics
+from dsx3d.testing.recipes import tiny_recipe_dict
 
 pytestmark = pytest.mark.slow
 
@@ -39,36 +40,12 @@ def free_port() -> int:
 def write_recipe(
     path: Path, output_dir: Path, cache_dir: Path, *, nodes: int = 1, steps: int = STEPS
 ) -> Path:
-    recipe = {
-        "model": {
-            "config": {
-                "model_type": "llama",
-                "hidden_size": 32,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "intermediate_size": 64,
-                "vocab_size": 512,
-                "max_position_embeddings": 64,
-                "tie_word_embeddings": False,
-            }
-        },
-        "parallel": {"dp": 1, "tp": 2, "pp": 2},
-        "cluster": {"nodes": nodes, "gpus_per_node": 4 // nodes},
-        "train": {
-            "micro_batch_size": 2,
-            "gradient_accumulation_steps": 2,
-            "steps": steps,
-            "seq_len": 32,
-            "lr": 3e-3,
-            "warmup_steps": 1,
-            "dtype": "fp32",
-            "log_interval": 1,
-            "save_interval": 2,
-        },
-        "data": {"tokenizer_vocab_size": 512, "cache_dir": str(cache_dir)},
-        "output_dir": str(output_dir),
-    }
+    recipe = tiny_recipe_dict(
+        cluster={"nodes": nodes, "gpus_per_node": 4 // nodes},
+        train={"steps": steps, "save_interval": 2},
+        data={"cache_dir": str(cache_dir)},
+        output_dir=str(output_dir),
+    )
     path.write_text(yaml.safe_dump(recipe))
     return path
 

@@ -8,17 +8,19 @@ checkpoint save must resume from the previous complete checkpoint, never from th
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dsx3d.checkpoint.training_format import LATEST, RECIPE_FILE, read_latest, tag_for
 from dsx3d.errors import UserError
 from dsx3d.recipe import Recipe, recipe_from_dict
-from dsx3d.run.checkpointing import LATEST, RECIPE_FILE, read_latest, tag_for
 from dsx3d.run.metrics import read_metrics
 from dsx3d.testing.harness import RankFailure, run_ranks
 from dsx3d.testing.payload import write_pickle_payload
+from dsx3d.testing.recipes import tiny_recipe_dict
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
@@ -29,39 +31,21 @@ SAVE_INTERVAL = 2
 
 def make_recipe(output_dir: Path, cache_dir: Path) -> Recipe:
     return recipe_from_dict(
-        {
-            "model": {
-                "config": {
-                    "model_type": "llama",
-                    "hidden_size": 32,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "intermediate_size": 64,
-                    "vocab_size": 512,
-                    "max_position_embeddings": 64,
-                    "tie_word_embeddings": False,
-                }
-            },
-            "parallel": {"dp": 2, "tp": 2, "pp": 2},
-            "cluster": {"nodes": 1, "gpus_per_node": WORLD},
-            "train": {
+        tiny_recipe_dict(
+            parallel={"dp": 2, "tp": 2, "pp": 2},
+            cluster={"nodes": 1, "gpus_per_node": WORLD},
+            train={
                 "micro_batch_size": 1,
-                "gradient_accumulation_steps": 2,
                 "steps": STEPS,
-                "seq_len": 32,
-                "lr": 3e-3,
                 "warmup_steps": 2,
                 "lr_schedule": "cosine",
                 "weight_decay": 0.01,
-                "dtype": "fp32",
-                "log_interval": 1,
                 "save_interval": SAVE_INTERVAL,
                 "keep_checkpoints": 2,
             },
-            "data": {"tokenizer_vocab_size": 512, "cache_dir": str(cache_dir)},
-            "output_dir": str(output_dir),
-        }
+            data={"cache_dir": str(cache_dir)},
+            output_dir=str(output_dir),
+        )
     )
 
 
@@ -84,7 +68,12 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[list[float], Path]:
     out = tmp_path_factory.mktemp("reference")
-    result = run(make_recipe(out, cache_dir))
+    old_umask = os.umask(0o077)  # a private umask: the run must still leave files colleagues can read
+    try:
+        result = run(make_recipe(out / "run", cache_dir))
+    finally:
+        os.umask(old_umask)
+    out = out / "run"
     assert (result.start_step, result.end_step, len(result.losses)) == (0, STEPS, STEPS)
     return result.losses, out
 
@@ -100,6 +89,18 @@ def test_uninterrupted_run_leaves_its_files(reference: tuple[list[float], Path])
     assert [r["loss"] for r in records] == losses
     for name in ("recipe.yaml", "ds_config.json", "placement.json", "loss.png", "tokenizer/tokenizer.json"):
         assert (out / name).is_file(), name
+
+
+def test_run_files_are_readable_by_others(reference: tuple[list[float], Path]) -> None:
+    """Written under umask 077, every file of the run is 0644 and every directory 0755 (on a shared cluster
+    colleagues read the checkpoints and the exported model)."""
+    _, out = reference
+    paths = [out, *out.rglob("*")]
+    assert any(p.suffix == ".safetensors" for p in paths) and any(p.suffix == ".pt" for p in paths)
+    for path in paths:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        executable = path.suffix == ".py"  # DeepSpeed's zero_to_fp32.py beside the tags
+        assert mode == (0o755 if path.is_dir() or executable else 0o644), (path, oct(mode))
 
 
 def test_training_checkpoints_convert_to_universal(reference: tuple[list[float], Path], tmp_path: Path) -> None:
@@ -202,14 +203,14 @@ def _save_then_load_payload(rank: int, recipe: Recipe, target: str, marker: str,
     from dsx3d.engine import build_engine
     from dsx3d.run.checkpointing import Checkpointer
 
-    run = build_engine(recipe)
+    engine = build_engine(recipe)
     ckpt = Path(recipe.output_dir) / "checkpoints"
-    Checkpointer(run, ckpt, recipe, 2).save(1, {"step": 1})
+    Checkpointer(engine, ckpt, recipe, 2).save(1, {"step": 1})
     write_pickle_payload(next((ckpt / tag_for(1)).glob(target)), Path(marker))
     guard = weights_only_loads() if guarded else contextlib.nullcontext()
     try:
         with guard:
-            run.engine.load_checkpoint(str(ckpt), tag=tag_for(1))
+            engine.ds_engine.load_checkpoint(str(ckpt), tag=tag_for(1))
     except UnsafeCheckpoint as err:
         return str(err)
     except Exception as err:  # unguarded: the payload ran, then DeepSpeed choked on what it returned

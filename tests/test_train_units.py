@@ -15,11 +15,13 @@ import pytest
 import yaml
 from transformers import LlamaConfig
 
+from dsx3d.checkpoint.training_format import LATEST, read_latest, tag_for
 from dsx3d.cli import main
 from dsx3d.cli.cmd_train import describe_exit
 from dsx3d.errors import UserError
+from dsx3d.fsio import write_atomic
 from dsx3d.recipe import load_recipe, recipe_from_dict
-from dsx3d.run.checkpointing import LATEST, prune, read_latest, tag_for, tags_to_delete, write_text_atomic
+from dsx3d.run.checkpointing import prune, tags_to_delete
 from dsx3d.run.data import check_vocab
 from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, read_hostfile
 from dsx3d.run.metrics import Throughput, read_metrics
@@ -187,7 +189,7 @@ def test_check_start_allows_fresh_dirs_and_explicit_choices(tmp_path: Path) -> N
     paths.checkpoints.mkdir()
     (paths.checkpoints / "step-000010").mkdir()  # a crash during the first save: no latest, nothing to keep
     check_start(paths, resume=False, overwrite=False)
-    write_text_atomic(paths.checkpoints / LATEST, "step-000010")
+    write_atomic(paths.checkpoints / LATEST, "step-000010")
     with pytest.raises(UserError):
         check_start(paths, resume=False, overwrite=False)
     check_start(paths, resume=True, overwrite=False)
@@ -224,7 +226,7 @@ def test_prune_deletes_only_behind_latest(tmp_path: Path) -> None:
         (tmp_path / tag_for(step) / "rng").mkdir(parents=True)
         (tmp_path / tag_for(step) / "mp_rank_00_model_states.pt").write_text("x")
         (tmp_path / tag_for(step) / "rng" / "rank-00000.pt").write_text("x")
-    write_text_atomic(tmp_path / LATEST, tag_for(20))
+    write_atomic(tmp_path / LATEST, tag_for(20))
     assert prune(tmp_path, keep=1) == [tag_for(10)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, tag_for(20), tag_for(30)]
 
@@ -235,21 +237,21 @@ def test_prune_keeps_files_dsx3d_did_not_write(tmp_path: Path) -> None:
         (tmp_path / tag_for(step)).mkdir()
         (tmp_path / tag_for(step) / "mp_rank_00_model_states.pt").write_text("x")
     (tmp_path / tag_for(10) / "notes.txt").write_text("mine")
-    write_text_atomic(tmp_path / LATEST, tag_for(20))
+    write_atomic(tmp_path / LATEST, tag_for(20))
     prune(tmp_path, keep=1)
     assert sorted(p.name for p in (tmp_path / tag_for(10)).iterdir()) == ["notes.txt"]
 
 
 def test_latest_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer dying before the rename leaves the previous `latest` whole, and no temporary file."""
-    write_text_atomic(tmp_path / LATEST, tag_for(20))
+    write_atomic(tmp_path / LATEST, tag_for(20))
 
     def crash(src: str, dst: str) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        write_text_atomic(tmp_path / LATEST, tag_for(40))
+        write_atomic(tmp_path / LATEST, tag_for(40))
     monkeypatch.undo()
     assert read_latest(tmp_path) == tag_for(20)
     assert [p.name for p in tmp_path.iterdir()] == [LATEST]

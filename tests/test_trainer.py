@@ -14,7 +14,7 @@ import yaml
 
 from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
-from dsx3d.families import tiny_config
+from dsx3d.models.families import tiny_config
 from dsx3d.recipe import recipe_from_dict
 from dsx3d.testing.harness import run_ranks
 

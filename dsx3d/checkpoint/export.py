@@ -35,7 +35,7 @@ from dsx3d.checkpoint.writer import (
     write_configs,
     write_index,
 )
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
 from dsx3d.errors import UserError
 
 if TYPE_CHECKING:
@@ -94,17 +94,17 @@ def hub_entries(
     return [Entry(name, tuple(t.shape), dtype) for name, t in to_hub_names(model, meta).items()]
 
 
-def run_dtype(run: Engine3D) -> torch.dtype:
+def run_dtype(engine: Engine3D) -> torch.dtype:
     """The dtype the run computes in: what its export holds by default."""
-    if run.ds_config.get("bf16", {}).get("enabled"):
+    if engine.ds_config.get("bf16", {}).get("enabled"):
         return torch.bfloat16
-    if run.ds_config.get("fp16", {}).get("enabled"):
+    if engine.ds_config.get("fp16", {}).get("enabled"):
         return torch.float16
     return torch.float32
 
 
 def export_hf(
-    run: Engine3D,
+    engine: Engine3D,
     out_dir: str | Path,
     tokenizer: Any = None,
     *,
@@ -116,12 +116,12 @@ def export_hf(
     `dtype` defaults to the run's compute dtype. Files are written on the stage ranks' filesystems, so
     multi-node exports need `out_dir` on a shared filesystem."""
     out = Path(out_dir).absolute()
-    dtype = dtype or run_dtype(run)
-    model = meta_model(run.hf_config)
-    full = {name: tuple(p.shape) for name, p in expected_params(model, run.hf_config).items()}
-    place = run.placement
-    described = comm.all_gather_object((place.pp, place.dp, place.tp, describe_params(run.module)))
-    stages = stage_groups(described, run.layout.pp)  # type: ignore[arg-type]
+    dtype = dtype or run_dtype(engine)
+    model = meta_model(engine.hf_config)
+    full = {name: tuple(p.shape) for name, p in expected_params(model, engine.hf_config).items()}
+    place = engine.placement
+    described = comm.all_gather_object((place.pp, place.dp, place.tp, describe_params(engine.module)))
+    stages = stage_groups(described, engine.layout.pp)  # type: ignore[arg-type]
     exported = {d[0] for layers in stages for layer in layers for d in layer}
     if exported != set(full):
         raise RuntimeError(
@@ -140,12 +140,12 @@ def export_hf(
     if isinstance(staging, UserError):
         raise staging
 
-    error = _write_stage(run, stages, files, model, full, dtype, staging)
+    error = _write_stage(engine, stages, files, model, full, dtype, staging)
     errors = [str(e) for e in comm.all_gather_object(error) if e]
     if comm.get_rank() == 0 and not errors:
         try:
             write_index(staging, files)
-            write_configs(staging, run.hf_config, dtype, type(model).__name__)
+            write_configs(staging, engine.hf_config, dtype, type(model).__name__)
             save_tokenizer(staging, tokenizer)
             publish(staging, out)
         except OSError as err:
@@ -167,7 +167,7 @@ def export_hf(
 
 
 def _write_stage(
-    run: Engine3D,
+    engine: Engine3D,
     stages: list[list[list[Described]]],
     files: list[ShardFile],
     model: Any,
@@ -178,13 +178,13 @@ def _write_stage(
     """This rank's part: gather its stage's TP shards layer by layer (dp rank 0 only) and, on the stage's
     writer, stream them to the stage's files. Returns an error message instead of raising, so that every
     peer still takes part in every gather."""
-    place, layout = run.placement, run.layout
+    place, layout = engine.placement, engine.layout
     if place.dp != 0:
         return None
     writer_rank = layout.rank_of(pp=place.pp, dp=0, tp=0)
     is_writer = place.rank == writer_rank
-    tp_group = run.module.dsx3d_builder.tp.group
-    params = {getattr(p, "hf_name", None): p for p in run.module.parameters()}
+    tp_group = engine.module.dsx3d_builder.tp.group
+    params = {getattr(p, "hf_name", None): p for p in engine.module.parameters()}
     layers = iter(stages[place.pp])
     error: str | None = None
     for f in (f for f in files if f.segment == place.pp):

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dsx3d.errors import UserError
-from dsx3d.run.atomic import write_text_atomic
+from dsx3d.fsio import write_atomic
 
 MANIFESTS = {"export": "dsx3d_export.json", "universal": "dsx3d_universal.json", "run": "dsx3d_run.json"}
 SHOWN = 8
@@ -48,7 +48,7 @@ def write_manifest(directory: Path, kind: str, files: Iterable[str] | None = Non
     """Name `files` (default: everything now below `directory`) as written by dsx3d."""
     name = MANIFESTS[kind]
     listed = sorted({f for f in (files if files is not None else files_under(directory)) if f != name})
-    write_text_atomic(manifest_path(directory, kind), json.dumps({"kind": kind, "files": listed}, indent=1) + "\n")
+    write_atomic(manifest_path(directory, kind), json.dumps({"kind": kind, "files": listed}, indent=1) + "\n")
 
 
 def record(directory: Path, kind: str, files: Iterable[str]) -> None:

@@ -30,7 +30,7 @@ from transformers.core_model_loading import (
 
 from dsx3d.checkpoint.files import TensorInfo
 from dsx3d.errors import Problem
-from dsx3d.models.plans import is_tied, resolve_family
+from dsx3d.models.family import is_tied, resolve_family
 
 _FIX_MISMATCH = (
     "point model.name_or_path at a checkpoint of this model (its config.json and weights must agree)"

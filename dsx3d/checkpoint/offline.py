@@ -5,7 +5,7 @@ the dp-rank-0 ranks, plus the run's resolved recipe (dsx3d_recipe.yaml). Pipelin
 decoder 0 .. L-1, final norm, head]; with tied embeddings the head is the embedding and has no file.
 
 The map from a file's keys to HF names and TP dims is not a second hand-written table: each item's stage
-module is built on the meta device exactly as training builds it (the same StageBuilder, at the
+module is built on the meta device exactly as training builds it (the same LayerBuilder, at the
 checkpoint's tp), so its parameter names are the file's keys and each parameter's `hf_name` and
 `partition_dim` say where the shard goes: colwise -> dim 0, rowwise -> dim 1, embedding and head -> dim 0
 with the vocab padding trimmed. Every file is checked (keys, shapes) before anything is written; then one
@@ -15,7 +15,6 @@ item at a time is loaded (torch.load(weights_only=True), memory-mapped), merged 
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from transformers import AutoConfig, PretrainedConfig
 from dsx3d.checkpoint.files import load_bin
 from dsx3d.checkpoint.manifest import check_replaceable
 from dsx3d.checkpoint.names import expected_params, meta_model, to_hub_names
-from dsx3d.checkpoint.training_format import RECIPE_FILE, check_tag, read_latest
+from dsx3d.checkpoint.training_format import RECIPE_FILE, check_tag, layer_files, read_latest
 from dsx3d.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     Entry,
@@ -41,23 +40,23 @@ from dsx3d.checkpoint.writer import (
     write_configs,
     write_index,
 )
+from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import dimension_problems, load_hf_config
-from dsx3d.models.plans import resolve_family
-from dsx3d.models.stages import (
-    DecoderStage,
-    EmbeddingStage,
-    EpilogueStage,
-    HeadStage,
-    StageBuilder,
-    TiedEmbeddingStage,
+from dsx3d.models.family import resolve_family
+from dsx3d.models.pipe_layers import (
+    DecoderLayerPipe,
+    EmbeddingPipe,
+    EpiloguePipe,
+    HeadPipe,
+    LayerBuilder,
+    TiedEmbeddingPipe,
 )
-from dsx3d.models.tp_context import TPContext
+from dsx3d.models.weights import slice_along
 from dsx3d.recipe import Recipe, load_recipe
 
 log = logging.getLogger("dsx3d")
 
-_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 _FIX_CKPT = "export a complete checkpoint of this run (every layer_XX-model_YY file of the tag, unmodified)"
 
 
@@ -91,27 +90,22 @@ class _MetaSource:
     def load(
         self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
-        t = torch.empty(self.params[name].shape, device="meta")
-        if dim is None:
-            return t
-        stop = t.shape[dim] if stop is None else min(stop, t.shape[dim])
-        start = min(start, stop)
-        return t.narrow(dim, start, stop - start)
+        return slice_along(torch.empty(self.params[name].shape, device="meta"), dim, start, stop)
 
 
 def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
     """For each pipeline item, its parameters as its layer files store them (meta build, no memory)."""
     plan = resolve_family(config)
     params = expected_params(meta_model(config), config)
-    builder = StageBuilder(config, plan, TPContext(rank=0, size=tp), _MetaSource(params))
-    first: nn.Module = TiedEmbeddingStage(builder, True, False) if plan.tied else EmbeddingStage(builder)
+    builder = LayerBuilder(config, plan, TPContext(rank=0, size=tp), _MetaSource(params))
+    first: nn.Module = TiedEmbeddingPipe(builder, True, False) if plan.tied else EmbeddingPipe(builder)
     modules = [
         first,
-        *(DecoderStage(builder, i) for i in range(builder.skeleton.num_layers)),
-        EpilogueStage(builder),
+        *(DecoderLayerPipe(builder, i) for i in range(builder.skeleton.num_layers)),
+        EpiloguePipe(builder),
     ]
     if not plan.tied:
-        modules.append(HeadStage(builder))
+        modules.append(HeadPipe(builder))
     items = []
     for module in modules:
         item: list[ItemParam] = []
@@ -158,17 +152,6 @@ def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
             "pick a complete tag (see the `latest` file)",
         )
     return tag_dir
-
-
-def layer_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
-    """pipeline item -> TP rank -> file."""
-    out: dict[int, dict[int, Path]] = {}
-    if tag_dir.is_dir():
-        for p in tag_dir.iterdir():
-            m = _LAYER_FILE.match(p.name)
-            if m:
-                out.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
-    return out
 
 
 def run_config(tag_dir: Path, trust_remote_code: bool = False) -> tuple[Recipe, PretrainedConfig]:

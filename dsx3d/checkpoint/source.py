@@ -18,6 +18,7 @@ from transformers import AutoConfig, PretrainedConfig
 from dsx3d.checkpoint.files import CheckpointFiles
 from dsx3d.checkpoint.names import LoadPlan, meta_model, plan_load
 from dsx3d.errors import UserError
+from dsx3d.models.weights import slice_along
 
 log = logging.getLogger("dsx3d")
 
@@ -46,12 +47,8 @@ class CheckpointSource:
     ) -> torch.Tensor:
         if name in self.plan.direct:
             return self.files.read(self.plan.direct[name], dim, start, stop, self.dtype)
-        tensor = self._fused(name)
-        if dim is not None:
-            stop = tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])
-            start = min(start, stop)
-            tensor = tensor.narrow(dim, start, stop - start)
-        return tensor.clone()  # converter outputs may be views of a bigger tensor
+        # converter outputs may be views of a bigger tensor: clone the slice
+        return slice_along(self._fused(name), dim, start, stop).clone()
 
     def _fused(self, name: str) -> torch.Tensor:
         if name not in self._pending:

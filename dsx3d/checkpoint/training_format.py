@@ -1,4 +1,7 @@
-"""The training-checkpoint format: tags, the `latest` pointer, and the files a tag directory holds.
+"""The training-checkpoint format: the one place that knows how a dsx3d run's checkpoints are laid out.
+
+Written by `dsx3d.run.checkpointing` (every rank, through DeepSpeed), read by the offline export
+(`dsx3d.checkpoint.offline`), the universal conversion and `--resume`:
 
     checkpoints/latest                          the tag of the newest complete checkpoint ("step-000020")
     checkpoints/step-000020/                    DeepSpeed's files: layer_XX-model_YY-model_states.pt,
@@ -28,6 +31,7 @@ LATEST = "latest"
 RECIPE_FILE = "dsx3d_recipe.yaml"
 LAYOUT_FILE = "dsx3d_layout.json"
 CLIENT_KEY = "dsx3d"
+"""Key of dsx3d's own client state inside DeepSpeed's mp_rank_XX_model_states.pt."""
 RNG_DIR = "rng"
 FILES_DIR = "files"
 UNIVERSAL_DIR = "universal"
@@ -35,6 +39,8 @@ DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 MAX_LATEST_BYTES = 256
 
 _STEP_TAG = re.compile(r"^step-(\d{6,})$")
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+"""DeepSpeed's per-(pipeline item, TP rank) module file."""
 _ANY_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # Files dsx3d and DeepSpeed write below checkpoints/: anything else there is somebody else's and is never
@@ -134,4 +140,15 @@ def foreign_files(ckpt_dir: Path) -> list[str]:
         rel = p.relative_to(ckpt_dir).as_posix()
         if p.is_symlink() or not any(r.fullmatch(rel) for r in _OWNED):
             out.append(rel)
+    return out
+
+
+def layer_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
+    """pipeline item -> TP rank -> file, for the layer files of a tag directory."""
+    out: dict[int, dict[int, Path]] = {}
+    if tag_dir.is_dir():
+        for p in tag_dir.iterdir():
+            m = LAYER_FILE.match(p.name)
+            if m:
+                out.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
     return out

@@ -22,7 +22,6 @@ import contextlib
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +34,12 @@ from deepspeed.checkpoint.constants import (
     VOCABULARY_PARAMETER_PATTERNS,
 )
 
+from dsx3d import fsio
 from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
 from dsx3d.checkpoint.safe_load import file_problem, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
 from dsx3d.errors import UserError
-from dsx3d.run.atomic import write_text_atomic
 
 if TYPE_CHECKING:
     from dsx3d.engine import Engine3D
@@ -49,15 +48,15 @@ LOAD_UNIVERSAL: dict[str, Any] = {"checkpoint": {"load_universal": True}}
 """ds_overrides for build_engine: the new layout's engine then loads universal checkpoints."""
 
 
-def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
+def universal_checkpoint_info(engine: Engine3D) -> dict[str, Any]:
     """How every parameter of every stage is split over TP, as ds_to_universal reads it. A collective."""
-    builder = run.module.dsx3d_builder
+    builder = engine.module.dsx3d_builder
     vocab_names = {
         f"{builder.plan.base_prefix}.{builder.plan.embed_name}.weight",
         f"{builder.plan.head_name}.weight",
     }
     mine = []
-    for name, p in run.module.named_parameters():
+    for name, p in engine.module.named_parameters():
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
         mine.append((name, dim, getattr(p, "hf_name", None) in vocab_names and p.dim() == 2))
     everyone = {entry for rank in comm.all_gather_object(mine) for entry in rank}  # type: ignore[attr-defined]
@@ -74,9 +73,9 @@ def universal_checkpoint_info(run: Engine3D) -> dict[str, Any]:
     }
 
 
-def universal_client_state(run: Engine3D) -> dict[str, Any]:
+def universal_client_state(engine: Engine3D) -> dict[str, Any]:
     """Merge into `client_state` of `engine.save_checkpoint` so the checkpoint can become universal."""
-    return {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(run)}
+    return {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine)}
 
 
 def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) -> Path:
@@ -109,8 +108,7 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
             "to Hugging Face format (weights only) and resume from that",
         )
     check_replaceable(out, "universal", "OUT_DIR")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    staging = fsio.staging_dir(out)
     args = argparse.Namespace(
         input_folder=str(tag_dir),
         output_folder=str(staging),
@@ -124,12 +122,10 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
         with contextlib.redirect_stdout(sys.stderr), weights_only_loads():  # it prints progress on stdout
             ds_to_universal.main(args)
         write_manifest(staging, "universal")
-        check_replaceable(out, "universal", "OUT_DIR")
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        check_replaceable(out, "universal", "OUT_DIR")  # nothing may have appeared there meanwhile
+        fsio.publish_dir(staging, out)
         # the converter names its output folder (our staging name) in latest_universal beside it
-        write_text_atomic(out.parent / "latest_universal", out.name)
+        fsio.write_atomic(out.parent / "latest_universal", out.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -14,8 +14,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
+from dsx3d import fsio
 from dsx3d.checkpoint.files import DTYPE_NAMES, SAFETENSORS_INDEX
 from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
 from dsx3d.errors import UserError
@@ -195,25 +194,13 @@ def staging_dir(out: Path) -> Path:
     anything but a previous dsx3d export (its dsx3d_export.json names every file there) or an empty
     directory: a source model or any other directory is never replaced."""
     check_replaceable(out, "export", "OUT_DIR")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    return fsio.staging_dir(out)
 
 
 def publish(staging: Path, out: Path) -> None:
-    """Name every file of the finished staging directory in its manifest, then move it to `out`, replacing
-    the previous export there (checked again: nothing may have appeared in it meanwhile)."""
+    """Name every file of the finished staging directory in its manifest, then move it to `out` (files
+    0644, directories 0755), replacing the previous export there (checked again: nothing may have
+    appeared in it meanwhile)."""
     write_manifest(staging, "export")
     check_replaceable(out, "export", "OUT_DIR")
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-        os.rename(staging, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(staging, out)
-    try:
-        fd = os.open(out.parent, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    except OSError:  # some filesystems do not fsync directories; the rename itself is what matters
-        pass
+    fsio.publish_dir(staging, out)

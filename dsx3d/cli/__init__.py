@@ -10,33 +10,31 @@ import importlib
 import logging
 import sys
 
+from dsx3d import __version__
+from dsx3d.cli.registry import COMMANDS
 from dsx3d.errors import UserError
 
-# Module names under dsx3d.cli; each defines register(subparsers) and sets a `func(args) -> int` default.
-COMMANDS = [
-    "cmd_plan",
-    "cmd_check",
-    "cmd_config",
-    "cmd_verify",
-    "cmd_estimate",
-    "cmd_train",
-    "cmd_export",
-    "cmd_accelerate_config",
-]
 
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser. Only the command named in `argv` (all of them when `argv` is None) is imported and
+    registered with its options; the others appear in the command list by name and summary."""
     parser = argparse.ArgumentParser(prog="dsx3d", description="3D parallelism for Hugging Face models on DeepSpeed")
+    parser.add_argument("--version", action="version", version=f"dsx3d {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
-        importlib.import_module(f"dsx3d.cli.{name}").register(sub)
+    wanted = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
+    for name, (module, summary) in COMMANDS.items():
+        if argv is None or name == wanted:
+            importlib.import_module(f"dsx3d.cli.{module}").register(sub)
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     # force: each call writes to the sys.stderr of the moment (main runs in-process, several times, in tests)
     logging.basicConfig(level=logging.INFO, format="[dsx3d] %(message)s", stream=sys.stderr, force=True)
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except UserError as err:

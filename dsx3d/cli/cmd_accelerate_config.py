@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.cli.args import output_file, port
+from dsx3d.cli.registry import summary
 from dsx3d.ds_config import write_ds_config
 from dsx3d.errors import UserError
 from dsx3d.integrations.accelerate_config import accelerate_config, write_accelerate_config
@@ -16,7 +17,7 @@ from dsx3d.recipe import load_recipe
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "accelerate-config",
-        help="write an accelerate launch config (DeepSpeed) for a recipe",
+        help=summary("accelerate-config"),
         description="Check the recipe (errors: exit 2), write its DeepSpeed JSON and an accelerate config naming it, "
         "with the recipe's process and machine counts. Then: accelerate launch --config_file FILE.yaml SCRIPT.",
     )

@@ -9,13 +9,14 @@ import argparse
 
 from dsx3d.checker import check_recipe
 from dsx3d.cli.args import positive_int, world_size  # noqa: F401 (positive_int: for older imports)
+from dsx3d.cli.registry import summary
 from dsx3d.recipe import load_recipe
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "check",
-        help="check a recipe: layout, model shapes, batch arithmetic, DeepSpeed overrides",
+        help=summary("check"),
         description="Report every problem of a recipe at once. Exit 0 if only warnings, 2 on any error.",
     )
     p.add_argument("recipe", help="recipe YAML (see recipes/)")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.cli.args import output_file, world_size
+from dsx3d.cli.registry import summary
 from dsx3d.ds_config import write_ds_config
 from dsx3d.recipe import load_recipe
 
@@ -14,7 +15,7 @@ from dsx3d.recipe import load_recipe
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "config",
-        help="write the DeepSpeed config JSON of a recipe",
+        help=summary("config"),
         description="Check the recipe (errors: exit 2), then write its DeepSpeed JSON.",
     )
     p.add_argument("recipe", help="recipe YAML (see recipes/)")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsx3d.cli.args import MAX_COUNT, MAX_HIDDEN, MAX_LAYERS, bounded_float, bounded_int
+from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
 from dsx3d.estimate import (
     Estimate,
@@ -189,7 +190,7 @@ def _no_constant(name: str) -> Any:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "estimate",
-        help="estimate memory per stage and step time of a layout",
+        help=summary("estimate"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dsx3d.cli.args import input_dir, output_dir
+from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -22,7 +23,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "export",
-        help="convert a training checkpoint into a Hugging Face checkpoint (safetensors)",
+        help=summary("export"),
         description=(
             "Merge the TP shards and pipeline layers of a dsx3d checkpoint into a Hugging Face checkpoint: "
             "safetensors shards with model.safetensors.index.json, config.json, generation_config.json and "

@@ -17,9 +17,11 @@ from typing import Any
 from dsx3d.checker import check_recipe
 from dsx3d.cli import plan_auto
 from dsx3d.cli.args import degree, gpus_per_node, output_file, world_size
+from dsx3d.cli.registry import summary
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, bubble_fraction
+from dsx3d.partition import stage_layers_for
 from dsx3d.recipe import MAX_WORLD_SIZE, load_recipe, recipe_from_dict
 
 log = logging.getLogger("dsx3d")
@@ -39,6 +41,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     tied_embeddings: bool = True
     """False when the model unties embedding and head: then no tied groups exist."""
+    stage_layers: list[int] | None = None
+    """Decoder layers per stage as the engine splits them (from a recipe; None for bare degrees)."""
 
     def describe(self) -> dict[str, Any]:
         lay = self.layout
@@ -51,6 +55,7 @@ class Plan:
             "pp_groups": [g for g in lay.pp_groups() if lay.crosses_node(g)],
         }
         data["pp_node_crossings"] = sorted({s for g in lay.pp_groups() for s in lay.node_crossings(g)})
+        data["stage_layers"] = self.stage_layers
         data["micro_batches"] = self.micro_batches
         data["bubble_fraction"] = bubble_fraction(lay.pp, self.micro_batches) if self.micro_batches else None
         data["warnings"] = list(self.warnings)
@@ -60,7 +65,7 @@ class Plan:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plan",
-        help="show the placement of every rank for a recipe or for given degrees",
+        help=summary("plan"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -121,6 +126,9 @@ def _plan_from_recipe(args: argparse.Namespace) -> Plan:
         micro_batches=recipe.train.gradient_accumulation_steps,
         warnings=[str(p) for p in problems],
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
+        stage_layers=stage_layers_for(
+            hf_config, recipe.parallel.pp, recipe.train.seq_len, recipe.parallel.stage_layers
+        ),
     )
 
 
@@ -195,6 +203,8 @@ def render_plan(plan: Plan) -> str:
     if d["pp_node_crossings"]:
         bounds = ", ".join(f"{a}->{b}" for a, b in d["pp_node_crossings"])
         lines.append(f"pipelines change node between stages {bounds}")
+    if plan.stage_layers is not None:
+        lines.append(f"decoder layers per stage: {plan.stage_layers}")
     if d["tied_groups"]:
         lines.append(f"tied embedding groups (first and last stage): {_groups(d['tied_groups'])}")
     if plan.micro_batches:

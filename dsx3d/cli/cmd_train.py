@@ -18,6 +18,7 @@ import sys
 
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.cli.args import bounded_float
+from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
 from dsx3d.recipe import Recipe, load_recipe
 from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, read_hostfile
@@ -45,7 +46,7 @@ def _own_options(p: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
-        help="train a recipe: check it, then run the deepspeed launcher with --module dsx3d.train",
+        help=summary("train"),
         description="Check the recipe (errors: exit 2), then start cluster.gpus_per_node ranks per node through the "
         "deepspeed launcher. Unknown options go to the launcher.",
         epilog="Two nodes by hand: dsx3d train R --hostfile H --no_ssh --node_rank 0|1 --master_addr ADDR --master_port P",

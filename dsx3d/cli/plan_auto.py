@@ -4,7 +4,7 @@
                [--global-batch B --seq-len S] [--top K] [--json] [--write-recipe FILE]
 
 CONFIG is a recipe YAML, an HF config.json or a checkpoint directory. Every candidate passes
-`dsx3d.checker` and fits the usable memory; for every other (dp, tp, pp, ZeRO) family the output says why it
+`dsx3d.checker` and fits the usable memory; for every other (dp, tp, pp, ZeRO) group the output says why it
 lost. `--json` prints one JSON object on stdout. The search and the model: `dsx3d.planner`, `dsx3d.estimate`.
 """
 
@@ -22,6 +22,7 @@ from dsx3d.cli.args import output_file
 from dsx3d.cli.cmd_estimate import add_hardware_arguments, add_option, hardware_from, load_model, positive
 from dsx3d.errors import UserError
 from dsx3d.estimate import Setup, shape_from_hf_config
+from dsx3d.fsio import write_atomic
 from dsx3d.planner import Candidate, Cluster, PlanResult, plan_layouts, recipe_for
 from dsx3d.recipe import (
     MAX_BATCH,
@@ -33,7 +34,6 @@ from dsx3d.recipe import (
     dump_recipe,
     recipe_from_dict,
 )
-from dsx3d.run.atomic import write_text_atomic
 
 log = logging.getLogger("dsx3d")
 
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         max_micro_batch=args.max_micro_batch,
     )
     if not result.checked:
-        log.warning("dsx3d.checker is not available: candidates were not checked")
+        log.warning("no model config given (bare --params): candidates were not checked by dsx3d check")
     if args.write_recipe and result.best is not None:
         _write_recipe(args.write_recipe, result.best, cluster, model, recipe)
     if args.json:
@@ -148,7 +148,7 @@ def _write_recipe(
             }
         )
     recipe_from_dict(yaml.safe_load(dump_recipe(chosen)))  # what we write must load
-    write_text_atomic(Path(path), dump_recipe(chosen))
+    write_atomic(Path(path), dump_recipe(chosen))
     log.info("wrote %s (%s)", path, best.label())
 
 
@@ -184,7 +184,7 @@ def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
         "checked": result.checked,
         "chosen": _candidate_json(best) if best else None,
         "top": [_candidate_json(c) for c in result.ranked[:top]],
-        "families": [
+        "groups": [
             {
                 "dp": f.dp,
                 "tp": f.tp,
@@ -194,7 +194,7 @@ def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
                 "reason": f.reason,
                 "best": _candidate_json(f.best),
             }
-            for f in result.families
+            for f in result.groups
         ],
         "skipped": result.skipped,
     }
@@ -203,7 +203,7 @@ def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
 def render(
     result: PlanResult, top: int, cluster: Cluster, total_params: int, global_batch: int, seq_len: int
 ) -> str:
-    """The ranked table, the choice with the checker's warnings, and why every other family lost."""
+    """The ranked table, the choice with the checker's warnings, and why every other layout group lost."""
     lines = [
         f"{total_params / 1e9:.2f}B parameters on {cluster.nodes} x {cluster.gpus_per_node} devices of "
         f"{cluster.gpu_memory_gb:g} GB; global batch {global_batch} x {seq_len} tokens",
@@ -223,10 +223,10 @@ def render(
         )
     if result.best is not None:
         lines += ["", "chosen: " + result.best.label()] + [f"  {w}" for w in result.best.warnings]
-    lines += ["", "why the other layouts lost (best of each dp x tp x pp x ZeRO family):"]
+    lines += ["", "why the other layouts lost (best of each dp x tp x pp x ZeRO group):"]
     lines += [
         f"  dp{f.dp} tp{f.tp} pp{f.pp} zero{f.zero_stage}: {f.reason}"
-        for f in result.families
+        for f in result.groups
         if f.status != "chosen"
     ]
     lines += [f"  skipped {note}" for note in result.skipped]

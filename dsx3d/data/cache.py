@@ -11,13 +11,13 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dsx3d import fsio
+from dsx3d.fsio import write_atomic
 
 
 def default_cache_dir() -> Path:
@@ -35,42 +35,16 @@ def digest(*parts: Any) -> str:
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    """np.save to a temporary file next to `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """np.save into a temporary file next to `path`, then rename it into place."""
+    write_atomic(path, lambda f: np.save(f, array))
 
 
 def save_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
-@contextlib.contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory that becomes `final` when the block succeeds.
-
-    If another process created `final` first, its copy wins and ours is discarded: entries with the same
-    name have the same content by construction.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-    try:
-        yield tmp
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def atomic_dir(final: Path) -> contextlib.AbstractContextManager[Path]:
+    """An empty temporary directory that becomes `final` when the block succeeds. If another process
+    published `final` first, its copy wins and ours is discarded: entries with the same name have the same
+    content by construction."""
+    return fsio.atomic_dir(final, replace=False)

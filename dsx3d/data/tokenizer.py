@@ -18,6 +18,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from dsx3d.checkpoint.writer import TOKENIZER_FILES
 from dsx3d.data.cache import atomic_dir, digest
 from dsx3d.data.corpus import Corpus
 from dsx3d.errors import UserError
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 # Files whose presence in a model directory means it ships a tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def resolve_tokenizer(recipe: Recipe, corpus: Corpus, cache_dir: Path) -> tuple[PreTrainedTokenizerBase, str]:

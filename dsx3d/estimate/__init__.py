@@ -19,8 +19,8 @@ from dsx3d.estimate.memory import (
     stage_activation_bytes,
     stage_params,
 )
-from dsx3d.estimate.model import ModelShape, ParamCount, shape_from_hf_config, shape_from_params
-from dsx3d.estimate.timing import Placement, bubble_fraction
+from dsx3d.layout import bubble_fraction
+from dsx3d.models.shape import ModelShape, ParamCount, shape_from_hf_config, shape_from_params
 
 __all__ = [
     "GB",
@@ -28,7 +28,6 @@ __all__ = [
     "Hardware",
     "ModelShape",
     "ParamCount",
-    "Placement",
     "Setup",
     "StageEstimate",
     "StateBytes",

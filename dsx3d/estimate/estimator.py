@@ -10,7 +10,9 @@ from dataclasses import asdict, dataclass, field
 
 from dsx3d.errors import UserError
 from dsx3d.estimate import memory, timing
-from dsx3d.estimate.model import ModelShape, ParamCount
+from dsx3d.layout import Layout, bubble_fraction
+from dsx3d.models.shape import ModelShape, ParamCount
+from dsx3d.partition import decoder_split
 
 GB = 1e9
 
@@ -54,8 +56,8 @@ class Setup:
     stage_layers: tuple[int, ...] | None = None
     """Explicit decoder layers per stage; otherwise `split` decides."""
     split: str = "cost"
-    """"cost": fewest layers on the last stage that balance the head's FLOPs (`memory.balanced_layers`, what
-    dsx3d's pipeline does by default); "even": equal layer counts (`memory.split_layers`)."""
+    """"cost": the engine's own cost-balanced split (`dsx3d.partition.decoder_split`, what dsx3d's pipeline
+    does by default); "even": equal layer counts (`memory.split_layers`)."""
     flash_attention: bool = False
     fp32_grad_accum: bool = False
 
@@ -108,6 +110,8 @@ class Estimate:
     """Step time by kind: pipeline ((m + p - 1) x the slowest stage's micro-batch), dp and tied exchanges,
     and for the slowest stage its compute, tp and pp seconds per step (parts of the pipeline time)."""
     total_params: int
+    stage_layers: list[int] = field(default_factory=list)
+    """Decoder layers per stage: the split the engine builds (`dsx3d.partition.decoder_split`)."""
     usable_gb: float | None = None
     fits: bool | None = None
     assumptions: list[str] = field(default_factory=list)
@@ -138,8 +142,7 @@ def _validate(shape: ModelShape, setup: Setup) -> list[int]:
             return memory.split_layers(shape.num_layers, setup.pp)
         if setup.split != "cost":
             raise UserError.single("split", setup.split, "unknown stage split", 'use "cost" or "even"')
-        layer_cost = 2 * shape.layer_flop_params + 4 * setup.seq_len * shape.attention_width
-        return memory.balanced_layers(shape.num_layers, setup.pp, layer_cost, 2 * shape.head)
+        return decoder_split(shape, setup.pp, setup.seq_len)
     layers = list(setup.stage_layers)
     if len(layers) != setup.pp or sum(layers) != shape.num_layers or min(layers) < 0:
         raise UserError.single(
@@ -200,7 +203,7 @@ def _stage_time(
     """(seconds per micro-batch, seconds per step by kind, bytes sent per step by group type)."""
     s, b, t, m = setup.seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
     width = memory.dtype_bytes(setup.dtype)
-    place = timing.Placement(setup.dp, t, setup.pp, hw.gpus_per_node)
+    place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=hw.gpus_per_node)
     last = stage == setup.pp - 1
 
     def link(crosses: bool) -> float:
@@ -267,7 +270,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         tied_bytes = (
             shape.embedding / setup.tp * (4 if setup.fp32_grad_accum else memory.dtype_bytes(setup.dtype))
         )
-        place = timing.Placement(setup.dp, setup.tp, p, hw.gpus_per_node)
+        place = Layout(dp=setup.dp, tp=setup.tp, pp=p, gpus_per_node=hw.gpus_per_node)
         tied_bw = hw.inter_node_gbps if place.ends_cross_node() else hw.intra_node_gbps
         tied_time = tied_bytes / (tied_bw * GB)
         for st in (stages[0], stages[-1]):
@@ -292,7 +295,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         total_gb=peak.total_gb,
         peak_stage=peak.stage,
         step_time_s=step,
-        bubble_fraction=timing.bubble_fraction(p, m),
+        bubble_fraction=bubble_fraction(p, m),
         mfu=flops / (step * setup.world_size * hw.peak_tflops * 1e12),
         tokens_per_s=tokens / step,
         tokens_per_step=tokens,
@@ -305,6 +308,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
             **{k: slowest.time_s[k] for k in ("compute", "tp", "pp")},
         },
         total_params=shape.total_params,
+        stage_layers=[st.layers for st in stages],
         usable_gb=usable,
         fits=None if usable is None else peak.total_gb <= usable,
         assumptions=_assumptions(shape, setup),

@@ -31,11 +31,9 @@ al. 2021), so stage 0 holds the most.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from dsx3d.errors import UserError
-from dsx3d.estimate.model import ModelShape, ParamCount
-from dsx3d.partition import balanced_bounds
+from dsx3d.models.shape import ModelShape, ParamCount
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ADAM_K_MIXED = 12  # fp32 master weights + momentum + variance
@@ -89,24 +87,6 @@ def split_layers(num_layers: int, pp: int) -> list[int]:
     for stage in order[:extra]:
         counts[stage] += 1
     return counts
-
-
-def balanced_layers(num_layers: int, pp: int, layer_cost: float, head_cost: float) -> list[int]:
-    """Decoder layers per stage as dsx3d's pipeline splits them by default (`dsx3d.models.pipeline`): the
-    contiguous split of [embedding, L decoder layers, final norm, head] that minimises the most loaded stage
-    (`dsx3d.partition.balanced_bounds`, cost = forward FLOPs per token; embedding and norm cost nothing).
-    The last stage may keep no decoder layer when the head alone outweighs a stage's share."""
-    _check_stages(num_layers, pp)
-    return list(_balanced_layers(num_layers, pp, float(layer_cost), float(head_cost)))
-
-
-@lru_cache(maxsize=512)
-def _balanced_layers(num_layers: int, pp: int, layer_cost: float, head_cost: float) -> tuple[int, ...]:
-    bounds = balanced_bounds([0.0, *([layer_cost] * num_layers), 0.0, head_cost], pp)
-    # items 1..num_layers are the decoder layers
-    return tuple(
-        max(0, min(stop, num_layers + 1) - max(start, 1)) for start, stop in zip(bounds[:-1], bounds[1:])
-    )
 
 
 def _check_stages(num_layers: int, pp: int) -> None:

@@ -14,7 +14,7 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
      row-parallel linear, one backward per column-parallel linear, the forward ones again with checkpointing
      (the recomputation). Megatron fuses q/k/v and gate/up behind one `f`, 2 + 2; dsx3d shards each HF
      projection on its own, so a Llama layer issues 2 forward and 5 backward (q, k, v, gate, up), counted
-     from the family's TP plan (`ModelShape.tp_*`, measured by scripts/bench_comm.py); `colwise_gather_output`
+     from the family's TP plan (`ModelShape.tp_*`, measured by scripts/bench/comm.py); `colwise_gather_output`
      and `rowwise_split_input` styles add an all-gather of their sharded side forward / backward. Plus,
      per micro-batch: the vocab-parallel embedding's forward all-reduce of b*s*h (first stage); the head's
      input-gradient all-reduce of b*s*h and the vocab-parallel cross-entropy's three fp32 all-reduces of b*s
@@ -30,12 +30,10 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
      (Sec. 7). Counted as not overlapped with compute (a pessimistic bound).
   Tied embedding/head (pp > 1): an all-reduce of V*h/t over the first and last stage.
 A group uses the inter-node bandwidth when its ranks span nodes (rank order pipe, data, model as in
-`dsx3d.layout`), else the intra-node one.
+`dsx3d.layout.Layout`), else the intra-node one. The bubble is `dsx3d.layout.bubble_fraction`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 
 def ring_allreduce_factor(group: int) -> float:
@@ -50,48 +48,6 @@ def dp_traffic_factor(zero_stage: int, dp: int, micro_batches: int = 1) -> float
     shard = (dp - 1) / dp
     m = micro_batches
     return {0: 2 * shard, 1: 3 * shard, 2: (m + 1) * shard, 3: 3 * m * shard}[zero_stage]
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Ranks laid out as DeepSpeed's PipeModelDataParallelTopology does: rank = (p*dp + d)*tp + t."""
-
-    dp: int
-    tp: int
-    pp: int
-    gpus_per_node: int
-
-    def rank(self, p: int, d: int, t: int) -> int:
-        return (p * self.dp + d) * self.tp + t
-
-    def _spans(self, ranks: list[int]) -> bool:
-        return len({r // self.gpus_per_node for r in ranks}) > 1
-
-    def tp_crosses_node(self) -> bool:
-        return any(
-            self._spans([self.rank(p, d, t) for t in range(self.tp)])
-            for p in range(self.pp)
-            for d in range(self.dp)
-        )
-
-    def dp_crosses_node(self, stage: int) -> bool:
-        return any(self._spans([self.rank(stage, d, t) for d in range(self.dp)]) for t in range(self.tp))
-
-    def boundary_crosses_node(self, stage: int) -> bool:
-        """Whether the link from `stage` to `stage + 1` leaves a node (for any pipeline)."""
-        return any(
-            self._spans([self.rank(stage, d, t), self.rank(stage + 1, d, t)])
-            for d in range(self.dp)
-            for t in range(self.tp)
-        )
-
-    def ends_cross_node(self) -> bool:
-        """Whether the first and last stage of a pipeline (the tied-weight pair) sit on different nodes."""
-        return any(
-            self._spans([self.rank(0, d, t), self.rank(self.pp - 1, d, t)])
-            for d in range(self.dp)
-            for t in range(self.tp)
-        )
 
 
 def stage_flops_per_micro_batch(
@@ -126,11 +82,11 @@ def tp_bytes_per_micro_batch(
     hidden: int,
     width: int,
     checkpointing: bool,
-    forward_allreduces: int = 2,
-    backward_allreduces: int = 5,
-    grad_allreduce_params: int = 0,
-    forward_gather_width: int = 0,
-    backward_gather_width: int = 0,
+    forward_allreduces: float = 2,
+    backward_allreduces: float = 5,
+    grad_allreduce_params: float = 0,
+    forward_gather_width: float = 0,
+    backward_gather_width: float = 0,
 ) -> float:
     """Decoder layers: (forward x (2 with checkpointing, else 1) + backward) all-reduces of b*s*h and the
     gradients of `grad_allreduce_params` TP-replicated parameters per layer, 2*(t-1)/t of each sent; plus
@@ -163,8 +119,3 @@ def p2p_bytes_per_micro_batch(*, seq_len: int, micro_batch: int, hidden: int, wi
     forward, the hidden states' gradient backward."""
     activations = seq_len * micro_batch * hidden * width
     return activations + seq_len * micro_batch * 8, activations
-
-
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """Idle fraction of a synchronous 1F1B pipeline: (p - 1) / (m + p - 1)."""
-    return (pp - 1) / (micro_batches + pp - 1)

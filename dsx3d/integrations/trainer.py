@@ -33,7 +33,7 @@ from accelerate.data_loader import SeedableRandomSampler
 from torch.utils.data import IterableDataset, SequentialSampler
 from transformers.trainer_utils import EvalLoopOutput, speed_metrics
 
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
 from dsx3d.integrations.batches import (
     DataParallelBatchSampler,
@@ -107,7 +107,7 @@ class _State:
     layout: Layout
     placement: RankPlacement
     source: Any
-    run: Any = None
+    engine: Any = None
     loss: TokenWeightedLoss | None = None
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     eval_steps: int = 0
@@ -216,7 +216,7 @@ class Trainer(transformers.Trainer):
 
     def _engine(self) -> Any:
         state = self._dsx3d
-        if state.run is None:
+        if state.engine is None:
             from dsx3d.engine import build_engine
 
             args = self.args
@@ -231,7 +231,7 @@ class Trainer(transformers.Trainer):
                     "adam_w_mode": True,
                 },
             }
-            state.run = build_engine(
+            state.engine = build_engine(
                 state.recipe,
                 hf_config=self._hf_model.config,
                 source=state.source,
@@ -241,12 +241,12 @@ class Trainer(transformers.Trainer):
             state.source = None  # the weights are in the engine now; a state-dict source can go
             # HF's scheduler (over EngineOptimizer) sets the learning rate. DeepSpeed's, built from the config,
             # must not step as well, and the rate it set at construction (its warm-up start) must not stay.
-            state.run.engine.lr_scheduler = None
-            for group in state.run.engine.optimizer.param_groups:
+            state.engine.ds_engine.lr_scheduler = None
+            for group in state.engine.ds_engine.optimizer.param_groups:
                 group["lr"] = args.learning_rate
-            state.loss = TokenWeightedLoss(state.run.module.loss_fn)
-            state.run.module.loss_fn = state.loss
-        return state.run
+            state.loss = TokenWeightedLoss(state.engine.module.loss_fn)
+            state.engine.module.loss_fn = state.loss
+        return state.engine
 
     def _param_groups(self, module: torch.nn.Module) -> list[dict[str, Any]]:
         """HF's grouping (create_optimizer): weight decay on every parameter but biases and norms."""
@@ -264,22 +264,22 @@ class Trainer(transformers.Trainer):
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            self.optimizer = EngineOptimizer(self._engine().engine.optimizer.param_groups)
+            self.optimizer = EngineOptimizer(self._engine().ds_engine.optimizer.param_groups)
         return self.optimizer
 
     def _prepare_for_training(
         self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
     ) -> tuple[Any, Any]:
-        run = self._engine()
+        engine = self._engine()
         if self._created_lr_scheduler:  # a second train() gets a fresh schedule, as in HF
             self.lr_scheduler = None
             self._created_lr_scheduler = False
         self.create_optimizer()
         self.create_scheduler(num_training_steps=max_steps)
-        self.model_wrapped = self.deepspeed = run.engine
+        self.model_wrapped = self.deepspeed = engine.ds_engine
         scheduler: Any = self.lr_scheduler
         if resume_from_checkpoint is not None:
-            run.engine.load_checkpoint(
+            engine.ds_engine.load_checkpoint(
                 resume_from_checkpoint, load_optimizer_states=True, load_lr_scheduler_states=False
             )
             scheduler.load_state_dict(
@@ -391,11 +391,11 @@ class Trainer(transformers.Trainer):
         if len(state.pending) < train.gradient_accumulation_steps:
             return torch.zeros((), device=self.args.device)
         micro, state.pending = state.pending, []
-        run = self._engine()
+        engine = self._engine()
         total = self._count_over_dp(sum(count_targets(labels) for _, labels in micro))
         assert state.loss is not None
         state.loss.factor = train.gradient_accumulation_steps * self.layout.dp / max(total, 1)
-        loss = run.train_step(iter(micro))
+        loss = engine.train_step(iter(micro))
         return torch.tensor(loss, device=self.args.device)
 
     def _count_over_dp(self, local: int) -> int:
@@ -457,7 +457,7 @@ class Trainer(transformers.Trainer):
     ) -> EvalLoopOutput:
         """The token-weighted mean loss over the whole dataset, through the pipeline: each call of eval_batch
         takes gradient_accumulation_steps micro-batches per DP rank; ranks that run out pad with empty ones."""
-        run, train = self._engine(), self._dsx3d.recipe.train
+        engine, train = self._engine(), self._dsx3d.recipe.train
         m, mb, seq = train.gradient_accumulation_steps, train.micro_batch_size, train.seq_len
         self.callback_handler.eval_dataloader = dataloader
         assert self._dsx3d.loss is not None
@@ -471,7 +471,7 @@ class Trainer(transformers.Trainer):
             micro += [empty_micro_batch(mb, seq)] * (m - len(micro))
             local_tokens += sum(count_targets(labels) for _, labels in micro)
             total_loss += (
-                run.eval_loss(iter(micro)) * m * self.layout.dp
+                engine.eval_loss(iter(micro)) * m * self.layout.dp
             )  # eval_batch averages over micro x dp
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         tokens = self._count_over_dp(local_tokens)
@@ -520,7 +520,7 @@ class Trainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's DeepSpeed checkpoint (stage weights, optimizer partitions) plus HF's scheduler state.
         Resuming needs the same layout."""
-        self._engine().engine.save_checkpoint(output_dir)
+        self._engine().ds_engine.save_checkpoint(output_dir)
         if self.args.should_save:
             scheduler: Any = self.lr_scheduler
             torch.save(scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
@@ -528,7 +528,7 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         log.info("dsx3d.Trainer: loading the best model from %s", best)
-        self._engine().engine.load_checkpoint(
+        self._engine().ds_engine.load_checkpoint(
             best, load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True
         )
 

@@ -13,28 +13,28 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from transformers import PretrainedConfig
 
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
+from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.layout import Layout
-from dsx3d.models.plans import FamilyPlan, resolve_family
-from dsx3d.models.stages import (
-    DecoderStage,
-    EmbeddingStage,
-    EpilogueStage,
-    HeadStage,
-    StageBuilder,
-    TiedEmbeddingStage,
+from dsx3d.models.family import FamilySpec, resolve_family
+from dsx3d.models.pipe_layers import (
+    DecoderLayerPipe,
+    EmbeddingPipe,
+    EpiloguePipe,
+    HeadPipe,
+    LayerBuilder,
+    TiedEmbeddingPipe,
     tied_head_forward,
 )
-from dsx3d.models.tp_context import TPContext
 from dsx3d.models.weights import WeightSource
-from dsx3d.partition import balanced_bounds, bounds_from_stage_layers, layer_costs
+from dsx3d.partition import bounds_from_stage_layers, stage_layers_for
 
 
 class StagedPipelineModule(PipelineModule):
     """A PipelineModule with our stage bounds, and the TP context bound to DeepSpeed's own grid before any
     layer is built (the grid is created inside PipelineModule.__init__, right before partitioning)."""
 
-    def __init__(self, layers: list[Any], *, bounds: list[int], tp: TPContext, builder: StageBuilder, **kwargs: Any):
+    def __init__(self, layers: list[Any], *, bounds: list[int], tp: TPContext, builder: LayerBuilder, **kwargs: Any):
         self.__dict__["_dsx3d_bounds"] = bounds
         self.__dict__["_dsx3d_tp"] = tp
         self.__dict__["dsx3d_builder"] = builder
@@ -48,25 +48,20 @@ class StagedPipelineModule(PipelineModule):
 
 
 def stage_bounds(config: PretrainedConfig, pp: int, seq_len: int, stage_layers: list[int] | None) -> list[int]:
-    """Boundaries over [embedding, L decoder layers, epilogue, head]."""
-    num_layers = config.get_text_config().num_hidden_layers
-    if stage_layers is not None:
-        return bounds_from_stage_layers(stage_layers, num_extra_first=1, num_extra_last=2)
-    embed, layer, head = layer_costs(config, seq_len)
-    costs = [embed, *([layer] * num_layers), 0.0, head]
-    return balanced_bounds(costs, pp)
+    """Boundaries over the pipeline items [embedding, L decoder layers, epilogue, head]."""
+    return bounds_from_stage_layers(stage_layers_for(config, pp, seq_len, stage_layers), num_extra_first=1, num_extra_last=2)
 
 
-def pipeline_specs(builder: StageBuilder, plan: FamilyPlan, pp: int) -> list[Any]:
+def pipeline_specs(builder: LayerBuilder, plan: FamilySpec, pp: int) -> list[Any]:
     n = builder.skeleton.num_layers
     if plan.tied:
-        first: Any = TiedLayerSpec("embed", TiedEmbeddingStage, builder, True, pp == 1, tied_weight_attr=["embed.weight"])
+        first: Any = TiedLayerSpec("embed", TiedEmbeddingPipe, builder, True, pp == 1, tied_weight_attr=["embed.weight"])
         last: Any = TiedLayerSpec(
-            "embed", TiedEmbeddingStage, builder, pp == 1, True, forward_fn=tied_head_forward, tied_weight_attr=["embed.weight"]
+            "embed", TiedEmbeddingPipe, builder, pp == 1, True, forward_fn=tied_head_forward, tied_weight_attr=["embed.weight"]
         )
     else:
-        first, last = LayerSpec(EmbeddingStage, builder), LayerSpec(HeadStage, builder)
-    return [first, *(LayerSpec(DecoderStage, builder, i) for i in range(n)), LayerSpec(EpilogueStage, builder), last]
+        first, last = LayerSpec(EmbeddingPipe, builder), LayerSpec(HeadPipe, builder)
+    return [first, *(LayerSpec(DecoderLayerPipe, builder, i) for i in range(n)), LayerSpec(EpiloguePipe, builder), last]
 
 
 def build_pipeline(
@@ -78,10 +73,10 @@ def build_pipeline(
     stage_layers: list[int] | None = None,
     activation_checkpointing: bool = False,
 ) -> StagedPipelineModule:
-    """Build this rank's stage. Needs an initialised process group (dsx3d.dist.comm.init_distributed)."""
+    """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed)."""
     plan = resolve_family(config)
     tp = TPContext(rank=layout.placement(comm.get_rank()).tp, size=layout.tp)
-    builder = StageBuilder(config, plan, tp, source)
+    builder = LayerBuilder(config, plan, tp, source)
     bounds = stage_bounds(config, layout.pp, seq_len, stage_layers)
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -96,5 +91,5 @@ def build_pipeline(
         loss_fn=loss_fn,
         partition_method="dsx3d",
         activation_checkpoint_interval=1 if activation_checkpointing else 0,
-        checkpointable_layers=["DecoderStage"],
+        checkpointable_layers=["DecoderLayerPipe"],
     )

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from dsx3d.models.plans import FamilyPlan
+from dsx3d.models.family import FamilySpec
 
 LayerCall = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -81,7 +81,7 @@ def with_hidden(call: LayerCall, hidden: torch.Tensor) -> LayerCall:
 class Skeleton:
     """One per process. Owns the meta-device CausalLM; stage modules take the submodules they own from it."""
 
-    def __init__(self, config: PretrainedConfig, plan: FamilyPlan):
+    def __init__(self, config: PretrainedConfig, plan: FamilySpec):
         self.config, self.plan = config, plan
         with init_empty_weights(include_buffers=False):
             # fp32 whatever dtype a checkpoint's config.json names: DeepSpeed casts for bf16 runs, and an fp32
@@ -116,9 +116,22 @@ class Skeleton:
             pass
         return dict(self._calls)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Stage 0: the base forward up to the first layer, with the real (owned) embedding."""
-        return hidden_of(self._run_base(0, input_ids=input_ids)[0])
+    def embed(self, input_ids: torch.Tensor, training: bool = False) -> torch.Tensor:
+        """Stage 0: the base forward up to the first layer, with the real (owned) embedding. In training,
+        the base model's own dropout before the first layer (embedding dropout) applies, as in HF."""
+        self._prologue_training(training)
+        try:
+            return hidden_of(self._run_base(0, input_ids=input_ids)[0])
+        finally:
+            self._prologue_training(False)
+
+    def _prologue_training(self, training: bool) -> None:
+        """The base model's own train flag and its direct dropout children; the skeleton otherwise stays in
+        eval (layer_calls runs it on zeros and must not draw random numbers)."""
+        self.base.training = training
+        for child in self.base.children():
+            if isinstance(child, nn.Dropout):
+                child.train(training)
 
     def layer_calls(self, input_ids: torch.Tensor, dtype: torch.dtype) -> dict[int, LayerCall]:
         """How the base forward calls every layer for a micro-batch of this shape. Computed once per

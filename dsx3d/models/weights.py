@@ -43,7 +43,8 @@ def slice_along(tensor: torch.Tensor, dim: int | None, start: int = 0, stop: int
     if dim is None:
         return tensor
     stop = tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])
-    return tensor.narrow(dim, start, max(stop - start, 0))
+    start = min(start, stop)
+    return tensor.narrow(dim, start, stop - start)
 
 
 def _padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:

@@ -52,11 +52,11 @@ from dsx3d.checkpoint.training_format import (
     step_tags,
     tag_for,
 )
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
 from dsx3d.engine import Engine3D
 from dsx3d.errors import Problem, RunFailure, UserError
+from dsx3d.fsio import make_dirs, share_tree, write_atomic
 from dsx3d.recipe import Recipe, dump_recipe
-from dsx3d.run.atomic import write_text_atomic
 from dsx3d.run.resume import ResumePlan, layout_record, plan_resume, read_saved
 
 log = logging.getLogger("dsx3d")
@@ -72,7 +72,6 @@ __all__ = [
     "read_latest",
     "tag_for",
     "tags_to_delete",
-    "write_text_atomic",
 ]
 
 RNG_FORMAT = 2
@@ -229,7 +228,7 @@ class _SaveLog:
                 sizes[p.relative_to(self.tag_dir).as_posix()] = p.stat().st_size
         path = files_path(self.tag_dir, rank)
         text = json.dumps({"rank": rank, "files": sizes}, indent=1, sort_keys=True) + "\n"
-        self.attempt(path, lambda: write_text_atomic(path, text))
+        self.attempt(path, lambda: write_atomic(path, text))
 
 
 @contextlib.contextmanager
@@ -324,13 +323,13 @@ def choose_tag(ckpt_dir: Path) -> tuple[str | None, list[str]]:
 class Checkpointer:
     """Saves and restores one run's checkpoints. `save` and `load_latest` are collectives."""
 
-    def __init__(self, run: Engine3D, ckpt_dir: Path, recipe: Recipe, keep: int):
-        self.run, self.dir, self.recipe, self.keep = run, ckpt_dir, recipe, keep
+    def __init__(self, engine: Engine3D, ckpt_dir: Path, recipe: Recipe, keep: int):
+        self.engine, self.dir, self.recipe, self.keep = engine, ckpt_dir, recipe, keep
         self._universal: dict[str, Any] | None = None
 
     @property
     def bounds(self) -> list[int]:
-        return [int(b) for b in getattr(self.run.module, "parts", [])]
+        return [int(b) for b in getattr(self.engine.module, "parts", [])]
 
     def save(self, step: int, client_state: dict[str, Any]) -> str:
         tag, rank = tag_for(step), comm.get_rank()
@@ -338,21 +337,21 @@ class Checkpointer:
         if self._universal is None:  # how each parameter splits over TP: lets a tag become universal
             from dsx3d.checkpoint.universal import universal_client_state
 
-            self._universal = universal_client_state(self.run)  # a collective, like save itself
+            self._universal = universal_client_state(self.engine)  # a collective, like save itself
         record = _SaveLog(tag_dir)
         rng_file = rng_path(tag_dir, rank)
 
         def save_rng() -> None:
-            rng_file.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(rng_file.parent)  # also the checkpoints directory and the tag's, readable by others
             torch.save(rng_state(), rng_file)
 
         record.attempt(rng_file, save_rng)
         if rank == 0:
-            layout = json.dumps(layout_record(self.run.layout, self.bounds, self.recipe)) + "\n"
-            record.attempt(tag_dir / RECIPE_FILE, lambda: write_text_atomic(tag_dir / RECIPE_FILE, dump_recipe(self.recipe)))
-            record.attempt(tag_dir / LAYOUT_FILE, lambda: write_text_atomic(tag_dir / LAYOUT_FILE, layout))
-        with _recording(self.run.engine, record):
-            self.run.engine.save_checkpoint(
+            layout = json.dumps(layout_record(self.engine.layout, self.bounds, self.recipe)) + "\n"
+            record.attempt(tag_dir / RECIPE_FILE, lambda: write_atomic(tag_dir / RECIPE_FILE, dump_recipe(self.recipe)))
+            record.attempt(tag_dir / LAYOUT_FILE, lambda: write_atomic(tag_dir / LAYOUT_FILE, layout))
+        with _recording(self.engine.ds_engine, record):
+            self.engine.ds_engine.save_checkpoint(
                 str(self.dir), tag=tag, client_state={CLIENT_KEY: client_state, **self._universal}, save_latest=False
             )
         record.write_list(rank)
@@ -360,10 +359,14 @@ class Checkpointer:
         failed = [(r, f) for r, fails in gathered for f in fails]
         if failed:
             self._fail(tag, failed)
+        # DeepSpeed writes with the process umask (and copies its zero_to_fp32 scripts beside the tags);
+        # a run's checkpoints are read by colleagues
+        share_tree(tag_dir)
+        share_tree(self.dir, recursive=False)
         problem: Any = None
         if rank == 0:
             try:
-                write_text_atomic(self.dir / LATEST, tag)
+                write_atomic(self.dir / LATEST, tag)
                 deleted = prune(self.dir, self.keep)
                 log.info("checkpoint %s saved%s", tag_dir, f"; deleted {', '.join(deleted)}" if deleted else "")
             except OSError as err:
@@ -403,18 +406,18 @@ class Checkpointer:
         if comm.get_rank() == 0:
             for note in plan.notes:
                 log.warning("--resume: %s", note)
-        engine = self.run.engine
+        ds_engine = self.engine.ds_engine
         if plan.reshard:
             load_dir, load_tag = self._universal_copy(tag), UNIVERSAL_DIR
         else:
             load_dir, load_tag = self.dir, tag
-        universal_before = engine._config.load_universal_checkpoint
-        engine._config.load_universal_checkpoint = plan.reshard or universal_before
+        universal_before = ds_engine._config.load_universal_checkpoint
+        ds_engine._config.load_universal_checkpoint = plan.reshard or universal_before
         try:
             with weights_only_loads():
-                path, client = engine.load_checkpoint(str(load_dir), tag=load_tag)
+                path, client = ds_engine.load_checkpoint(str(load_dir), tag=load_tag)
         finally:
-            engine._config.load_universal_checkpoint = universal_before
+            ds_engine._config.load_universal_checkpoint = universal_before
         if path is None or CLIENT_KEY not in (client or {}):
             raise RunFailure(f"DeepSpeed could not load checkpoint {self.dir / tag}")
         if not plan.reshard:
@@ -426,7 +429,7 @@ class Checkpointer:
         if tag is None:
             return None
         saved_layout, saved_recipe = read_saved(self.dir / tag)
-        plan = plan_resume(tag, saved_layout, saved_recipe, self.recipe, self.run.layout, self.bounds)
+        plan = plan_resume(tag, saved_layout, saved_recipe, self.recipe, self.engine.layout, self.bounds)
         plan.notes[:0] = notes
         return tag, plan
 
@@ -445,10 +448,10 @@ class Checkpointer:
                 try:
                     to_universal(tag_dir, out)
                 except UserError as err:
-                    write_text_atomic(failed, "\n".join(str(p) for p in err.problems))
+                    write_atomic(failed, "\n".join(str(p) for p in err.problems))
                     raise
                 except Exception as err:
-                    write_text_atomic(failed, f"{type(err).__name__}: {err}")
+                    write_atomic(failed, f"{type(err).__name__}: {err}")
                     raise
         else:
             while read_manifest(out, "universal") is None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from dsx3d.fsio import make_dirs, share_tree
+
 
 @dataclass(frozen=True)
 class Throughput:
@@ -35,9 +37,10 @@ class MetricsLog:
     """Appends one JSON line per call and flushes it."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         self.path = path
         self._file: IO[str] = path.open("a")
+        share_tree(path)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=False) + "\n")

@@ -31,8 +31,8 @@ from typing import Any
 from dsx3d.checkpoint.manifest import describe, files_under, read_manifest, record, unknown_files
 from dsx3d.checkpoint.training_format import foreign_files, read_latest
 from dsx3d.errors import UserError
+from dsx3d.fsio import share_tree, write_atomic
 from dsx3d.recipe import Recipe
-from dsx3d.run.atomic import write_text_atomic
 
 log = logging.getLogger("dsx3d")
 
@@ -243,26 +243,15 @@ def start_run_directory(paths: RunPaths, removed: list[str], *, resume: bool) ->
 def save_run_files(
     paths: RunPaths, recipe_yaml: str, ds_config: dict[str, Any], placement: list[dict[str, Any]]
 ) -> None:
-    write_text_atomic(paths.recipe, recipe_yaml)
-    write_text_atomic(paths.ds_config, json.dumps(ds_config, indent=2, sort_keys=True, allow_nan=False) + "\n")
-    write_text_atomic(paths.placement, json.dumps(placement, indent=1) + "\n")
+    write_atomic(paths.recipe, recipe_yaml)
+    write_atomic(paths.ds_config, json.dumps(ds_config, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    write_atomic(paths.placement, json.dumps(placement, indent=1) + "\n")
 
 
 def save_tokenizer(paths: RunPaths, tokenizer: Any) -> None:
     tokenizer.save_pretrained(str(paths.tokenizer))
+    share_tree(paths.tokenizer)
     record(paths.root, "run", (f"tokenizer/{f}" for f in files_under(paths.tokenizer)))
-
-
-def export_hf_if_available(run: Any, out_dir: Path, tokenizer: Any) -> Path | None:
-    """The HF export (a collective) through dsx3d.checkpoint.export, when that module exists."""
-    try:
-        from dsx3d.checkpoint.export import export_hf
-    except ModuleNotFoundError as err:
-        if err.name not in ("dsx3d.checkpoint", "dsx3d.checkpoint.export"):
-            raise
-        log.info("HF export skipped: dsx3d.checkpoint.export is not available in this installation")
-        return None
-    return export_hf(run, out_dir, tokenizer=tokenizer)
 
 
 def add_start_mode(parser: argparse.ArgumentParser) -> None:

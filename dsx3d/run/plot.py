@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from dsx3d.fsio import make_dirs, share_tree
 from dsx3d.run.metrics import read_metrics
 
 
@@ -29,7 +30,8 @@ def plot_loss(metrics_path: Path, out_path: Path, title: str) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out_path.parent)
     fig.savefig(out_path, dpi=100)
+    share_tree(out_path)
     plt.close(fig)
     return out_path

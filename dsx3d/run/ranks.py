@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from dsx3d.dist import comm
+from dsx3d.distributed import comm
 from dsx3d.layout import Layout
 from dsx3d.run.lifeline import hung_reports
 

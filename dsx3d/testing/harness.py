@@ -20,7 +20,11 @@ from typing import Any
 
 import torch
 
-_ECHO_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "closed by remote", "Timed out")
+from dsx3d.run.ranks import PEER_LOST_MARKERS
+
+# a rank whose error is one of these only echoes a peer that died first (gloo's words), or a collective
+# that timed out waiting for it
+_ECHO_MARKERS = (*PEER_LOST_MARKERS, "Timed out")
 
 
 class RankFailure(RuntimeError):
@@ -52,7 +56,7 @@ def _child(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], arg
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     out = Path(workdir)
     try:
-        from dsx3d.dist import comm
+        from dsx3d.distributed import comm
 
         comm.init_distributed("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size, timeout_s=120)
         result = fn(rank, *args)

@@ -1,0 +1,118 @@
+"""Megatron-style tensor-parallel layers that keep Hugging Face parameter names (`weight`, `bias`).
+
+Sharded parameters carry `tensor_model_parallel = True`, which DeepSpeed's gradient norm reads to count them
+on every TP rank (replicated ones are counted once).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsx3d.distributed.tensor_parallel.context import TPContext
+from dsx3d.distributed.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_last_dim,
+    reduce_from_tp,
+    split_last_dim,
+)
+
+
+def mark_sharded(param: nn.Parameter, dim: int) -> None:
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    param.partition_dim = dim  # type: ignore[attr-defined]
+    param.partition_stride = 1  # type: ignore[attr-defined]
+
+
+def _empty_param(*shape: int, like: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=like.dtype, device=like.device), requires_grad=like.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = f(x) @ W_local^T + b_local: (b, s, in) @ (in, out/t) -> (b, s, out/t); optionally gathered."""
+
+    def __init__(self, linear: nn.Linear, tp: TPContext, gather_output: bool = False):
+        super().__init__()
+        out_features, self.in_features = linear.weight.shape
+        self.out_features = out_features // tp.size
+        self.tp, self.gather_output = tp, gather_output
+        self.weight = _empty_param(self.out_features, self.in_features, like=linear.weight)
+        mark_sharded(self.weight, 0)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = _empty_param(self.out_features, like=linear.bias)
+            mark_sharded(self.bias, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather_output:  # the output is replicated again: no per-rank region follows
+            y = F.linear(copy_to_tp(x, self.tp.group), self.weight, self.bias)
+            return gather_last_dim(y, self.tp.group)
+        return F.linear(self.tp.enter_region(x, training=self.training), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = g(x_local @ W_local^T) + b: (b, s, in/t) @ (in/t, out) -> partial sums, all-reduced, then the bias
+    (added once, after the reduce)."""
+
+    def __init__(self, linear: nn.Linear, tp: TPContext, split_input: bool = False):
+        super().__init__()
+        self.out_features, in_features = linear.weight.shape
+        self.in_features = in_features // tp.size
+        self.tp, self.split_input = tp, split_input
+        self.weight = _empty_param(self.out_features, self.in_features, like=linear.weight)
+        mark_sharded(self.weight, 1)
+        self.bias = None if linear.bias is None else _empty_param(self.out_features, like=linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:  # the input was replicated: no per-rank region to leave
+            x = split_last_dim(x, self.tp.group)
+            y = reduce_from_tp(F.linear(x, self.weight), self.tp.group)
+        else:
+            y = self.tp.exit_region(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding:
+    """Turns an HF embedding module (nn.Embedding or a subclass that scales its output) into a vocab shard
+    in place, so the family's own forward (scaling included) still runs: ids outside [start, stop) look up
+    row 0 and are zeroed, then the partial embeddings are all-reduced (g)."""
+
+    def __init__(self, embedding: nn.Embedding, tp: TPContext, padded_vocab: int):
+        self.tp = tp
+        self.start, self.stop = tp.chunk_bounds(padded_vocab)
+        n_local = self.stop - self.start
+        embedding.weight = _empty_param(n_local, embedding.weight.shape[1], like=embedding.weight)
+        mark_sharded(embedding.weight, 0)
+        embedding.num_embeddings = n_local
+        pad = embedding.padding_idx
+        embedding.padding_idx = pad - self.start if pad is not None and self.start <= pad < self.stop else None
+        self._outside: torch.Tensor | None = None
+        embedding.register_forward_pre_hook(self._localize)
+        embedding.register_forward_hook(self._combine)
+
+    def _localize(self, module: nn.Module, args: tuple) -> tuple:
+        ids = args[0]
+        self._outside = (ids < self.start) | (ids >= self.stop)
+        local = torch.where(self._outside, torch.zeros_like(ids), ids - self.start)
+        return (local, *args[1:])
+
+    def _combine(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        assert self._outside is not None
+        out = out.masked_fill(self._outside.unsqueeze(-1), 0.0)
+        self._outside = None
+        return reduce_from_tp(out, self.tp.group)
+
+
+class VocabParallelHead(nn.Module):
+    """logits_local = f(h) @ W_local^T: (b, s, h) @ (h, V/t) -> (b, s, V/t), never gathered; the loss is
+    computed on the shards (`vocab_parallel_cross_entropy`). `weight` may be the tied embedding shard."""
+
+    def __init__(self, weight: nn.Parameter, tp: TPContext, vocab_start: int, bias: nn.Parameter | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.tp, self.vocab_start = tp, vocab_start
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(hidden, self.tp.group), self.weight, self.bias)

@@ -1,0 +1,216 @@
+"""The pipeline layers: embedding prologue, decoder layers, epilogue (final norm) and the vocab-parallel head.
+
+Between stages travels the tuple (hidden_states, input_ids): a float tensor that feeds the next stage's
+graph, and the integer ids from which every stage recomputes the layer inputs (masks, rotary tables).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from dsx3d.distributed.tensor_parallel.context import TPContext
+from dsx3d.distributed.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from dsx3d.distributed.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    mark_sharded,
+)
+from dsx3d.distributed.tensor_parallel.mappings import all_reduce_grad_hook
+from dsx3d.models import tp_plan
+from dsx3d.models.family import FamilySpec
+from dsx3d.models.shape import dropout_probabilities
+from dsx3d.models.skeleton import Skeleton, with_hidden
+from dsx3d.models.weights import WeightSource, materialize
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    return -(-vocab // tp) * tp
+
+
+class LayerBuilder:
+    """Per-process state shared by the layers of this rank's stage."""
+
+    def __init__(self, config: PretrainedConfig, plan: FamilySpec, tp: TPContext, source: WeightSource):
+        self.config, self.plan, self.tp, self.source = config, plan, tp, source
+        self.skeleton = Skeleton(config, plan)
+        # dropout masks per TP region (dsx3d.distributed.tensor_parallel.random); a no-op without dropout
+        tp.random.active = bool(dropout_probabilities(config))
+        self.vocab = config.get_text_config().vocab_size
+        self.padded_vocab = padded_vocab(self.vocab, tp.size)
+        self.vocab_start = tp.chunk_bounds(self.padded_vocab)[0]
+        self.base_prefix = f"{plan.base_prefix}."
+
+    # -- owning modules ------------------------------------------------------------------------------------
+
+    def _shard(self, module: nn.Module, rel_name: str) -> None:
+        """Apply the family's TP plan to `module` (named `rel_name` relative to the base model), in place,
+        as `dsx3d.models.tp_plan` decides for each submodule."""
+        if self.tp.size == 1:
+            return
+        for sub_name, sub, sharding in tp_plan.plan_modules(
+            module, rel_name, self.plan.tp_plan, lambda m: isinstance(m, nn.Linear)
+        ):
+            if sharding.grad_allreduce:
+                sub._dsx3d_grad_allreduce = True  # hooked once its real parameters exist (_hook_replicated)
+                continue
+            if sharding.column:
+                new: nn.Module = ColumnParallelLinear(sub, self.tp, gather_output=sharding.gather_output)
+            else:
+                new = RowParallelLinear(sub, self.tp, split_input=sharding.split_input)
+            parent_name, _, attr = sub_name.rpartition(".")
+            setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
+
+    def _hook_replicated(self, module: nn.Module) -> None:
+        """Full-weight params used on sharded heads (q/k norms) get partial grads: sum them over TP."""
+        for sub in module.modules():
+            if getattr(sub, "_dsx3d_grad_allreduce", False):
+                for p in sub.parameters():
+                    p.register_hook(all_reduce_grad_hook(self.tp.group))
+
+    def _own(self, module: nn.Module, rel_name: str) -> nn.Module:
+        self._shard(module, rel_name)
+        materialize(module, f"{self.base_prefix}{rel_name}.", self.source, self.tp.rank)
+        self._hook_replicated(module)
+        return module
+
+    def own(self, rel_name: str) -> nn.Module:
+        """Take a base-model submodule, shard it, and read its weights."""
+        return self._own(self.skeleton.submodule(rel_name), rel_name)
+
+    def own_layer(self, index: int) -> nn.Module:
+        return self._own(self.skeleton.layers[index], f"{self.plan.layers_name}.{index}")
+
+    def own_embedding(self) -> nn.Module:
+        embedding = self.skeleton.submodule(self.plan.embed_name)
+        if self.tp.size > 1:
+            VocabParallelEmbedding(embedding, self.tp, self.padded_vocab)  # type: ignore[arg-type]
+        materialize(embedding, f"{self.base_prefix}{self.plan.embed_name}.", self.source, self.tp.rank)
+        return embedding
+
+    def own_prologue_extras(self) -> list[nn.Module]:
+        """Other base-model modules with weights that run before the first layer (e.g. learned positions)."""
+        skip = {self.plan.embed_name, self.plan.layers_name, *self.plan.epilogue_names}
+        owned = []
+        for name, child in self.skeleton.base.named_children():
+            if name not in skip and any(True for _ in child.parameters()):
+                owned.append(self.own(name))
+        return owned
+
+    def install_head(self, weight: nn.Parameter, bias: nn.Parameter | None = None) -> VocabParallelHead:
+        head = VocabParallelHead(weight, self.tp, self.vocab_start, bias)
+        setattr(self.skeleton.lm, self.plan.head_name, head)
+        return head
+
+    def head_params(self) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """The untied LM head's vocab-row shard (and its bias, if the family has one)."""
+        meta = getattr(self.skeleton.lm, self.plan.head_name)
+        rows = self.padded_vocab // self.tp.size
+        holder = nn.Module()
+        holder.register_parameter("weight", nn.Parameter(torch.empty(rows, meta.weight.shape[1], device="meta")))
+        if getattr(meta, "bias", None) is not None:
+            holder.register_parameter("bias", nn.Parameter(torch.empty(rows, device="meta")))
+        if self.tp.size > 1:
+            for p in holder.parameters():
+                mark_sharded(p, 0)
+        materialize(holder, f"{self.plan.head_name}.", self.source, self.tp.rank)
+        return holder._parameters["weight"], holder._parameters.get("bias")  # type: ignore[return-value]
+
+    # -- running -------------------------------------------------------------------------------------------
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """HF's causal-LM loss on vocab shards: predict token t+1 at position t, mean over non-ignored."""
+        target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
+        per_token = vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target, self.vocab_start, self.vocab, self.tp.group
+        )
+        count = (target != IGNORE_INDEX).sum().clamp(min=1)
+        return per_token.sum() / count
+
+
+class EmbeddingPipe(nn.Module):
+    """input_ids -> (hidden_states entering layer 0, input_ids)."""
+
+    def __init__(self, builder: LayerBuilder):
+        super().__init__()
+        self.builder = [builder]  # a list keeps it out of nn.Module's registry
+        self.embed = builder.own_embedding()
+        self.extras = nn.ModuleList(builder.own_prologue_extras())
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.builder[0].skeleton.embed(input_ids, training=self.training), input_ids
+
+
+class DecoderLayerPipe(nn.Module):
+    """One HF decoder layer, called exactly as the base model's forward would call it."""
+
+    def __init__(self, builder: LayerBuilder, index: int):
+        super().__init__()
+        self.builder, self.index = [builder], index
+        self.layer = builder.own_layer(index)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, input_ids = inputs
+        builder = self.builder[0]
+        call = builder.skeleton.layer_calls(input_ids, hidden.dtype)[self.index]
+        args, kwargs = with_hidden(call, hidden)
+        builder.tp.close_regions()  # a layer starts and ends on the replicated dropout stream
+        try:
+            out = self.layer(*args, **kwargs)
+        finally:
+            builder.tp.close_regions()
+        return (out[0] if isinstance(out, tuple) else out), input_ids
+
+
+class EpiloguePipe(nn.Module):
+    """The base model's modules after the last layer (the final norm)."""
+
+    def __init__(self, builder: LayerBuilder):
+        super().__init__()
+        self.builder = [builder]
+        self.mods = nn.ModuleList(builder.own(name) for name in builder.plan.epilogue_names)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, input_ids = inputs
+        for mod in self.mods:
+            hidden = mod(hidden)
+        return hidden, input_ids
+
+
+class HeadPipe(nn.Module):
+    """Untied LM head: (hidden, ids) -> vocab-sharded logits (b, s, V_padded / tp)."""
+
+    def __init__(self, builder: LayerBuilder):
+        super().__init__()
+        self.builder = [builder]
+        self.lm_head = builder.install_head(*builder.head_params())
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hidden, input_ids = inputs
+        return self.builder[0].skeleton.head(hidden, input_ids)
+
+
+class TiedEmbeddingPipe(nn.Module):
+    """The embedding shard shared by the first stage (lookup) and the last (LM head), via TiedLayerSpec;
+    with tp > 1 each rank ties its own vocab shard."""
+
+    def __init__(self, builder: LayerBuilder, on_first_stage: bool, on_last_stage: bool):
+        super().__init__()
+        self.builder = [builder]
+        self.embed = builder.own_embedding()
+        self.extras = nn.ModuleList(builder.own_prologue_extras() if on_first_stage else [])
+        if on_last_stage:
+            builder.install_head(self.embed.weight)  # type: ignore[arg-type]
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.builder[0].skeleton.embed(input_ids, training=self.training), input_ids
+
+
+def tied_head_forward(module: TiedEmbeddingPipe, inputs: Any) -> torch.Tensor:
+    hidden, input_ids = inputs
+    return module.builder[0].skeleton.head(hidden, input_ids)

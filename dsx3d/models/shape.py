@@ -1,0 +1,347 @@
+"""The one reader of a model's shape: parameter counts per part, and the dimensions that size activations,
+FLOPs and TP traffic. Built from an HF config or from a bare parameter count; no tensors (pure).
+
+The engine's stage split (`dsx3d.partition`), the checker (`model_dim`) and the estimator all read the model
+through this module, so they cannot disagree on what a layer costs.
+
+Parameters are split into *sharded* (linear weights, column-parallel biases, the vocab-parallel embedding
+and head: divided by tp) and *replicated* (norms, row-parallel biases: every TP rank holds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsx3d.errors import UserError
+from dsx3d.models import tp_plan
+
+# Attribute spellings across families (gpt2 says n_head, falcon num_kv_heads, ...), first present wins.
+_ATTRIBUTE_NAMES = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
+    "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: multimodal configs nest it (`get_text_config`), plain ones are it."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_dim(config: Any, name: str) -> int | None:
+    """One dimension of the text model (`num_attention_heads`, ...) under any family's spelling, or None."""
+    text = text_config(config)
+    for attr in _ATTRIBUTE_NAMES.get(name, (name,)):
+        try:
+            value = getattr(text, attr, None)
+        except Exception:  # heterogeneous configs refuse global access to per-layer dims
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def dropout_probabilities(config: Any) -> dict[str, float]:
+    """The config's non-zero dropout probabilities ("attention_dropout", "resid_pdrop", ...)."""
+    text = text_config(config)
+    out = {}
+    for key, value in text.to_dict().items() if hasattr(text, "to_dict") else []:
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            out[key] = value
+    return out
+
+
+def is_gated_mlp(config: Any) -> bool:
+    """Gate, up and down matrices (Llama-style GLU) rather than fc_in -> act -> fc_out. The family's TP plan
+    names its MLP linears; families without MLP entries in a plan are looked up in
+    `dsx3d.models.families.NON_GATED_MLP`."""
+    from dsx3d.models.families import NON_GATED_MLP, declared_tp_plan
+
+    plan = declared_tp_plan(config)
+    mlp_leaves = [
+        k.rsplit(".", 1)[-1]
+        for k in plan
+        if k.startswith("layers.*.") and "attn" not in k and "attention" not in k and k.count(".") >= 3
+    ]
+    if mlp_leaves:
+        return any(leaf.startswith("gate_") or leaf in ("w1", "w3") for leaf in mlp_leaves)
+    return str(getattr(config, "model_type", "")) not in NON_GATED_MLP
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """A parameter count split by how TP stores it."""
+
+    sharded: int = 0
+    replicated: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+    def per_device(self, tp: int) -> float:
+        """Parameters one TP rank holds: sharded / tp + replicated."""
+        return self.sharded / tp + self.replicated
+
+    def __add__(self, other: ParamCount) -> ParamCount:
+        return ParamCount(self.sharded + other.sharded, self.replicated + other.replicated)
+
+    def __mul__(self, k: int) -> ParamCount:
+        return ParamCount(self.sharded * k, self.replicated * k)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only LM as counts. `hidden_size == 0` means unknown (a bare parameter count): activations,
+    TP/PP traffic and the attention FLOP term are then left out."""
+
+    num_layers: int
+    layer: ParamCount
+    """Parameters of one decoder layer (all experts for MoE)."""
+    layer_flop_params: int
+    """Parameters one token multiplies through in a decoder layer (top-k experts for MoE)."""
+    embedding: int = 0
+    head: int = 0
+    """The vocab projection; with tied embeddings it is the same tensor as `embedding`."""
+    final_norm: int = 0
+    hidden_size: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
+    model_type: str = "unknown"
+    tp_forward_allreduces: float = 2
+    """All-reduces of b*s*h a decoder layer issues forward at tp > 1: one per row-parallel linear."""
+    tp_backward_allreduces: float = 5
+    """... and backward: one per column-parallel linear (dsx3d shards each HF projection on its own, so a
+    Llama layer has 5: q, k, v, gate, up). Defaults are a Llama layer's; HF configs count their TP plan."""
+    tp_grad_allreduce_params: float = 0
+    """Parameters per layer kept whole on every TP rank whose gradients are summed over TP (q/k norms)."""
+    tp_forward_gather_width: float = 0
+    """Values per token a decoder layer all-gathers forward (outputs of `colwise_gather_output` linears)."""
+    tp_backward_gather_width: float = 0
+    """... and backward (input gradients of `rowwise_split_input` linears)."""
+
+    @property
+    def total_params(self) -> int:
+        """Unique parameters (a tied embedding/head counted once)."""
+        head = 0 if self.tie_word_embeddings else self.head
+        return self.num_layers * self.layer.total + self.embedding + head + self.final_norm
+
+    @property
+    def flop_params(self) -> int:
+        """N in 6*N*tokens: decoder layers (active experts) and the head; the embedding lookup is free."""
+        return self.num_layers * self.layer_flop_params + self.head
+
+    @property
+    def attention_width(self) -> int:
+        """num_heads * head_dim: the width of QK^T and AV (equals hidden_size for most families)."""
+        return self.num_heads * self.head_dim
+
+
+def shape_from_params(
+    num_params: float,
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
+    num_heads: int | None = None,
+) -> ModelShape:
+    """A shape from a bare parameter count: all of it in `num_layers` equal, fully sharded layers
+    (default 1 layer); no embedding or head. With `hidden_size` activations can be estimated
+    (num_heads defaults to hidden_size / 128)."""
+    if num_params <= 0:
+        raise UserError.single(
+            "--params", num_params, "must be positive", "pass a parameter count such as 7.5e9"
+        )
+    layers = num_layers or 1
+    hidden = hidden_size or 0
+    heads = num_heads or (max(hidden // 128, 1) if hidden else 0)
+    per_layer = round(num_params / layers)
+    return ModelShape(
+        num_layers=layers,
+        layer=ParamCount(sharded=per_layer),
+        layer_flop_params=per_layer,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads if heads else 0,
+    )
+
+
+def _get(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _layer_params(
+    h: int, heads: int, kv: int, d: int, ffn: int, gated: bool, experts: int, attn_bias: bool, mlp_bias: bool
+) -> ParamCount:
+    """One decoder layer. q: h x (heads*d), k, v: h x (kv*d), o: (heads*d) x h; MLP: 3 (gated) or 2
+    matrices of h x ffn per expert plus a router h x experts; two norms of h (RMSNorm; LayerNorm's bias
+    is ignored)."""
+    qkv = h * (heads + 2 * kv) * d
+    out = heads * d * h
+    mlp = (3 if gated else 2) * h * ffn
+    sharded = qkv + out + experts * mlp
+    replicated = 2 * h + (h * experts if experts > 1 else 0)
+    if attn_bias:
+        sharded += (heads + 2 * kv) * d
+        replicated += h
+    if mlp_bias:
+        sharded += experts * ((2 if gated else 1) * ffn)
+        replicated += experts * h
+    return ParamCount(sharded, replicated)
+
+
+
+
+@dataclass(frozen=True)
+class TPTraffic:
+    """What one decoder layer sends over TP per micro-batch, in units the timing model scales by b*s (means
+    over the layers, so fractional for families that mix layer kinds). Defaults: a Llama layer."""
+
+    forward_allreduces: float = 2
+    backward_allreduces: float = 5
+    grad_allreduce_params: float = 0
+    forward_gather_width: float = 0
+    backward_gather_width: float = 0
+
+
+def tp_traffic(config: Any) -> TPTraffic:
+    """A decoder layer's TP traffic as the engine shards it: the family's TP plan read by the engine's own
+    interpreter (`dsx3d.models.tp_plan.plan_modules`) over the layers of a meta-device model (no memory;
+    about 0.3 s for a 70B model). Row-parallel linears all-reduce their output forward, column-parallel ones
+    their input gradient backward; `colwise_gather_output` also all-gathers its output forward,
+    `rowwise_split_input` its input gradient backward; `replicated_with_grad_allreduce` modules (q/k norms)
+    all-reduce their weight gradient. Modules kept whole (MoE experts, packed projections) send nothing.
+    Families that mix layer kinds (linear and full attention, dense and MoE MLPs) get the mean over their
+    layers. A family the engine cannot resolve gets a Llama layer's traffic."""
+    try:
+        return _tp_traffic(config)
+    except Exception:  # families without plans, or whose models cannot be built from this config
+        return TPTraffic()
+
+
+# Words of transformers' and torch's construction errors -> the config key behind them.
+_ERROR_KEYS = {"padding_idx": "pad_token_id", "num_embeddings": "vocab_size"}
+
+
+def build_meta_model(config: Any) -> Any:
+    """The family's causal LM built from `config` on the meta device (no memory; about 0.3 s for 70B). A
+    config transformers accepts but cannot build (a pad_token_id outside the vocabulary, ...) raises a
+    `UserError` naming the key."""
+    import torch
+
+    from dsx3d.models.family import resolve_family
+
+    spec = resolve_family(config)
+    try:
+        with torch.device("meta"):
+            return spec.lm_class._from_config(config)
+    except Exception as err:  # transformers and torch raise assertions, ValueErrors, TypeErrors here
+        message = " ".join(str(err).split()) or type(err).__name__
+        keys = [k for k in text_config(config).to_dict() if k in message]
+        keys += [key for word, key in _ERROR_KEYS.items() if word in message.lower()]
+        key = f"model.config.{keys[0]}" if keys else "model.config"
+        value = getattr(text_config(config), keys[0], None) if keys else None
+        raise UserError.single(
+            key, value, f"transformers cannot build the model from this config ({message[:300]})", f"fix {key}"
+        ) from None
+
+
+def _tp_traffic(config: Any) -> TPTraffic:
+    from torch import nn
+
+    from dsx3d.models.family import resolve_family
+
+    spec = resolve_family(config)
+    lm = build_meta_model(config)
+    layers = getattr(getattr(lm, spec.base_prefix), spec.layers_name)
+    fwd = bwd = grad = fwd_gather = bwd_gather = 0
+    for i, layer in enumerate(layers):
+        for _, sub, sharding in tp_plan.plan_modules(
+            layer, f"{spec.layers_name}.{i}", spec.tp_plan, lambda m: isinstance(m, nn.Linear)
+        ):
+            if sharding.grad_allreduce:
+                grad += sum(p.numel() for p in sub.parameters())
+            elif sharding.row:
+                fwd += 1
+                bwd_gather += sub.in_features if sharding.split_input else 0
+            else:
+                bwd += 1
+                fwd_gather += sub.out_features if sharding.gather_output else 0
+    n = len(layers)
+    return TPTraffic(fwd / n, bwd / n, grad / n, fwd_gather / n, bwd_gather / n)
+
+
+def shape_from_hf_config(config: Any) -> ModelShape:
+    """Count a decoder-only HF config (Llama-style attention and MLP, GQA, MoE as top-k of E equal
+    experts). Multimodal configs use their text config."""
+    plan_source, config = config, text_config(config)
+    model_type = str(getattr(config, "model_type", "unknown"))
+    try:
+        h = int(_get(config, "hidden_size", "n_embd", "d_model"))
+        layers = int(_get(config, "num_hidden_layers", "n_layer", "num_layers"))
+        heads = int(_get(config, "num_attention_heads", "n_head"))
+        vocab = int(_get(config, "vocab_size"))
+    except (TypeError, ValueError):
+        raise UserError.single(
+            "model",
+            model_type,
+            "the config lacks hidden_size, num_hidden_layers, num_attention_heads or vocab_size",
+            "pass a decoder-only causal LM config",
+        ) from None
+    kv = int(_get(config, "num_key_value_heads", "n_head_kv", default=heads))
+    d = int(_get(config, "head_dim", default=h // heads))
+    experts = int(_get(config, "num_local_experts", "num_experts", "n_routed_experts", default=1))
+    top_k = int(_get(config, "num_experts_per_tok", default=1)) if experts > 1 else 1
+    ffn = int(
+        _get(
+            config,
+            "moe_intermediate_size" if experts > 1 else "intermediate_size",
+            "intermediate_size",
+            "n_inner",
+            "ffn_dim",
+            default=4 * h,
+        )
+    )
+    gated = is_gated_mlp(config)
+    layer = _layer_params(
+        h,
+        heads,
+        kv,
+        d,
+        ffn,
+        gated,
+        experts,
+        bool(_get(config, "attention_bias", default=False)),
+        bool(_get(config, "mlp_bias", default=False)),
+    )
+    per_expert = (3 if gated else 2) * h * ffn
+    tp = tp_traffic(plan_source)
+    return ModelShape(
+        num_layers=layers,
+        layer=layer,
+        layer_flop_params=layer.total - (experts - top_k) * per_expert,
+        embedding=vocab * h,
+        head=vocab * h,
+        final_norm=h,
+        hidden_size=h,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=d,
+        vocab_size=vocab,
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+        model_type=model_type,
+        tp_forward_allreduces=tp.forward_allreduces,
+        tp_backward_allreduces=tp.backward_allreduces,
+        tp_grad_allreduce_params=tp.grad_allreduce_params,
+        tp_forward_gather_width=tp.forward_gather_width,
+        tp_backward_gather_width=tp.backward_gather_width,
+    )

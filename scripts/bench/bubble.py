@@ -1,0 +1,131 @@
+"""Pipeline bubble: measured idle fraction per stage against (p-1)/(m+p-1), for m = p, 2p and 4p.
+
+Method. One engine per m (pp=p, dp=tp=1, same model, micro-batch and stage split) is built in the same p
+ranks; they are stepped alternately (round-robin, order reversed every round, a barrier before each step).
+Every schedule instruction the DeepSpeed PipelineEngine executes is timed (`bench_common.InstructionClock`
+wraps the engine's instruction table). A stage is busy while it runs ForwardPass or BackwardPass (the
+loss is part of the last stage's forward); everything else inside the step (waiting in send/recv, loading
+micro-batches) is idle. The pipeline window of a step runs from the moment all ranks have left the barrier
+to the end of the last BackwardPass on any stage; the gradient reduction and optimizer step after it are
+not pipeline time. Idle fraction of stage s = 1 - busy_s / window, averaged over the timed steps. The
+analytic figure assumes equally loaded stages; the measured per-micro-batch busy time of each stage is
+reported so an imbalance can be seen.
+
+    python -m scripts.bench.bubble [--quick] [--pp 2] [--rounds N] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from dsx3d.distributed import comm
+from dsx3d.testing.harness import run_ranks, warm_up
+from scripts.bench import common as bc
+
+BUSY = ("ForwardPass", "BackwardPass")
+
+
+def worker(
+    rank: int,
+    works: dict[int, bc.Workload],
+    state: dict[str, torch.Tensor],
+    pp: int,
+    rounds: int,
+    warmup: int,
+) -> dict[str, Any]:
+    contenders, clocks = [], {}
+    for m, work in works.items():
+        c = bc.dsx3d_contender(f"m{m}", work, state, dp=1, pp=pp)
+        clocks[c.name] = bc.InstructionClock(c.engine.ds_engine)
+        contenders.append(c)
+    batches = {c.name: bc.make_batches(works[int(c.name[1:])], warmup + rounds) for c in contenders}
+    steps: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    for r in range(warmup + rounds):
+        for c in contenders if r % 2 == 0 else contenders[::-1]:
+            clocks[c.name].take()
+            comm.barrier()
+            t0 = time.perf_counter()
+            c.step(batches[c.name][r])
+            events = clocks[c.name].take()
+            if r >= warmup:
+                steps[c.name].append({"start": t0, "events": events})
+    return {"stage": c.engine.placement.pp, "steps": steps}
+
+
+def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int) -> dict[str, Any]:
+    """Idle fraction per stage, averaged over steps (see the module docstring)."""
+    n_steps = len(per_rank[0]["steps"][name])
+    idle: dict[int, list[float]] = {r["stage"]: [] for r in per_rank}
+    busy_per_mb: dict[int, list[float]] = {r["stage"]: [] for r in per_rank}
+    windows = []
+    for i in range(n_steps):
+        start = max(r["steps"][name][i]["start"] for r in per_rank)
+        end = max(
+            e for r in per_rank for (kind, _, e) in r["steps"][name][i]["events"] if kind == "BackwardPass"
+        )
+        windows.append(end - start)
+        for r in per_rank:
+            busy = sum(e - s for kind, s, e in r["steps"][name][i]["events"] if kind in BUSY)
+            idle[r["stage"]].append(1 - busy / (end - start))
+            busy_per_mb[r["stage"]].append(busy / m)
+    return {
+        "idle_per_stage": [bc.rounded(statistics.fmean(idle[s]), 3) for s in sorted(idle)],
+        "idle_mean": bc.rounded(statistics.fmean(statistics.fmean(v) for v in idle.values()), 3),
+        "busy_ms_per_micro_batch": [
+            bc.rounded(1e3 * statistics.median(busy_per_mb[s]), 3) for s in sorted(busy_per_mb)
+        ],
+        "window_ms": bc.rounded(1e3 * statistics.median(windows), 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks); p > cores oversubscribes")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8, quick 2)")
+    parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
+    args = parser.parse_args(argv)
+    rounds, warmup, p = args.rounds or (2 if args.quick else 8), 1, args.pp
+    config = bc.bench_config(args.quick)
+    seq = 32 if args.quick else 128
+    works = {
+        m: bc.Workload(config, micro_batch=2, seq_len=seq, global_batch=2 * m) for m in (p, 2 * p, 4 * p)
+    }
+    warm_up()
+    state = bc.make_state(config)
+    with bc.provenance(args.quick) as meta:
+        per_rank = run_ranks(worker, p, works, state, p, rounds, warmup, timeout_s=900)
+    rows = []
+    for m in works:
+        figures = stage_figures(per_rank, f"m{m}", m)
+        rows.append({"m": m, "analytic": bc.rounded((p - 1) / (m + p - 1), 3), **figures})
+    from dsx3d.models.pipeline import stage_bounds
+
+    bounds = stage_bounds(config, p, seq, None)
+    result = {
+        **meta,
+        "what": "idle fraction per pipeline stage (1 - forward/backward time / pipeline window) vs (p-1)/(m+p-1)",
+        "pp": p,
+        "stage_bounds": bounds,
+        "workload": {
+            "micro_batch": 2,
+            "seq_len": seq,
+            "dtype": "fp32",
+            "hidden": config.hidden_size,
+            "layers": config.num_hidden_layers,
+            "vocab": config.vocab_size,
+        },
+        "rounds": rounds,
+        "rows": rows,
+    }
+    bc.emit(f"bubble_pp{p}", result, write=not args.no_write)
+    return result
+
+
+if __name__ == "__main__":
+    main()

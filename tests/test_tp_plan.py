@@ -1,0 +1,70 @@
+"""The one reading of a family's TP plan (`dsx3d.models.tp_plan`): the engine shards exactly what the
+estimator counts, for every family with plans, and the interpreter's rules on their own. No processes."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from dsx3d.distributed.tensor_parallel.context import TPContext
+from dsx3d.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from dsx3d.models import tp_plan
+from dsx3d.models.families import families_with_plans, refusal, tiny_config
+from dsx3d.models.family import resolve_family
+from dsx3d.models.pipe_layers import LayerBuilder
+from dsx3d.models.shape import shape_from_hf_config
+
+FAMILIES = [f for f in families_with_plans() if refusal(f, 2) is None]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_estimator_counts_what_the_engine_shards(family: str) -> None:
+    """Per-layer TP collectives the estimator predicts (mean over layers) equal the engine's own TP layers
+    in a tp=2 stage built on the meta device: row-parallel linears (forward all-reduce), column-parallel
+    ones (backward all-reduce) and replicated parameters with a gradient all-reduce."""
+    config = tiny_config(family)
+    builder = LayerBuilder(config, resolve_family(config), TPContext(rank=0, size=2), source=None)  # type: ignore[arg-type]
+    rows = cols = grads = 0
+    layers = builder.skeleton.layers
+    for i, layer in enumerate(layers):
+        builder._shard(layer, f"{builder.plan.layers_name}.{i}")
+        rows += sum(isinstance(m, RowParallelLinear) for m in layer.modules())
+        cols += sum(isinstance(m, ColumnParallelLinear) for m in layer.modules())
+        grads += sum(
+            p.numel() for m in layer.modules() if getattr(m, "_dsx3d_grad_allreduce", False) for p in m.parameters()
+        )
+    shape = shape_from_hf_config(config)
+    n = len(layers)
+    assert (shape.tp_forward_allreduces, shape.tp_backward_allreduces, shape.tp_grad_allreduce_params) == pytest.approx(
+        (rows / n, cols / n, grads / n)
+    )
+
+
+def test_plan_patterns_and_whole_subtrees() -> None:
+    plan = {
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.o_proj": "rowwise_split_input",
+    }
+    assert tp_plan.style_for(plan, "layers.12.self_attn.q_proj") == "colwise"
+    assert tp_plan.style_for(plan, "layers.1.2.self_attn.q_proj") is None  # `*` is one name component
+    layer = nn.Module()
+    layer.self_attn = nn.Module()
+    layer.self_attn.q_proj = nn.Linear(4, 4)
+    layer.self_attn.o_proj = nn.Linear(4, 4)
+    layer.self_attn.q_norm = nn.LayerNorm(4)
+    layer.mlp = nn.Module()
+    layer.mlp.experts = nn.Module()
+    layer.mlp.experts.down_proj = nn.Linear(4, 4)  # under a module kept whole: never sharded
+    decided = tp_plan.plan_modules(layer, "layers.0", plan, lambda m: isinstance(m, nn.Linear))
+    got = {name: sharding.style for name, _, sharding in decided}
+    assert got == {
+        "self_attn.q_proj": "colwise",
+        "self_attn.o_proj": "rowwise_split_input",
+        "self_attn.q_norm": "replicated_with_grad_allreduce",
+    }
+    # an implemented linear style on something that is not a linear keeps it whole
+    assert tp_plan.keeps_whole("colwise", is_linear=False) and not tp_plan.keeps_whole(None, is_linear=False)
+    assert tp_plan.sharding_for("packed_colwise", is_linear=True) is None
