@@ -341,7 +341,7 @@ def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         raise _WouldStart
 
     monkeypatch.setattr(cmd_train, "_run_launcher", would_start)
-    monkeypatch.setattr(parity, "run_parity", would_start)
+    monkeypatch.setattr(parity, "run_verify", would_start)
     monkeypatch.setattr(harness, "warm_up", lambda: None)
     return tmp_path
 

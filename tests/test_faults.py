@@ -22,7 +22,6 @@ HANG_TIMEOUT_S = 2.0
 def _stop_rank_2(rank: int, logs: str) -> None:
     """Every rank all-reduces in a loop; rank 2 stops itself (SIGSTOP: alive, not dead) at iteration 3."""
     from dsx3d.distributed import comm
-
     from dsx3d.run.lifeline import heartbeat
     from dsx3d.run.ranks import RankInfo, gather_rank_infos, job_dir, naming_dead_peers
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import yaml
@@ -402,7 +403,7 @@ def test_an_owner_is_its_pid_and_start_time() -> None:
 def test_a_rank_notices_its_owner_dying() -> None:
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        token = Owner(owner.pid, __import__("psutil").Process(owner.pid).create_time(), Owner.me().host).token()
+        token = Owner(owner.pid, psutil.Process(owner.pid).create_time(), Owner.me().host).token()
         gone: list[Owner] = []
         watch_owner(token, interval_s=0.05, on_gone=gone.append)
         time.sleep(0.3)
@@ -427,6 +428,9 @@ def test_a_stopped_peer_is_hung_a_dead_or_finished_one_is_not(tmp_path: Path) ->
     peers.append(RankInfo(3, 4, 3, None, host, os.getpid()))
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10  # the signal is delivered asynchronously
+        while psutil.Process(stopped.pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.01)
         beat_file(tmp_path, 3).write_text("done\n")
         now = time.time()
         assert hung_peers(tmp_path, me, peers, timeout_s=5, since=now) == []  # not silent long enough

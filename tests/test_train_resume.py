@@ -7,6 +7,7 @@ checkpoint save must resume from the previous complete checkpoint, never from th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
@@ -194,10 +195,15 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(
     assert read_latest(ckpt) == tag_for(STEPS + 2)
 
 
-def _save_then_load_payload(rank: int, recipe: Recipe, target: str, marker: str, guarded: bool) -> str:
-    """One rank: save a real checkpoint, replace one of its files with a pickle payload, then let DeepSpeed
-    load it (through dsx3d's weights-only wrapper, or not)."""
-    import contextlib
+PAYLOAD_TARGETS = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "layer_01-model_00-model_states.pt"]
+
+
+def _load_payloads(rank: int, recipe: Recipe, marker: str) -> list[str]:
+    """One rank: save a real checkpoint; then, for each file DeepSpeed's load_checkpoint reads (model
+    states with the client state, ZeRO optimizer state, layer weights), a copy of the tag with that file
+    made a pickle payload, loaded through dsx3d's weights-only wrapper; last, the first one loaded by
+    DeepSpeed alone (the control)."""
+    import shutil
 
     from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
     from dsx3d.engine import build_engine
@@ -206,33 +212,32 @@ def _save_then_load_payload(rank: int, recipe: Recipe, target: str, marker: str,
     engine = build_engine(recipe)
     ckpt = Path(recipe.output_dir) / "checkpoints"
     Checkpointer(engine, ckpt, recipe, 2).save(1, {"step": 1})
-    write_pickle_payload(next((ckpt / tag_for(1)).glob(target)), Path(marker))
-    guard = weights_only_loads() if guarded else contextlib.nullcontext()
-    try:
-        with guard:
-            engine.ds_engine.load_checkpoint(str(ckpt), tag=tag_for(1))
-    except UnsafeCheckpoint as err:
-        return str(err)
-    except Exception as err:  # unguarded: the payload ran, then DeepSpeed choked on what it returned
-        return f"{type(err).__name__}"
-    return "loaded"
+    said = []
+    for i, target in enumerate(PAYLOAD_TARGETS):
+        tag = f"payload-{i}"
+        shutil.copytree(ckpt / tag_for(1), ckpt / tag)
+        write_pickle_payload(ckpt / tag / target, Path(marker))
+        try:
+            with weights_only_loads():
+                engine.ds_engine.load_checkpoint(str(ckpt), tag=tag)
+            said.append("loaded")
+        except UnsafeCheckpoint as err:
+            said.append(str(err))
+    with contextlib.suppress(Exception):  # the payload runs, then DeepSpeed chokes on what it returned
+        engine.ds_engine.load_checkpoint(str(ckpt), tag="payload-0")
+    return said
 
 
-@pytest.mark.parametrize(
-    "target", ["mp_rank_00_model_states.pt", "*optim_states.pt", "layer_01-model_00-model_states.pt"]
-)
-def test_deepspeeds_own_loads_never_run_a_pickle_payload(tmp_path: Path, cache_dir: Path, target: str) -> None:
-    """Every file DeepSpeed's load_checkpoint reads (model states with the client state, ZeRO optimizer
-    state, layer weights), made a payload: through dsx3d the load is refused naming the file and the marker
-    never appears; DeepSpeed alone runs it (the control, so this test can fail)."""
+def test_deepspeeds_own_loads_never_run_a_pickle_payload(tmp_path: Path, cache_dir: Path) -> None:
+    """Every file DeepSpeed's load_checkpoint reads, made a pickle payload: through dsx3d each load is
+    refused naming the file, and the marker appears only when DeepSpeed loads one on its own."""
     data = make_recipe(tmp_path / "run", cache_dir).model_dump()
     data["parallel"], data["cluster"]["gpus_per_node"] = {"dp": 1, "tp": 1, "pp": 1}, 1
-    recipe = recipe_from_dict(data)
     marker = tmp_path / "marker"
-    said = run_ranks(_save_then_load_payload, 1, recipe, target, str(marker), True, timeout_s=120)[0]
-    assert "weights_only" in said and target.strip("*") in said and not marker.exists()
-    run_ranks(_save_then_load_payload, 1, recipe, target, str(marker), False, timeout_s=120)
-    assert marker.exists()
+    said = run_ranks(_load_payloads, 1, recipe_from_dict(data), str(marker), timeout_s=120)[0]
+    for target, message in zip(PAYLOAD_TARGETS, said, strict=True):
+        assert "weights_only" in message and target in message, (target, message)
+    assert marker.exists()  # the control ran the payload: the refusals above are not vacuous
 
 
 def test_the_universal_converter_never_runs_a_pickle_payload(
@@ -277,36 +282,35 @@ def _check_disk_full_outcome(err: RankFailure, run_dir: Path, words: str) -> Non
     assert tag_problems(ckpt / tag_for(2)) == []
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path, reference: tuple[list[float], Path]):
-    """A tmpfs with room for the run's files and one checkpoint, not two (where the machine can mount one)."""
+def _mount_tmpfs(mount: Path, size: int) -> bool:
+    import subprocess
+
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    return done.returncode == 0
+
+
+def test_a_full_disk_says_so_keeps_the_previous_checkpoint_and_leaves_no_temporary_files(
+    reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run directory on a tmpfs with room for the run's files and one checkpoint, not two: the save of
+    step 4 fails half-way. Where no tmpfs can be mounted (not root), rank 3 runs out of space by
+    injection instead, half-way through a file of step 4. Either way: said as such, `latest` stays on step
+    2, which is complete, and no partial or temporary file is left."""
+    import errno
     import subprocess
 
     _, ref_out = reference
     tag_bytes = sum(p.stat().st_size for p in (ref_out / "checkpoints" / tag_for(STEPS)).rglob("*") if p.is_file())
     mount = tmp_path / "fs"
-    mount.mkdir()
-    size = int(tag_bytes * 1.4) + 400_000
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); the injected test covers it")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=False)
-
-
-def test_a_full_disk_says_so_keeps_the_previous_checkpoint_and_leaves_no_temporary_files(
-    tmpfs: Path, cache_dir: Path
-) -> None:
-    recipe = make_recipe(tmpfs / "run", cache_dir)
-    with pytest.raises(RankFailure) as info:
-        run(recipe)
-    _check_disk_full_outcome(info.value, tmpfs / "run", "no space left on device")
-
-
-def test_a_full_disk_on_one_rank_injected(tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same, by injection (any machine): rank 3 runs out of space half-way through a file of step 4."""
-    import errno
-
+    if _mount_tmpfs(mount, int(tag_bytes * 1.4) + 400_000):
+        try:
+            with pytest.raises(RankFailure) as info:
+                run(make_recipe(mount / "run", cache_dir))
+            _check_disk_full_outcome(info.value, mount / "run", "no space left on device")
+        finally:
+            subprocess.run(["umount", str(mount)], check=False)
+        return
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     original = TorchCheckpointEngine.save
@@ -331,20 +335,39 @@ def _resume_at(recipe: Recipe, dp: int, tp: int, pp: int, grad_accum: int) -> Re
     return recipe_from_dict(data)
 
 
+@pytest.fixture(scope="module")
+def stopped_at_3(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[list[float], Path]:
+    """A run stopped after step 3 at dp 2 x tp 2 x pp 2 (its losses, its directory)."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    first = run(make_recipe(out, cache_dir), stop_at=3)
+    return first.losses, out
+
+
 @pytest.mark.parametrize(("dp", "tp", "pp", "grad_accum"), [(2, 1, 2, 2), (1, 2, 2, 4)], ids=["tp2-to-1", "dp2-to-1"])
 def test_resume_at_another_layout_reshards_and_trains_like_the_uninterrupted_run(
-    reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path, dp: int, tp: int, pp: int, grad_accum: int
+    reference: tuple[list[float], Path],
+    stopped_at_3: tuple[list[float], Path],
+    tmp_path: Path,
+    cache_dir: Path,
+    dp: int,
+    tp: int,
+    pp: int,
+    grad_accum: int,
 ) -> None:
     """Stopped at step 3 at dp 2 x tp 2 x pp 2, resumed with plain --resume at another layout (the same
     global batch): the tag is converted to a universal checkpoint automatically, and every later loss
     equals the uninterrupted run's (weights, Adam moments, schedule and data position all carried over)."""
+    import shutil
+
     losses, _ = reference
-    recipe = make_recipe(tmp_path / "run", cache_dir)
-    first = run(recipe, stop_at=3)
-    moved = _resume_at(recipe, dp, tp, pp, grad_accum)
+    first_losses, stopped = stopped_at_3
+    shutil.copytree(stopped, tmp_path / "run")
+    moved = _resume_at(make_recipe(tmp_path / "run", cache_dir), dp, tp, pp, grad_accum)
     second = run_ranks(_train, dp * tp * pp, moved, {"resume": True}, timeout_s=300)[0]
     assert (second.start_step, second.end_step) == (3, STEPS)
-    assert first.losses + second.losses == pytest.approx(losses, abs=1e-5, rel=0)
+    assert first_losses + second.losses == pytest.approx(losses, abs=1e-5, rel=0)
+    worst = max(abs(a - b) for a, b in zip(second.losses, losses[3:], strict=True))
+    print(f"resumed at dp {dp} x tp {tp} x pp {pp}: worst loss difference {worst:.3g} over steps 4-{STEPS}")
     ckpt = tmp_path / "run" / "checkpoints"
     assert read_latest(ckpt) == tag_for(STEPS)
     # the resumed run saved steps 4 and 6 at its own layout; step 3 and its universal copy were pruned whole
@@ -352,9 +375,25 @@ def test_resume_at_another_layout_reshards_and_trains_like_the_uninterrupted_run
     assert _no_leftovers(tmp_path / "run") == []
 
 
-def test_resume_with_another_seq_len_is_refused_before_loading(
-    reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path
+def test_resume_that_cannot_be_exact_is_refused_before_any_process_starts(
+    stopped_at_3: tuple[list[float], Path], tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    recipe = _copy_run(reference, tmp_path, cache_dir, seq_len=16)
-    with pytest.raises(RankFailure, match="train.seq_len"):
-        run(recipe, resume=True)
+    """`dsx3d train --resume` with another seq_len (which would also move the cost-balanced split): exit 2
+    with the reason, before the launcher runs; at another layout it says it will reshard."""
+    import shutil
+
+    import yaml
+
+    from dsx3d.cli import main
+
+    _, stopped = stopped_at_3
+    shutil.copytree(stopped, tmp_path / "run")
+    data = make_recipe(tmp_path / "run", cache_dir).model_dump(mode="json")
+    data["train"]["seq_len"] = 16
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
+    assert main(["train", str(tmp_path / "r.yaml"), "--resume", "--dry-run"]) == 2
+    assert "train.seq_len" in capsys.readouterr().err
+    data["train"]["seq_len"], data["parallel"]["tp"], data["cluster"]["gpus_per_node"] = 32, 1, 4
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
+    assert main(["train", str(tmp_path / "r.yaml"), "--resume", "--dry-run"]) == 0
+    assert "resharding: step-000003 was written at dp 2 x tp 2 x pp 2" in capsys.readouterr().err

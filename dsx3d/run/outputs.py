@@ -31,7 +31,7 @@ from typing import Any
 from dsx3d.checkpoint.manifest import describe, files_under, read_manifest, record, unknown_files
 from dsx3d.checkpoint.training_format import foreign_files, read_latest
 from dsx3d.errors import UserError
-from dsx3d.fsio import share_tree, write_atomic
+from dsx3d.fsio import make_dirs, share_tree, write_atomic
 from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -236,7 +236,7 @@ def start_run_directory(paths: RunPaths, removed: list[str], *, resume: bool) ->
     if removed:
         log.info("%s", describe_removal(paths, removed, resume=resume))
         remove_earlier_run(paths, removed)
-    paths.root.mkdir(parents=True, exist_ok=True)
+    make_dirs(paths.root)  # 0755 whatever the umask: colleagues read a run
     record(paths.root, "run", ROOT_FILES)
 
 
