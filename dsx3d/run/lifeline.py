@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # dsx3d.run.ranks imports torch.distributed; `dsx3d train` it
 
 log = logging.getLogger("dsx3d")
 
-OWNER_ENV = "DSX3D_OWNER"
+OWNER_ENV = "DSX3D_OWNER"  # also read by dsx3d/__init__.py, which starts the watch at import
 _PR_SET_PDEATHSIG = 1
 DEFAULT_HANG_TIMEOUT_S = 180.0
 
@@ -91,6 +91,9 @@ class Owner:
             return False
 
 
+_watching = False
+
+
 def _owner_gone(owner: Owner) -> None:
     log.error("dsx3d train (pid %d), which started this job, has ended: stopping this rank", owner.pid)
     _flush_and_exit(1)
@@ -108,10 +111,14 @@ def watch_owner(
 ) -> threading.Thread | None:
     """In a rank: end it when the owner named by `token` (default: $DSX3D_OWNER) is gone. No-op without
     an owner on this host. Also sets this process's parent-death signal."""
+    global _watching
+    if token is None and _watching:  # already watching this process's owner
+        return None
     token = token if token is not None else os.environ.get(OWNER_ENV)
     owner = Owner.parse(token) if token else None
     if owner is None or owner.host != socket.gethostname():
         return None
+    _watching = _watching or token == os.environ.get(OWNER_ENV)
     set_parent_death_signal(signal.SIGTERM)
 
     def loop() -> None:
