@@ -206,7 +206,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--zero-stage", type=int, choices=range(4), help="ZeRO stage (default: recipe's, else 1)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="training dtype (default bf16)")
     p.add_argument("--micro-batch", type=positive(int, MAX_BATCH), help="sequences per micro-batch (default 1)")
-    p.add_argument("--seq-len", type=positive(int, MAX_SEQ_LEN), help="tokens per sequence (default 2048)")
+    p.add_argument("--seq-len", type=bounded_int(2, MAX_SEQ_LEN), help="tokens per sequence (default 2048)")
     p.add_argument(
         "--grad-accum", type=positive(int, MAX_BATCH), help="micro-batches per step and DP rank, m (default 1)"
     )
@@ -257,6 +257,10 @@ def _from_flags(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
     if args.pp and args.pp > 1 and not args.layers:
         raise UserError.single(
             "--layers", None, "the per-stage split with --pp > 1 needs the layer count", "add --layers"
+        )
+    if args.params < (args.layers or 1):
+        raise UserError.single(
+            "--params", args.params, f"fewer parameters than the {args.layers or 1} layer(s)", "pass the model's parameter count, e.g. 7.5B"
         )
     shape = shape_from_params(args.params, args.layers, args.hidden, args.heads)
     return shape, Setup(seq_len=2048), 8

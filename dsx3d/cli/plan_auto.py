@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from dsx3d.cli.args import output_file
+from dsx3d.cli.args import bounded_int, output_file
 from dsx3d.cli.cmd_estimate import add_hardware_arguments, add_option, hardware_from, load_model, positive
 from dsx3d.errors import UserError
 from dsx3d.estimate import Setup, shape_from_hf_config
@@ -48,10 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group, "--gpus-per-node", type=positive(int, MAX_GPUS_PER_NODE), help="devices per node (default: recipe's, else 8)"
     )
     add_option(
-        group, "--global-batch", type=positive(int, MAX_WORLD_SIZE * MAX_BATCH), default=256, help="sequences per step (default 256)"
+        group, "--global-batch", type=positive(int, MAX_BATCH), default=256, help="sequences per step (default 256)"
     )
     add_option(
-        group, "--seq-len", type=positive(int, MAX_SEQ_LEN), help="tokens per sequence (default: recipe's, else 4096)"
+        group, "--seq-len", type=bounded_int(2, MAX_SEQ_LEN), help="tokens per sequence (default: recipe's, else 4096)"
     )
     add_option(group, "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training dtype")
     add_option(group, "--max-micro-batch", type=positive(int, 1024), default=16, help="largest micro-batch tried")
