@@ -462,6 +462,19 @@ def _shadowing_overrides(c: _Context) -> Iterator[Problem]:
         )
 
 
+def _tracking_packages(c: _Context) -> Iterator[Problem]:
+    """train.report_to backends drive the same DeepSpeed monitors (dsx3d.run.tracking); csv needs no package."""
+    for backend in c.recipe.train.report_to:
+        package = MONITOR_PACKAGES.get(backend)
+        if package is not None and importlib.util.find_spec(package) is None:
+            yield Problem(
+                "train.report_to",
+                backend,
+                f"the {backend} backend needs the {package!r} package, which is not installed",
+                f"pip install {package} (or `pip install dsx3d[tracking]`), or remove {backend!r} from train.report_to",
+            )
+
+
 RULES: list[Rule] = [
     _model_dimensions,
     _seq_len_vs_positions,
@@ -486,6 +499,7 @@ RULES: list[Rule] = [
     _data_source,
     _family_supported,
     _model_builds,
+    _tracking_packages,
 ]
 
 

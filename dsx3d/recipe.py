@@ -172,6 +172,15 @@ class TrainSection(_Section):
     save_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: Annotated[StrictInt, Field(ge=1, le=10_000)] = 2
+    report_to: list[Literal["tensorboard", "wandb", "csv"]] = Field(default_factory=list)
+    """Experiment tracking: any of tensorboard, wandb, csv (a name or a list); "none" or [] for none."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        return [v for v in value if v != "none"] if isinstance(value, list) else value
 
     @model_validator(mode="after")
     def _min_lr_below_lr(self) -> TrainSection:

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -56,6 +57,7 @@ from dsx3d.run.ranks import (
     job_dir,
     naming_dead_peers,
 )
+from dsx3d.run.tracking import Tracker
 
 log = logging.getLogger("dsx3d")
 
@@ -176,6 +178,7 @@ def _train_steps(
         train.log_interval,
         _throughput(recipe, engine),
         enabled=info.rank == 0,
+        tracker=Tracker(train.report_to, paths.root, paths.root.name, enabled=info.rank == 0, fresh=start == 0),
     )
     losses: list[float] = []
     saved = start
@@ -304,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     info = RankInfo.from_env(rank, world)
     try:
         recipe = load_recipe(args.recipe)
-        comm.init_distributed(timeout_s=args.pg_timeout_s)
+        _init_process_group(args.pg_timeout_s)
         train(recipe, resume=args.resume, overwrite=args.overwrite, hang_timeout_s=args.hang_timeout_s)
         comm.barrier()  # every rank is done with every collective and file
         return _exit_now(0)
@@ -325,6 +328,15 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(err, PeerDied) and not is_peer_lost(err):
             traceback.print_exc()
         return _exit_now(1)
+
+
+def _init_process_group(timeout_s: float) -> None:
+    """The launcher's process group (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or, run as plain
+    `python -m dsx3d.train RECIPE` without a launcher, a process group of this one rank."""
+    if "RANK" in os.environ or "MASTER_ADDR" in os.environ:
+        comm.init_distributed(timeout_s=timeout_s)
+    else:
+        comm.init_single_process(tempfile.mkdtemp(prefix="dsx3d-pg-"), timeout_s=timeout_s)
 
 
 def _exit_now(code: int) -> NoReturn:
