@@ -195,31 +195,39 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(
     assert read_latest(ckpt) == tag_for(STEPS + 2)
 
 
-PAYLOAD_TARGETS = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "layer_01-model_00-model_states.pt"]
+PAYLOAD_TARGETS = {
+    # pp = 1: DeepSpeed's regular engine, the module and client state in one file, ZeRO-1 optimizer state
+    1: ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+    # pp = 2: the pipeline engine also reads one file per pipeline item and TP rank
+    2: ["mp_rank_00_model_states.pt", "layer_01-model_00-model_states.pt"],
+}
 
 
 def _load_payloads(rank: int, recipe: Recipe, marker: str) -> list[str]:
-    """One rank: save a real checkpoint; then, for each file DeepSpeed's load_checkpoint reads (model
-    states with the client state, ZeRO optimizer state, layer weights), a copy of the tag with that file
-    made a pickle payload, loaded through dsx3d's weights-only wrapper; last, the first one loaded by
-    DeepSpeed alone (the control)."""
+    """Every rank: save a real checkpoint; then, for each file DeepSpeed's load_checkpoint reads, a copy of
+    the tag with that file made a pickle payload (by rank 0), loaded through dsx3d's weights-only wrapper;
+    last, the first one loaded by DeepSpeed alone (the control)."""
     import shutil
 
     from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
+    from dsx3d.distributed import comm
     from dsx3d.engine import build_engine
     from dsx3d.run.checkpointing import Checkpointer
 
     engine = build_engine(recipe)
     ckpt = Path(recipe.output_dir) / "checkpoints"
     Checkpointer(engine, ckpt, recipe, 2).save(1, {"step": 1})
+    targets = PAYLOAD_TARGETS[recipe.parallel.pp]
+    if rank == 0:
+        for i, target in enumerate(targets):
+            shutil.copytree(ckpt / tag_for(1), ckpt / f"payload-{i}")
+            write_pickle_payload(ckpt / f"payload-{i}" / target, Path(marker))
+    comm.barrier()
     said = []
-    for i, target in enumerate(PAYLOAD_TARGETS):
-        tag = f"payload-{i}"
-        shutil.copytree(ckpt / tag_for(1), ckpt / tag)
-        write_pickle_payload(ckpt / tag / target, Path(marker))
+    for i in range(len(targets)):
         try:
             with weights_only_loads():
-                engine.ds_engine.load_checkpoint(str(ckpt), tag=tag)
+                engine.ds_engine.load_checkpoint(str(ckpt), tag=f"payload-{i}")
             said.append("loaded")
         except UnsafeCheckpoint as err:
             said.append(str(err))
@@ -228,14 +236,16 @@ def _load_payloads(rank: int, recipe: Recipe, marker: str) -> list[str]:
     return said
 
 
-def test_deepspeeds_own_loads_never_run_a_pickle_payload(tmp_path: Path, cache_dir: Path) -> None:
+@pytest.mark.parametrize("pp", [1, 2], ids=["regular-engine", "pipeline"])
+def test_deepspeeds_own_loads_never_run_a_pickle_payload(tmp_path: Path, cache_dir: Path, pp: int) -> None:
     """Every file DeepSpeed's load_checkpoint reads, made a pickle payload: through dsx3d each load is
-    refused naming the file, and the marker appears only when DeepSpeed loads one on its own."""
+    refused naming the file, and the marker appears only when DeepSpeed loads one on its own. Both engines:
+    pp = 1 runs DeepSpeed's regular engine, pp = 2 its pipeline engine (stage 0 reads the targets)."""
     data = make_recipe(tmp_path / "run", cache_dir).model_dump()
-    data["parallel"], data["cluster"]["gpus_per_node"] = {"dp": 1, "tp": 1, "pp": 1}, 1
+    data["parallel"], data["cluster"]["gpus_per_node"] = {"dp": 1, "tp": 1, "pp": pp}, pp
     marker = tmp_path / "marker"
-    said = run_ranks(_load_payloads, 1, recipe_from_dict(data), str(marker), timeout_s=120)[0]
-    for target, message in zip(PAYLOAD_TARGETS, said, strict=True):
+    said = run_ranks(_load_payloads, pp, recipe_from_dict(data), str(marker), timeout_s=180)[0]
+    for target, message in zip(PAYLOAD_TARGETS[pp], said, strict=True):
         assert "weights_only" in message and target in message, (target, message)
     assert marker.exists()  # the control ran the payload: the refusals above are not vacuous
 
