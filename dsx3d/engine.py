@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.distributed import comm
+from dsx3d.distributed.expert_parallel.groups import keep_pipeline_checkpoints, register_with_deepspeed
 from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
@@ -63,6 +64,19 @@ class Engine3D:
         return local_hf_shards(self.module, self.placement.tp)
 
 
+def _expert_param_groups(module: StagedPipelineModule, params: list[Any]) -> list[dict[str, Any]]:
+    """Expert parameters split over the EP group get their own optimizer groups (DeepSpeed's `moe` groups),
+    which ZeRO partitions over the expert-data-parallel group; the groups are registered first."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    register_with_deepspeed(module.dsx3d_expert_groups)
+    if params and isinstance(params[0], dict):
+        groups = [{"name": f"params-{i}", **group} for i, group in enumerate(params)]
+    else:
+        groups = [{"params": params, "name": "dense-params"}]
+    return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
 def default_weight_source(recipe: Recipe, hf_config: PretrainedConfig) -> WeightSource:
     """Checkpoint slices for `model.name_or_path`, else a fresh layout-independent initialisation."""
     if recipe.model.name_or_path is not None:
@@ -108,7 +122,12 @@ def build_engine(
     import deepspeed
 
     params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]
+    moe = getattr(module, "dsx3d_moe_marker", None) is not None
+    if moe:
+        params = _expert_param_groups(module, params)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
+    if moe:
+        keep_pipeline_checkpoints(engine)
     placement = layout.placement(comm.get_rank())
     # dropout: the same replicated stream on the ranks of a TP group (a resume restores each rank's state)
     seed_ranks(recipe.train.seed, pp_rank=placement.pp, dp_rank=placement.dp)

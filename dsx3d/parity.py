@@ -27,6 +27,8 @@ class ParityCase:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert parallelism (divides dp): MoE experts split over ep DP ranks, tokens exchanged all-to-all."""
     steps: int = 3
     micro_batch_size: int = 2
     micro_batches: int = 2
@@ -129,7 +131,7 @@ def case_recipe(case: ParityCase) -> Recipe:
     return recipe_from_dict(
         {
             "model": {"config": model_cfg},
-            "parallel": {"dp": case.dp, "tp": case.tp, "pp": case.pp, "stage_layers": case.stage_layers},
+            "parallel": {"dp": case.dp, "tp": case.tp, "pp": case.pp, "ep": case.ep, "stage_layers": case.stage_layers},
             "cluster": {"nodes": 1, "gpus_per_node": case.world_size},
             "train": {
                 "micro_batch_size": case.micro_batch_size,
@@ -206,7 +208,7 @@ def run_parity(
         else {"loss": 5e-2, "param": 5e-2}
     )
     result = ParityResult(
-        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp},
+        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp, "ep": case.ep},
         losses_ref=losses_ref,
         losses_3d=losses_3d,
         grad_norms_ref=norms_ref,

@@ -23,6 +23,8 @@ _ATTRIBUTE_NAMES = {
     "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
     "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
     "vocab_size": ("vocab_size",),
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok", "moe_k"),
 }
 
 
