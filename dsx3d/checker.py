@@ -7,15 +7,18 @@ function in `RULES`; each problem names the key path, the value, the reason and 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dsx3d.ds_config import AUTO, auto_paths, build_ds_config
 from dsx3d.errors import Problem, UserError
-from dsx3d.hf_config import load_hf_config, model_dim
+from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import bubble_fraction
 from dsx3d.models.family import resolve_family  # noqa: E402
+from dsx3d.models.shape import model_dim
 from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -186,7 +189,7 @@ def _batch_overrides(c: _Context) -> Iterator[Problem]:
         "train_batch_size": ("train.micro_batch_size x train.gradient_accumulation_steps x dp", m * g * c.dp),
     }
     for key, (source, want) in owners.items():
-        if key not in c.overrides or c.overrides[key] == want or (key == "train_batch_size" and not c.dp):
+        if key not in c.overrides or c.overrides[key] in (want, AUTO) or (key == "train_batch_size" and not c.dp):
             continue
         yield Problem(
             f"deepspeed.{key}",
@@ -236,7 +239,7 @@ def _contradicting_overrides(c: _Context) -> Iterator[Problem]:
             "remove it and set parallel.tp",
         )
     zero = o.get("zero_optimization")
-    if isinstance(zero, dict) and "stage" in zero and zero["stage"] != c.recipe.zero.stage:
+    if isinstance(zero, dict) and zero.get("stage", AUTO) not in (AUTO, c.recipe.zero.stage):
         yield Problem(
             "deepspeed.zero_optimization.stage",
             zero["stage"],
@@ -245,7 +248,7 @@ def _contradicting_overrides(c: _Context) -> Iterator[Problem]:
         )
     for section in ("bf16", "fp16"):
         enabled = o.get(section, {}).get("enabled") if isinstance(o.get(section), dict) else None
-        if enabled is not None and bool(enabled) != (c.recipe.train.dtype == section):
+        if enabled not in (None, AUTO) and bool(enabled) != (c.recipe.train.dtype == section):
             yield Problem(
                 f"deepspeed.{section}.enabled",
                 enabled,
@@ -262,6 +265,72 @@ def _fp16(c: _Context) -> Iterator[Problem]:
             "DeepSpeed refuses fp16 on CPU ('Type fp16 is not supported on your device'); fp16 also needs loss scaling",
             "use bf16 (or fp32 on CPU); keep fp16 only for GPUs without bf16",
         )
+
+
+def _auto_left(c: _Context) -> Iterator[Problem]:
+    """"auto" (the form of HF's example DeepSpeed JSONs) is resolved from the recipe where dsx3d derives the
+    value; anywhere else DeepSpeed would compare a string with numbers minutes after launch."""
+    if not auto_paths(c.overrides) or not c.dp or c.world_size % (c.tp * c.pp):
+        return
+    config = build_ds_config(c.recipe, c.world_size, hidden_size=c.dim("hidden_size"))
+    for path in auto_paths(config):
+        yield Problem(
+            f"deepspeed.{path}",
+            AUTO,
+            "dsx3d resolves \"auto\" only where it derives the value from the recipe (batch sizes, precision, "
+            "clipping, AdamW and schedule parameters, ZeRO bucket sizes)",
+            "give a number",
+        )
+
+
+def _deepspeed_timers(c: _Context) -> Iterator[Problem]:
+    if c.overrides.get("wall_clock_breakdown") and c.pp > 1:
+        yield Problem(
+            "deepspeed.wall_clock_breakdown",
+            c.overrides["wall_clock_breakdown"],
+            "DeepSpeed's pipeline engine starts its backward timer twice with it on and every rank fails "
+            "('bwd_microstep timer has already been started')",
+            "remove it: dsx3d logs step times and tokens/s itself (metrics.jsonl)",
+        )
+
+
+# DeepSpeed's monitor sections -> the package each needs.
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+
+
+def _monitor_packages(c: _Context) -> Iterator[Problem]:
+    for section, package in MONITOR_PACKAGES.items():
+        conf = c.overrides.get(section)
+        if isinstance(conf, dict) and conf.get("enabled") and importlib.util.find_spec(package) is None:
+            yield Problem(
+                f"deepspeed.{section}.enabled",
+                conf["enabled"],
+                f"this monitor needs the {package} package, which is not installed",
+                f"pip install {package}, or disable the section",
+            )
+
+
+def _data_source(c: _Context) -> Iterator[Problem]:
+    """A missing or unreadable data file fails only after every rank has started: say it now."""
+    from dsx3d.data.corpus import check_source
+
+    try:
+        check_source(c.recipe.data)
+    except UserError as err:
+        yield from err.problems
+
+
+def _model_builds(c: _Context) -> Iterator[Problem]:
+    """transformers accepts configs it cannot build (a pad_token_id outside the vocabulary, ...): build the
+    model on the meta device (no memory) and name the key when it fails."""
+    if c.hf_config is None:
+        return
+    from dsx3d.models.shape import build_meta_model
+
+    try:
+        build_meta_model(c.hf_config)
+    except UserError as err:
+        yield from err.problems
 
 
 def _family_supported(c: _Context) -> Iterator[Problem]:
@@ -300,7 +369,12 @@ RULES: list[Rule] = [
     _grad_accum_dtype,
     _contradicting_overrides,
     _fp16,
+    _auto_left,
+    _deepspeed_timers,
+    _monitor_packages,
+    _data_source,
     _family_supported,
+    _model_builds,
 ]
 
 

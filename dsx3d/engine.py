@@ -22,6 +22,7 @@ from dsx3d.errors import UserError
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, RankPlacement
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline
+from dsx3d.models.shape import model_dim
 from dsx3d.models.shards import Shard, local_hf_shards
 from dsx3d.models.weights import WeightSource
 from dsx3d.recipe import Recipe
@@ -106,7 +107,7 @@ def build_engine(
     layout = recipe.layout(world)
     if layout.world_size != world:
         raise UserError.single("parallel", f"dp*tp*pp={layout.world_size}", f"the job has {world} processes", "match the launcher's process count")
-    ds_config = build_ds_config(recipe, world)
+    ds_config = build_ds_config(recipe, world, hidden_size=model_dim(hf_config, "hidden_size"))
     if ds_overrides:
         from dsx3d.ds_config import deep_merge
 

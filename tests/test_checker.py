@@ -167,12 +167,44 @@ CASES = [
         id="batch-size-over-world-fails-at-init",
     ),
     pytest.param(
-        {"deepspeed": {"train_batch_size": "auto"}},
+        {"deepspeed": {"zero_optimization": {"sub_group_size": "auto"}}},
         None,
-        "deepspeed.train_batch_size",
+        "deepspeed.zero_optimization.sub_group_size",
         "error",
-        "= 16",
-        id="batch-size-auto",
+        "resolves \"auto\" only where",
+        id="auto-left-unresolved",
+    ),
+    pytest.param(
+        {"deepspeed": {"wall_clock_breakdown": True}},
+        None,
+        "deepspeed.wall_clock_breakdown",
+        "error",
+        "timer has already been started",
+        id="wall-clock-breakdown-with-pipeline",
+    ),
+    pytest.param(
+        {"deepspeed": {"comet": {"enabled": True}}},
+        None,
+        "deepspeed.comet.enabled",
+        "error",
+        "comet_ml package",
+        id="monitor-package-missing",
+    ),
+    pytest.param(
+        {"data": {"source": "/no/such/corpus.jsonl"}},
+        None,
+        "data.source",
+        "error",
+        "not found",
+        id="data-source-missing",
+    ),
+    pytest.param(
+        {"model": {"config": {"pad_token_id": 4000}}},
+        None,
+        "model.config.pad_token_id",
+        "error",
+        "cannot build the model",
+        id="config-transformers-cannot-build",
     ),
     pytest.param(
         {"deepspeed": {"gradient_accumulation_steps": 8}},
@@ -254,6 +286,35 @@ def test_each_rule(patch: dict, world_size: int | None, key: str, severity: str,
 
 def test_base_recipe_is_clean() -> None:
     assert _check({}) == []
+
+
+def test_hf_style_auto_values_resolve_from_the_recipe() -> None:
+    """The "auto" values of HF's example DeepSpeed JSONs are accepted and take the recipe's values."""
+    from dsx3d.ds_config import auto_paths, build_ds_config
+
+    auto = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": "auto", "reduce_bucket_size": "auto"},
+    }
+    recipe = recipe_from_dict(deep_merge(copy.deepcopy(BASE), {"deepspeed": auto}))
+    assert check_recipe(recipe) == []
+    config = build_ds_config(recipe, hidden_size=64)
+    assert auto_paths(config) == []
+    plain = build_ds_config(recipe_from_dict(copy.deepcopy(BASE)))
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        assert config[key] == plain[key]
+    assert config["optimizer"] == plain["optimizer"] and config["bf16"] == plain["bf16"]
+    assert config["scheduler"] == {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": recipe.train.lr, "warmup_num_steps": recipe.train.warmup_steps},
+    }  # another schedule than dsx3d's: its own parameters only
+    assert config["zero_optimization"] == {"stage": recipe.zero.stage, "reduce_bucket_size": 64 * 64}
 
 
 def test_every_rule_has_a_case() -> None:
