@@ -1,14 +1,15 @@
 """`dsx3d export`: a DeepSpeed pipeline checkpoint -> a standard Hugging Face checkpoint, in one process.
 
 A tag directory holds one file per (pipeline item, TP rank), `layer_XX-model_YY-model_states.pt`, written by
-the dp-rank-0 ranks, plus the run's resolved recipe (dsx3d_recipe.yaml). Pipeline items are [embedding,
+the dp-rank-0 ranks (with expert parallelism, one per (item, TP rank, EP index) for the items holding experts,
+`layer_XX-model_YY-expert_ZZ-model_states.pt`), plus the run's resolved recipe (dsx3d_recipe.yaml). Pipeline items are [embedding,
 decoder 0 .. L-1, final norm, head]; with tied embeddings the head is the embedding and has no file.
 
 The map from a file's keys to HF names and TP dims is not a second hand-written table: each item's stage
 module is built on the meta device exactly as training builds it (the same LayerBuilder, at the
 checkpoint's tp), so its parameter names are the file's keys and each parameter's `hf_name` and
 `partition_dim` say where the shard goes: colwise -> dim 0, rowwise -> dim 1, embedding and head -> dim 0
-with the vocab padding trimmed. Every file is checked (keys, shapes) before anything is written; then one
+with the vocab padding trimmed, experts -> dim 0 in the order of their slots (EP index x tp + TP rank). Every file is checked (keys, shapes) before anything is written; then one
 item at a time is loaded (torch.load(weights_only=True), memory-mapped), merged and streamed out.
 """
 
@@ -39,6 +40,7 @@ from dsx3d.checkpoint.writer import (
     write_configs,
     write_index,
 )
+from dsx3d.distributed.expert_parallel.experts import ExpertContext
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import load_hf_config
@@ -67,6 +69,8 @@ class ItemParam:
     local_shape: tuple[int, ...]
     dim: int | None
     """TP dim the shards are concatenated along; None when every TP rank holds the whole tensor."""
+    expert: bool = False
+    """Split over the EP group too: dim-0 pieces of every (TP rank, EP index) file, in slot order."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,10 @@ class Item:
 
     params: list[ItemParam]
     buffers: frozenset[str]
+
+    def file_keys(self, tp: int, ep: int) -> list[tuple[int, int]]:
+        """(TP rank, EP index) of its files, in expert-slot order."""
+        return [(t, e) for e in range(ep if any(p.expert for p in self.params) else 1) for t in range(tp)]
 
 
 class _MetaSource:
@@ -92,11 +100,12 @@ class _MetaSource:
         return slice_along(torch.empty(self.params[name].shape, device="meta"), dim, start, stop)
 
 
-def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
+def pipeline_items(config: PretrainedConfig, tp: int, ep: int = 1) -> list[Item]:
     """For each pipeline item, its parameters as its layer files store them (meta build, no memory)."""
     plan = resolve_family(config)
     params = expected_params(meta_model(config), config)
-    builder = LayerBuilder(config, plan, TPContext(rank=0, size=tp), _MetaSource(params))
+    tp_context = TPContext(rank=0, size=tp)
+    builder = LayerBuilder(config, plan, tp_context, _MetaSource(params), ExpertContext(tp_context, ep=ep))
     first: nn.Module = TiedEmbeddingPipe(builder, True, False) if plan.tied else EmbeddingPipe(builder)
     modules = [
         first,
@@ -113,8 +122,10 @@ def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
             if p.hf_name in seen:  # type: ignore[attr-defined]
                 continue
             seen.add(p.hf_name)  # type: ignore[attr-defined]
-            dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) and tp > 1 else None  # type: ignore[attr-defined]
-            item.append(ItemParam(key, p.hf_name, tuple(p.shape), dim))  # type: ignore[attr-defined]
+            expert = getattr(p, "allreduce", True) is False
+            split = expert or (getattr(p, "tensor_model_parallel", False) and tp > 1)
+            dim = p.partition_dim if split else None  # type: ignore[attr-defined]
+            item.append(ItemParam(key, p.hf_name, tuple(p.shape), dim, expert))  # type: ignore[attr-defined]
         buffers = frozenset(module.state_dict()) - {
             k for k, _ in module.named_parameters(remove_duplicate=False)
         }
@@ -175,13 +186,13 @@ def run_config(tag_dir: Path) -> tuple[Recipe, PretrainedConfig]:
 
 
 def check_files(
-    files: dict[int, dict[int, Path]], items: list[Item], tp: int
+    files: dict[int, dict[tuple[int, int], Path]], items: list[Item], tp: int, ep: int = 1
 ) -> tuple[list[Problem], torch.dtype | None]:
     """Every problem with the layer files at once (missing, unreadable, wrong keys or shapes), and the dtype
     they hold. Files are memory-mapped: only their pickled index is read."""
     problems: list[Problem] = []
     dtype: torch.dtype | None = None
-    ranks = sorted({t for per_tp in files.values() for t in per_tp})
+    ranks = sorted({t for per_tp in files.values() for t, _ in per_tp})
     if ranks != list(range(tp)):
         problems.append(
             Problem(
@@ -198,12 +209,13 @@ def check_files(
             )
         )
     for i, item in enumerate(items):
-        for t in range(tp):
-            path = files.get(i, {}).get(t)
+        for t, e in item.file_keys(tp, ep):
+            path = files.get(i, {}).get((t, e))
             if path is None:
+                expert = f"-expert_{e:02d}" if any(p.expert for p in item.params) else ""
                 problems.append(
                     Problem(
-                        f"layer_{i:02d}-model_{t:02d}-model_states.pt",
+                        f"layer_{i:02d}-model_{t:02d}{expert}-model_states.pt",
                         "(file)",
                         "missing from the checkpoint",
                         _FIX_CKPT,
@@ -257,10 +269,10 @@ def export_checkpoint(
     checkpoint in `out_dir` (replaced atomically). `dtype` defaults to the dtype the checkpoint holds."""
     tag_dir = resolve_tag_dir(Path(checkpoint_dir), tag)
     recipe, config = run_config(tag_dir)
-    tp = recipe.parallel.tp
-    items = pipeline_items(config, tp)
+    tp, ep = recipe.parallel.tp, recipe.parallel.ep
+    items = pipeline_items(config, tp, ep)
     files = layer_files(tag_dir)
-    problems, found_dtype = check_files(files, items, tp)
+    problems, found_dtype = check_files(files, items, tp, ep)
     if problems:
         raise UserError(problems)
     dtype = dtype or found_dtype or torch.float32
@@ -280,38 +292,41 @@ def export_checkpoint(
     out = Path(out_dir).absolute()
     staging = staging_dir(out)
     try:
-        _write(shard_files, items, files, model, full, dtype, staging)
+        _write(shard_files, items, files, model, full, dtype, staging, tp, ep)
         write_index(staging, shard_files)
         write_configs(staging, config, dtype, type(model).__name__)
         _copy_tokenizer(staging, tokenizer, tag_dir, recipe)
         publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("exported %s (tp=%d, %d items) to %s (%s)", tag_dir, tp, len(items), out, dtype)
+    log.info("exported %s (tp=%d, ep=%d, %d items) to %s (%s)", tag_dir, tp, ep, len(items), out, dtype)
     return out
 
 
 def _write(
     shard_files: list[Any],
     items: list[Item],
-    files: dict[int, dict[int, Path]],
+    files: dict[int, dict[tuple[int, int], Path]],
     model: Any,
     full: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     staging: Path,
+    tp: int,
+    ep: int,
 ) -> None:
     numbered = iter(enumerate(items))
     for f in shard_files:
         writer = SafetensorsWriter(staging / f.name, f.entries)
         for _ in f.groups:
             i, item = next(numbered)
-            shards = [load_bin(files[i][t]) for t in sorted(files[i])]
+            shards = [load_bin(files[i][key]) for key in item.file_keys(tp, ep)]  # slot order
             tensors = {}
             for p in item.params:
                 if p.dim is None:
                     t = shards[0][p.key]
-                else:  # concatenate in TP order, then drop the vocab padding
-                    t = torch.cat([sd[p.key] for sd in shards], dim=p.dim).narrow(
+                else:  # concatenate in TP (expert: slot) order, then drop the vocab padding
+                    pieces = shards if p.expert else shards[:tp]
+                    t = torch.cat([sd[p.key] for sd in pieces], dim=p.dim).narrow(
                         p.dim, 0, full[p.hf_name][p.dim]
                     )
                 tensors[p.hf_name] = t.to(dtype)

@@ -25,6 +25,22 @@ from dsx3d.errors import UserError
 from dsx3d.models.shape import model_dim, text_config
 
 
+def experts_per_layer(config: Any) -> int | None:
+    """E, the experts of each MoE layer, for a family whose plan names an experts module (`moe_tp_experts`,
+    which dsx3d splits over TP and EP); None for a dense model."""
+    from dsx3d.models import tp_plan
+    from dsx3d.models.families import declared_tp_plan
+
+    if tp_plan.EXPERTS not in declared_tp_plan(config).values():
+        return None
+    return model_dim(config, "num_experts")
+
+
+def valid_expert_splits(num_experts: int, tp_choices: list[int], ep_choices: list[int]) -> list[tuple[int, int]]:
+    """(tp, ep) pairs whose tp x ep ranks split `num_experts` evenly."""
+    return [(t, e) for t in tp_choices for e in ep_choices if num_experts % (t * e) == 0]
+
+
 def adds_auxiliary_loss(config: Any, skeleton: Any) -> bool:
     """Whether the family's CausalLM adds a loss computed from recorded router logits in this configuration
     (`output_router_logits` on, `_can_record_outputs["router_logits"]` declared, and the forward's loss
@@ -57,7 +73,7 @@ def _router_specs(base: nn.Module) -> list[Any]:
     for spec in specs if isinstance(specs, list) else [specs]:
         if not isinstance(spec, OutputRecorder):
             name = spec if isinstance(spec, str) else None
-            spec = OutputRecorder(target_class=None if name else spec, index=1, class_name=name)
+            spec = OutputRecorder(target_class=None if name else spec, index=1, class_name=name)  # type: ignore[arg-type]
         out.append(spec)
     return out
 

@@ -11,12 +11,11 @@ loaded back from that file; other layers keep DeepSpeed's files, written by dp r
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 from transformers import PretrainedConfig
 

@@ -85,7 +85,8 @@ class Checkpointer:
 
     def _layout(self) -> dict[str, int]:
         layout = self.engine.layout
-        return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size}
+        expert = {"ep": layout.ep} if layout.ep > 1 else {}  # absent at ep 1: earlier checkpoints still match
+        return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, **expert, "world_size": layout.world_size}
 
     def _check_layout(self, tag: str) -> None:
         """DeepSpeed would fail deep inside load_checkpoint (missing files) or, for dp, load ZeRO partitions
@@ -95,7 +96,7 @@ class Checkpointer:
         if saved is not None and saved != self._layout():
             raise UserError.single(
                 "--resume",
-                f"{tag} (dp {saved['dp']} x tp {saved['tp']} x pp {saved['pp']})",
+                f"{tag} (dp {saved['dp']} x tp {saved['tp']} x pp {saved['pp']}, ep {saved.get('ep', 1)})",
                 f"the checkpoint was written with another layout than this run's {self._layout()}",
                 "resume with the layout and process count the checkpoint was written with",
             )

@@ -81,8 +81,8 @@ def shard_experts(module: nn.Module, ctx: ExpertContext) -> ExpertPlacement:
             new = nn.Parameter(torch.empty(n, *p.shape[1:], dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
             mark_expert_shard(new, slot, ctx)
             sub._parameters[name] = new
-    module.num_experts = n  # the family's forward sizes its one-hot by it and skips id n (the sentinel)
-    module._is_expert_parallel = True  # transformers' grouped/batched kernels then mask the sentinel too
+    module.num_experts = n  # type: ignore[assignment]  # the family's forward sizes its one-hot by it and skips id n
+    module._is_expert_parallel = True  # type: ignore[assignment]  # transformers' batched kernels mask the sentinel too
     module.forward = _ExpertsRegion(module, module.forward, placement, ctx)  # type: ignore[method-assign]
     return placement
 
@@ -96,11 +96,8 @@ class _ExpertsRegion:
         self.start = placement.bounds(ep_rank=ctx.ep_rank, tp_rank=ctx.tp.rank)[0]
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        tp, training = self.ctx.tp, self.module_ref[0].training
-        x, w = hidden_states, top_k_weights
-        if tp.size > 1:
-            x = tp.enter_region(x, training=training)
-            w = tp.enter_region(w, training=training)
+        tp = self.ctx.tp
+        x, w = self.enter(hidden_states, top_k_weights) if tp.size > 1 else (hidden_states, top_k_weights)
         if self.ctx.ep > 1:
             if args or kwargs:
                 raise ValueError("expert parallelism runs experts called as (hidden_states, top_k_index, top_k_weights) only")
@@ -108,6 +105,12 @@ class _ExpertsRegion:
         else:
             out = self._local(x, top_k_index, w, *args, **kwargs)
         return tp.exit_region(out) if tp.size > 1 else out
+
+    def enter(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both inputs become per-TP-rank: each rank's routes give a partial gradient of the hidden states
+        and of the routing weights (hence of the router), summed over TP backward."""
+        training = self.module_ref[0].training
+        return self.ctx.tp.enter_region(x, training=training), self.ctx.tp.enter_region(w, training=training)
 
     def _local(self, x: torch.Tensor, index: torch.Tensor, w: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Routes to other TP ranks' experts become the sentinel n with weight 0 (transformers' AllReduceEP)."""
