@@ -100,8 +100,8 @@ class Layout:
         return [
             [self.rank_of(pp=p, dp=block + e, tp=t) for e in range(self.ep)]
             for p in range(self.pp)
-            for t in range(self.tp)
             for block in range(0, self.dp, self.ep)
+            for t in range(self.tp)
         ]
 
     def edp_groups(self) -> list[list[int]]:
@@ -112,8 +112,8 @@ class Layout:
         return [
             [self.rank_of(pp=p, dp=block + e, tp=t) for block in range(0, self.dp, self.ep)]
             for p in range(self.pp)
-            for t in range(self.tp)
             for e in range(self.ep)
+            for t in range(self.tp)
         ]
 
     def tied_groups(self) -> list[list[int]]:

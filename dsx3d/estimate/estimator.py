@@ -188,6 +188,7 @@ def _stage(
         checkpointing=setup.activation_checkpointing,
         flash_attention=setup.flash_attention,
         moe_layers=moe_layers,
+        ep=setup.ep,
     )
     flop_params = sum(layer.flop_params for layer in shape.layer_shapes(first, layers))
     micro_batch_time, time_s, comm_bytes = _stage_time(

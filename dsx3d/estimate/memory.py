@@ -30,9 +30,14 @@ al. 2021), so stage 0 holds the most.
 MoE layers. Experts are split over tp x ep ranks and their optimizer states partitioned over the
 expert-data-parallel group (dp / ep ranks) instead of dp. In an MoE layer the dense MLP's share of the
 activations (its input and dropout mask, 3*s*b*h, and the 16*s*b*h/t of its 4h activations) is replaced by
-the router's input and fp32 logits and probabilities, and per route a rank runs (k / t of them per token on
-average, however they are spread over EP ranks) the expert's input and output (2h) and four intermediate
-tensors (gate, activation, up and their product, 4I) that HF's expert loop saves for backward.
+what HF's MoE block saves for backward, per token: the router's input (h values) and about 3.5*E fp32
+values (logits, probabilities, the top-k picks), and per route a rank runs (k / t of them per token on
+average, however they spread over EP ranks) the expert's input and weighted output (2h) and its gate/up
+output, activation and product (4I), plus, when the experts are split (tp x ep > 1), the route's row as
+dsx3d gathers it before the family's kernel gathers it again (h). Measured on one Qwen3-MoE block alone
+(scripts/bench/moe.py's model, h = I = 128, E = 8, k = 2), values per token over h: 13.2 unsplit (this
+model: 13.2), 8.2 at tp 2 (8.2), 15.3 at ep 2 (15.2: each EP rank runs the routes of two ranks' tokens to
+half the experts), 8.2 at tp 2 x ep 2 (8.2).
 """
 
 from __future__ import annotations
@@ -131,6 +136,7 @@ def layer_activation_bytes(
     dtype: str,
     flash_attention: bool = False,
     moe: bool = False,
+    ep: int = 1,
 ) -> float:
     """Korthikanti eq. 2 with TP: s*b*h*(10 + 24/t + 5*a*s/(h*t)), scaled by bytes/2 for fp32; for an MoE
     layer the dense MLP's 3 + 16/t is replaced by the router and experts (module docstring)."""
@@ -143,8 +149,9 @@ def layer_activation_bytes(
     total = s * b * h * per_token_width * dtype_bytes(dtype) / 2
     if moe:
         routes = shape.experts_per_token / tp
-        per_token = (2 * h + routes * (2 * h + 4 * shape.expert_width)) * dtype_bytes(dtype)
-        total += s * b * (per_token + 3 * shape.num_experts * 4)
+        per_route = (3 if tp * ep > 1 else 2) * h + 4 * shape.expert_width
+        per_token = (h + routes * per_route) * dtype_bytes(dtype)
+        total += s * b * (per_token + 3.5 * shape.num_experts * 4)
     return total
 
 
@@ -174,13 +181,21 @@ def stage_activation_bytes(
     checkpointing: bool,
     flash_attention: bool = False,
     moe_layers: int = 0,
+    ep: int = 1,
 ) -> float:
     """Peak activation bytes on one device of `stage` (see the module docstring for the model); `moe_layers`
     of its `layers` are MoE layers."""
 
     def one(moe: bool) -> float:
         return layer_activation_bytes(
-            shape, seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype=dtype, flash_attention=flash_attention, moe=moe
+            shape,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            tp=tp,
+            dtype=dtype,
+            flash_attention=flash_attention,
+            moe=moe,
+            ep=ep,
         )
 
     one_layer = max(one(False) if layers > moe_layers else 0.0, one(True) if moe_layers else 0.0)

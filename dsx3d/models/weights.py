@@ -64,11 +64,12 @@ SHARD_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sh
 def shard_of(param: torch.Tensor, tp_rank: int) -> tuple[int, int] | None:
     """(dim, index) of a parameter that holds piece `index` of equal pieces of the full tensor along `dim`:
     an expert shard's slot (`shard_slot`, over ep x tp), a TP shard's TP rank; None for a whole tensor."""
+    dim = getattr(param, "partition_dim", None)
+    if dim is None:
+        return None
     if hasattr(param, "shard_slot"):
-        return param.partition_dim, param.shard_slot  # type: ignore[attr-defined]
-    if getattr(param, "tensor_model_parallel", False):
-        return param.partition_dim, tp_rank  # type: ignore[attr-defined]
-    return None
+        return dim, param.shard_slot  # type: ignore[attr-defined]
+    return (dim, tp_rank) if getattr(param, "tensor_model_parallel", False) else None
 
 
 def materialize(module: nn.Module, prefix: str, source: WeightSource, tp_rank: int, aliases: dict[str, str] | None = None) -> None:

@@ -6,13 +6,17 @@ expert id E (transformers' own expert parallelism sets `num_experts` to the loca
 ranks' experts to it). `shard_experts` keeps a rank's n = E / (ep * tp) experts (`placement`) and replaces
 the module's forward with a region:
 
-- tokens are replicated over TP, so no exchange is needed there: each TP rank runs the routes to its own
-  experts (the others become the sentinel) and the partial sums are added over TP like a row-parallel layer.
-  The region is entered with `TPContext.enter_region` for the hidden states and the routing weights (their
-  gradients are partial per TP rank: all-reduced backward, Megatron's f) and left with `exit_region` (g);
-- with ep > 1 the routes of a TP rank's slot go to the EP rank holding their expert, all-to-all over the EP
-  group (DeepSpeed-MoE, Megatron and torchtitan do the same); the experts run top-1 with unit weights on what
-  they receive, results come back with a second all-to-all and are weighted and summed on the sender.
+- tokens are replicated over TP, so no exchange is needed there: each TP rank runs only the routes to its own
+  experts and the partial sums are added over TP like a row-parallel layer. The region is entered with
+  `TPContext.enter_region` for the hidden states and the routing weights (their gradients are partial per TP
+  rank: all-reduced backward, Megatron's f) and left with `exit_region` (g);
+- with ep > 1 the routes of a TP rank's slot go, with their routing weights, to the EP rank holding their
+  expert, all-to-all over the EP group (DeepSpeed-MoE, Megatron and torchtitan do the same); the experts run
+  them top-1, results come back with a second all-to-all and are summed per token on the sender.
+
+A rank hands its experts only the routes it runs (as rows, each with its expert's local id): routing every
+token with the other ranks' experts masked (transformers' AllReduceEP) would keep activations of all k routes
+per token on every rank, since its grouped kernels gather every route.
 
 The router, shared experts and auxiliary losses are untouched: they run replicated, as in the family's code.
 """
@@ -93,17 +97,13 @@ class _ExpertsRegion:
     def __init__(self, module: nn.Module, forward: Any, placement: ExpertPlacement, ctx: ExpertContext):
         self.module_ref = [module]  # a list keeps the module out of any registry (no cycle in named_modules)
         self.forward, self.placement, self.ctx = forward, placement, ctx
-        self.start = placement.bounds(ep_rank=ctx.ep_rank, tp_rank=ctx.tp.rank)[0]
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs:
+            raise ValueError("dsx3d splits experts called as (hidden_states, top_k_index, top_k_weights) only")
         tp = self.ctx.tp
         x, w = self.enter(hidden_states, top_k_weights) if tp.size > 1 else (hidden_states, top_k_weights)
-        if self.ctx.ep > 1:
-            if args or kwargs:
-                raise ValueError("expert parallelism runs experts called as (hidden_states, top_k_index, top_k_weights) only")
-            out = _exchange(self.forward, x, top_k_index, w, self.placement, tp.rank, self.ctx.group)
-        else:
-            out = self._local(x, top_k_index, w, *args, **kwargs)
+        out = _route(self.forward, x, top_k_index, w, self.placement, self.ctx)
         return tp.exit_region(out) if tp.size > 1 else out
 
     def enter(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,60 +112,43 @@ class _ExpertsRegion:
         training = self.module_ref[0].training
         return self.ctx.tp.enter_region(x, training=training), self.ctx.tp.enter_region(w, training=training)
 
-    def _local(self, x: torch.Tensor, index: torch.Tensor, w: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Routes to other TP ranks' experts become the sentinel n with weight 0 (transformers' AllReduceEP)."""
-        n = self.placement.per_rank
-        local = index - self.start
-        owned = (local >= 0) & (local < n)
-        out = self.forward(x, torch.where(owned, local, n), w.masked_fill(~owned, 0.0), *args, **kwargs)
-        return _KeepConnected.apply(out, x, w)
 
-
-class _KeepConnected(torch.autograd.Function):
-    """Identity on `out`, zero gradients for the region's inputs. A TP rank none of whose experts is picked
-    in a micro-batch returns a constant; without this edge its backward would skip the all-reduces of the
-    inputs' gradients (f) that its TP peers run, and the group would hang."""
-
-    @staticmethod
-    def forward(ctx, out, *inputs):
-        ctx.shapes = [(t.shape, t.dtype, t.device) for t in inputs]
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
-
-
-def _exchange(
+def _route(
     forward: Any,
     x: torch.Tensor,
     index: torch.Tensor,
     weights: torch.Tensor,
     placement: ExpertPlacement,
-    tp_rank: int,
-    group: Any,
+    ctx: ExpertContext,
 ) -> torch.Tensor:
-    """This TP rank's routes, all-to-all over the EP group to their experts and back (shapes below: T tokens,
-    k routes each, h hidden, n experts per rank, g = ep).
-
-    The routes (T * k) whose expert sits in this TP rank's slot of some EP rank are sorted by expert, so by
-    destination; per-(destination, expert) counts tell every receiver which expert each row is for."""
-    num_routes_per_token = index.shape[-1]
-    n, g = placement.per_rank, placement.ep
+    """This TP rank's routes through their experts (shapes: T tokens, k routes each, h hidden, n experts per
+    rank, g = ep): the routes (T * k) whose expert sits in this TP rank's slot of some EP rank, sorted by
+    expert (so by destination), with their routing weights; with ep > 1 exchanged all-to-all over the EP
+    group, per-(destination, expert) counts first, so every receiver knows which expert each row is for. The
+    family's experts run top-1 on the rows (it weights them itself, as it does unsplit), the results come back
+    and are summed per token. Only the routes this rank runs are gathered, so compute and saved activations
+    are about k / tp per token, not k (a rank never sees the routes of other TP ranks)."""
+    routes_per_token = index.shape[-1]
+    n, g, tp_rank = placement.per_rank, placement.ep, ctx.tp.rank
     ids = index.reshape(-1)  # (T * k,) global expert ids
     mine = torch.nonzero((ids // n) % placement.tp == tp_rank).squeeze(-1)
-    order = mine[torch.argsort(ids[mine], stable=True)]  # (m,) routes sent by this rank, by expert
+    order = mine[torch.argsort(ids[mine], stable=True)]  # (m,) routes run by this TP rank, by expert
     sorted_ids = ids[order]
-    counts = torch.bincount((sorted_ids // n) // placement.tp * n + sorted_ids % n, minlength=g * n).view(g, n)
-    recv_counts = exchange_counts(counts, group)  # (g, n): routes each EP peer sends to each of my experts
-    send_sizes, recv_sizes = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-    tokens = all_to_all(x[order // num_routes_per_token], send_sizes, recv_sizes, group)  # (r, h)
-    expert_ids = torch.arange(n, device=x.device).repeat(g).repeat_interleave(recv_counts.reshape(-1))
-    unit = torch.ones(tokens.shape[0], 1, dtype=weights.dtype, device=x.device)
+    tokens = x[order // routes_per_token]  # (m, h)
+    route_weights = weights.reshape(-1)[order].unsqueeze(-1)  # (m, 1)
+    if g > 1:
+        counts = torch.bincount((sorted_ids // n) // placement.tp * n + sorted_ids % n, minlength=g * n).view(g, n)
+        recv_counts = exchange_counts(counts, ctx.group)  # (g, n): routes each EP peer sends to each of my experts
+        send_sizes, recv_sizes = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        tokens = all_to_all(tokens, send_sizes, recv_sizes, ctx.group)  # (r, h)
+        route_weights = all_to_all(route_weights, send_sizes, recv_sizes, ctx.group)  # (r, 1)
+        expert_ids = torch.arange(n, device=x.device).repeat(g).repeat_interleave(recv_counts.reshape(-1))
+    else:
+        expert_ids = sorted_ids % n
     if tokens.shape[0]:
-        y = forward(tokens, expert_ids.unsqueeze(-1), unit)
-    else:  # keep the empty result on the graph, so this rank still runs both exchanges backward
-        y = forward(tokens.sum(0, keepdim=True), expert_ids.new_zeros(1, 1), unit.new_ones(1, 1))[:0]
-    back = all_to_all(y, recv_sizes, send_sizes, group)  # (m, h), in `order`
-    contrib = back * weights.reshape(-1)[order].unsqueeze(-1)
-    return x.new_zeros(x.shape).index_add(0, order // num_routes_per_token, contrib.to(x.dtype))
+        y = forward(tokens, expert_ids.unsqueeze(-1), route_weights)
+    else:  # keep the empty result on the graph, so this rank still runs every collective backward
+        y = forward(tokens.sum(0, keepdim=True), expert_ids.new_zeros(1, 1), route_weights.sum(0, keepdim=True))[:0]
+    if g > 1:
+        y = all_to_all(y, recv_sizes, send_sizes, ctx.group)  # (m, h), in `order`
+    return x.new_zeros(x.shape).index_add(0, order // routes_per_token, y.to(x.dtype))
