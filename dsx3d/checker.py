@@ -90,6 +90,22 @@ def _zero_with_pipeline(c: _Context) -> Iterator[Problem]:
         )
 
 
+def _low_precision_without_zero_under_tp(c: _Context) -> Iterator[Problem]:
+    """Without a pipeline and without ZeRO, DeepSpeed's regular engine wraps bf16/fp16 in its unfused fp16
+    optimizer, whose gradient norm runs over flattened gradients: the `tensor_model_parallel` marks are gone,
+    so TP ranks > 0 count nothing and clipping uses too small a norm (measured at tp 2: 0.86 for 1.24)."""
+    dtype = c.recipe.train.dtype
+    if c.pp == 1 and c.tp > 1 and dtype in ("bf16", "fp16") and c.recipe.zero.stage == 0:
+        yield Problem(
+            "zero.stage",
+            0,
+            f"with parallel.pp = 1, parallel.tp = {c.tp} and train.dtype = {dtype}, DeepSpeed's optimizer without "
+            "ZeRO computes the gradient norm over flattened gradients and counts the TP shards of rank 0 only, "
+            "so gradient clipping would differ from single-process training",
+            "set zero.stage: 1 (or 2, 3), or train.dtype: fp32",
+        )
+
+
 def _tp_inside_node(c: _Context) -> Iterator[Problem]:
     gpn = c.recipe.cluster.gpus_per_node
     if c.tp > gpn or gpn % c.tp:
@@ -151,6 +167,15 @@ def _experts_split(c: _Context) -> Iterator[Problem]:
             f"the model's {experts} experts per MoE layer cannot be split evenly over tp x ep = {c.tp} x {ep} "
             "ranks (each rank holds E / (tp x ep) whole experts)",
             f"choose (parallel.tp, parallel.ep) among {valid}",
+        )
+    if ep > 1 and c.pp == 1:
+        yield Problem(
+            "parallel.ep",
+            ep,
+            "expert parallelism is built into the pipeline engine (its EP groups, expert optimizer groups and "
+            "per-EP-index checkpoint files); without a pipeline (parallel.pp = 1) DeepSpeed's regular engine "
+            "runs and it has no expert-parallel path in dsx3d",
+            "set parallel.pp >= 2 to use parallel.ep, or parallel.ep: 1 (the experts are then split over tp only)",
         )
     if ep > 1 and c.recipe.zero.stage >= 3:
         yield Problem(
@@ -371,6 +396,22 @@ def _data_source(c: _Context) -> Iterator[Problem]:
         yield from err.problems
 
 
+def _vocab_holds_the_tokenizer(c: _Context) -> Iterator[Problem]:
+    """Token ids past the model's vocabulary fail only once every rank has trained its tokenizer."""
+    from dsx3d.data.tokenizer import trained_tokenizer_bound
+
+    bound, vocab = trained_tokenizer_bound(c.recipe), c.dim("vocab_size")
+    if bound is not None and vocab is not None and vocab < bound:
+        yield Problem(
+            "model.config.vocab_size" if c.recipe.model.config is not None else "data.tokenizer_vocab_size",
+            vocab if c.recipe.model.config is not None else c.recipe.data.tokenizer_vocab_size,
+            f"the byte-level BPE dsx3d trains on the corpus can have up to {bound} tokens (256 bytes, "
+            f"<|endoftext|> and merges up to data.tokenizer_vocab_size), more than the model's vocab_size {vocab}",
+            f"set model.config.vocab_size to at least {bound}, or data.tokenizer_vocab_size to at most {vocab} "
+            "(and vocab_size to at least 257), or give data.tokenizer",
+        )
+
+
 def _model_builds(c: _Context) -> Iterator[Problem]:
     """transformers accepts configs it cannot build (a pad_token_id outside the vocabulary, ...): build the
     model on the meta device (no memory) and name the key when it fails."""
@@ -407,9 +448,23 @@ def _family_supported(c: _Context) -> Iterator[Problem]:
         yield from err.problems
 
 
+def _tracking_packages(c: _Context) -> Iterator[Problem]:
+    """train.report_to backends drive the same DeepSpeed monitors (dsx3d.run.tracking); csv needs no package."""
+    for backend in c.recipe.train.report_to:
+        package = MONITOR_PACKAGES.get(backend)
+        if package is not None and importlib.util.find_spec(package) is None:
+            yield Problem(
+                "train.report_to",
+                backend,
+                f"the {backend} backend needs the {package!r} package, which is not installed",
+                f"pip install {package} (or `pip install dsx3d[tracking]`), or remove {backend!r} from train.report_to",
+            )
+
+
 RULES: list[Rule] = [
     _world_size_matches,
     _zero_with_pipeline,
+    _low_precision_without_zero_under_tp,
     _tp_inside_node,
     _tp_divides_model,
     _experts_split,
@@ -424,14 +479,23 @@ RULES: list[Rule] = [
     _auto_left,
     _deepspeed_timers,
     _monitor_packages,
-    _data_source,
     _family_supported,
     _model_builds,
+    _tracking_packages,
+]
+
+# Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.
+DATA_RULES: list[Rule] = [
+    _data_source,
+    _vocab_holds_the_tokenizer,
 ]
 
 
-def check_recipe(recipe: Recipe, world_size: int | None = None, hf_config: Any = None) -> list[Problem]:
-    """Every problem of `recipe` on `world_size` ranks (default: the cluster's), errors and warnings.
+def check_recipe(
+    recipe: Recipe, world_size: int | None = None, hf_config: Any = None, *, data: bool = True
+) -> list[Problem]:
+    """Every problem of `recipe` on `world_size` ranks (default: the cluster's), errors and warnings;
+    with `data`, also of the data pipeline `dsx3d train` runs (`DATA_RULES`).
 
     Without `hf_config` the model's config is read from the recipe; if that fails, the failure is one of
     the problems and the rules that need the model are skipped.
@@ -450,7 +514,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None, hf_config: Any =
             f"cluster.nodes {recipe.cluster.nodes} x cluster.gpus_per_node {recipe.cluster.gpus_per_node}"
         )
     ctx = _Context(recipe, world_size, source, recipe.resolved_dp(world_size), hf_config)
-    for rule in RULES:
+    for rule in RULES + (DATA_RULES if data else []):
         problems.extend(rule(ctx))
     return problems
 

@@ -17,7 +17,9 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
   by about lr delta / (sqrt(v) + eps): an element whose gradient is near zero (|g| ~ eps) turns a round-off
   difference into a sizeable fraction of lr, while an element with a real gradient moves by lr delta/|g|,
   tiny. The reference tracks v per element and sums that bound over the steps (delta = `roundoff` times
-  the tensor's largest gradient); anything beyond it is a real difference.
+  the tensor's largest gradient, plus, from the second step on, twice the gradient change that the weight
+  differences admitted so far cause when fed through this step's forward, measured on the reference with
+  those differences applied at random signs); anything beyond it is a real difference.
 
 `dsx3d verify` runs both: SGD for the gradients, AdamW for the optimizer as training uses it.
 """
@@ -167,12 +169,52 @@ def _optimizer(case: ParityCase, params: list[torch.nn.Parameter]) -> torch.opti
     return torch.optim.AdamW(params, lr=case.lr, betas=case.betas, eps=case.adam_eps, weight_decay=case.weight_decay)
 
 
+def _accumulate_grads(case: ParityCase, model: torch.nn.Module, batch: torch.Tensor) -> float:
+    """Backward of the mean loss over the global batch `batch` into .grad; return that loss."""
+    n_micro = case.micro_batches * case.dp
+    total = 0.0
+    for k in range(case.micro_batches):
+        for d in range(case.dp):
+            ids = micro_batch(case, batch, k, d)
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / n_micro).backward()
+            total += loss.item() / n_micro
+    return total
+
+
+def _propagated_change(
+    case: ParityCase, model: torch.nn.Module, named: list, batch: torch.Tensor, slack: dict[str, torch.Tensor], t: int
+) -> dict[str, torch.Tensor]:
+    """|g(W + p) - g(W)| per element, p = the slack so far with random signs: how much the earlier steps'
+    admissible weight differences change this step's gradient (they feed into this step's forward)."""
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in named}
+    gen = torch.Generator().manual_seed(case.seed * 1000 + t)
+    kept = {n: p.detach().clone() for n, p in named}
+    with torch.no_grad():
+        for n, p in named:
+            if n in slack:
+                signs = torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1
+                p.add_(slack[n] * signs)
+    for _, p in named:
+        p.grad = None
+    rng = torch.get_rng_state()
+    _accumulate_grads(case, model, batch)
+    torch.set_rng_state(rng)
+    change = {}
+    with torch.no_grad():
+        for n, p in named:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            change[n] = (g - grads[n]).abs()
+            p.copy_(kept[n])
+            p.grad = grads[n]
+    return change
+
+
 def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tensor) -> Reference:
     """Plain HF on one process: mean loss over the global batch, global-norm clipping, the optimizer."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = _optimizer(case, [p for _, p in named])
     criteria = CRITERIA[case.dtype]
-    n_micro = case.micro_batches * case.dp
     ref = Reference([], [], [])
     v = {n: torch.zeros_like(p) for n, p in named}
     beta2 = case.betas[1]
@@ -181,22 +223,25 @@ def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tenso
         if case.optimizer == "sgd":
             ref.snapshots.append({n: p.detach().clone() for n, p in named})
         opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for k in range(case.micro_batches):
-            for d in range(case.dp):
-                ids = micro_batch(case, batch, k, d)
-                loss = model(input_ids=ids, labels=ids).loss
-                (loss / n_micro).backward()
-                total += loss.item() / n_micro
-        norm = torch.nn.utils.clip_grad_norm_(
-            [p for _, p in named], case.grad_clip if case.grad_clip > 0 else float("inf")
-        )
+        rng = torch.get_rng_state()
+        total = _accumulate_grads(case, model, batch)
+        after = torch.get_rng_state()
+        propagated: dict[str, torch.Tensor] = {}
+        if case.optimizer != "sgd" and ref.adam_slack:
+            torch.set_rng_state(rng)
+            propagated = _propagated_change(case, model, named, batch, ref.adam_slack, t)
+            torch.set_rng_state(after)
+        max_norm = case.grad_clip if case.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm)
+        clip = min(1.0, max_norm / (float(norm) + 1e-6))
         if case.optimizer != "sgd":
             for n, p in named:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 v[n].mul_(beta2).add_(g * g, alpha=1 - beta2)
                 v_hat = v[n] / (1 - beta2**t)
                 delta = criteria.roundoff * float(g.abs().max()) if g.numel() else 0.0
+                if n in propagated:
+                    delta = delta + 2 * clip * propagated[n]
                 step = 2 * case.lr * delta / (v_hat.sqrt() + case.adam_eps)
                 # Adam moves an element by at most a few lr per step, whatever its gradient
                 ref.adam_slack[n] = ref.adam_slack.get(n, torch.zeros_like(p)) + step.clamp(max=4 * case.lr)

@@ -137,7 +137,11 @@ def enumerate_setups(
                 )
                 continue
             per_replica = global_batch // dp
-            eps = [e for e in _divisors(dp) if e == 1 or (shape.num_experts and shape.num_experts % (tp * e) == 0)]
+            # ep > 1 needs the pipeline engine (the checker refuses it at pp = 1)
+            eps = [
+                e for e in _divisors(dp)
+                if e == 1 or (pp > 1 and shape.num_experts and shape.num_experts % (tp * e) == 0)
+            ]
             for ep, zero in [(e, z) for e in eps for z in ([1] if pp > 1 else [1, 2, 3]) if e == 1 or z < 3]:
                 for b in _divisors(per_replica, max_micro_batch):
                     for ckpt in (False, True):

@@ -34,6 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=positive_int, default=2)
     p.add_argument("--pp", type=positive_int, default=2)
     p.add_argument("--ep", type=positive_int, default=1, help="expert parallelism of an MoE model (divides dp)")
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=1,
+        help="ZeRO stage (default 1); 2 and 3 need --pp 1",
+    )
     p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches per step and DP rank")
     p.add_argument("--micro-batch-size", type=positive_int, default=2)
@@ -103,12 +110,12 @@ def run(args: argparse.Namespace) -> int:
     case = ParityCase(
         config, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, steps=args.steps, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr, dtype=args.dtype, seed=args.seed,
-        activation_checkpointing=args.activation_checkpointing,
+        activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage,
     )
-    raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config))
+    raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config, data=False))
     log.info(
-        "verify: %s at dp=%d tp=%d pp=%d ep=%d, %d steps, %s",
-        config.model_type, args.dp, args.tp, args.pp, args.ep, args.steps, args.dtype,
+        "verify: %s at dp=%d tp=%d pp=%d ep=%d, ZeRO-%d, %d steps, %s",
+        config.model_type, args.dp, args.tp, args.pp, args.ep, args.zero_stage, args.steps, args.dtype,
     )
     if dropped:
         log.info("verify compares without dropout (set to 0: %s)", ", ".join(f"{k}={v:g}" for k, v in dropped.items()))

@@ -12,6 +12,12 @@ from dsx3d.models.weights import shard_of
 Shard = tuple[torch.Tensor, int | None, int]  # (tensor, partition dim or None, index along it)
 
 
+def local_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """The shape of this rank's (TP shard of a) parameter, also while ZeRO-3 has partitioned it over DP (its
+    data then is an empty placeholder and `ds_shape` keeps the real shape)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
 def local_hf_shards(module: nn.Module, tp_rank: int) -> dict[str, Shard]:
     """{hf_name: (tensor, dim, index)} for every parameter this rank owns (materialize() names them): the
     index of a TP shard is its TP rank, of an expert shard its slot over ep x tp."""

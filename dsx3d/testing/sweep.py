@@ -24,6 +24,11 @@ LAYOUTS: list[tuple[tuple[int, int, int], int]] = [
     ((2, 1, 2), 1),
     ((1, 2, 1), 1),
     ((2, 2, 2), 1),
+    # pp = 1: DeepSpeed's regular engine, where ZeRO-2 and ZeRO-3 run
+    ((2, 1, 1), 2),
+    ((2, 2, 1), 2),
+    ((2, 1, 1), 3),
+    ((2, 2, 1), 3),
 ]
 
 

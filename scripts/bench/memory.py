@@ -128,6 +128,18 @@ def census(engine: Any) -> dict[str, dict[int, int]]:
     return out
 
 
+def _observe_after(engine: Any, methods: tuple[str, ...], observe: Any) -> None:
+    for name in methods:
+        fn = getattr(engine, name)
+
+        def wrapped(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
+            out = _fn(*args, **kwargs)
+            observe()
+            return out
+
+        setattr(engine, name, wrapped)
+
+
 def worker(
     rank: int, work: bc.Workload, state: dict[str, torch.Tensor], dims: tuple[int, ...], steps: int
 ) -> dict[str, Any]:
@@ -149,7 +161,10 @@ def worker(
             peak["states"], peak["by_kind"] = states, sizes
         peak["activations"] = max(peak["activations"], acts)
 
-    bc.InstructionClock(engine, after=observe)
+    if hasattr(type(engine), "_INSTRUCTION_MAP"):  # the pipeline engine: after every schedule instruction
+        bc.InstructionClock(engine, after=observe)
+    else:  # pp = 1, DeepSpeed's regular engine: after every forward and backward
+        _observe_after(engine, ("forward", "backward"), observe)
     inner = engine.optimizer.optimizer
     inner_step = inner.step
 
@@ -166,9 +181,7 @@ def worker(
         for batch in batches:
             contender.step(batch)
     rss_peak = bc.proc_status_kb("VmHWM")
-    layers = sum(
-        1 for layer in contender.engine.module.forward_funcs if type(layer).__name__ == "DecoderLayerPipe"
-    )
+    layers = sum(1 for m in contender.engine.module.modules() if type(m).__name__ == "DecoderLayerPipe")
     experts = [p for p in contender.engine.module.parameters() if hasattr(p, "shard_slot")]
     return {
         "rank": rank,
