@@ -42,8 +42,14 @@ MODELS = {
     # shared experts, a dense first layer, grouped sigmoid routing with a correction bias (no aux loss)
     "glm4_moe": lambda: tiny_config("glm4_moe", n_routed_experts=8),
 }
-LAYOUTS = [(1, 2, 2, 1), (2, 2, 2, 1), (2, 2, 2, 2), (2, 1, 2, 2), (2, 1, 1, 2)]
-CI_CASES = [("qwen2_moe", (1, 2, 2, 1)), ("mixtral", (2, 2, 2, 2)), ("qwen3_moe", (2, 1, 2, 2))]
+# (dp, tp, pp, ep); pp = 1 runs DeepSpeed's regular engine, experts split over tp only (ep > 1 needs a pipeline)
+LAYOUTS = [(1, 2, 2, 1), (2, 2, 2, 1), (2, 2, 2, 2), (2, 1, 2, 2), (2, 2, 1, 1)]
+CI_CASES = [
+    ("qwen2_moe", (1, 2, 2, 1)),
+    ("mixtral", (2, 2, 2, 2)),
+    ("qwen3_moe", (2, 1, 2, 2)),
+    ("qwen3_moe", (2, 2, 1, 1)),
+]
 CASES = [(m, lay) for m in MODELS for lay in LAYOUTS] if SWEEP else CI_CASES
 
 
@@ -85,6 +91,9 @@ def test_checker_validates_ep() -> None:
     assert not any("cannot be split" in p for p in _problems({"tp": 2, "pp": 1, "ep": 4}))  # 8 experts, 1 per rank
     assert any("cannot be split evenly over tp x ep = 2 x 4" in p for p in _problems({"tp": 2, "pp": 1, "ep": 4}, num_local_experts=4))
     assert any(p.startswith("warning parallel.ep") and "crosses nodes" in p for p in _problems({"tp": 2, "pp": 1, "ep": 4}, gpus=4))
+    # expert parallelism lives in the pipeline engine: refused at pp = 1, where experts split over tp alone
+    assert any("parallel.ep: expert parallelism is built into the pipeline engine" in p for p in _problems({"tp": 2, "pp": 1, "ep": 2}))
+    assert _problems({"tp": 2, "pp": 1, "ep": 1}) == []
     dense = case_recipe(ParityCase(tiny_config("llama"), dp=2, ep=2))
     assert any(p.key == "parallel.ep" and "no mixture-of-experts" in p.reason for p in check_recipe(dense))
 

@@ -90,7 +90,9 @@ def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tens
     engine.ds_engine.save_checkpoint(str(tmp / "checkpoints"), tag="step-000002")
     if rank == 0:
         (tmp / "checkpoints" / "step-000002" / "dsx3d_recipe.yaml").write_text(dump_recipe(recipe))
-        (tmp / "checkpoints" / "step-000002" / "dsx3d_layout.json").write_text('{"ep": 2}')
+        (tmp / "checkpoints" / "step-000002" / "dsx3d_layout.json").write_text(
+            '{"dp": 2, "tp": 2, "pp": 2, "ep": 2, "world_size": 8}'  # as dsx3d.run.checkpointing writes it
+        )
     export_hf(engine, tmp / "export")
     losses += [engine.train_step(_micro(case, batches[t], dp_rank)) for t in (2, 3)]
     experts_read = sorted({int(k.split("experts.")[1].split(".")[0]) for k in files_read if ".experts." in k})

@@ -213,7 +213,7 @@ FAULTS: dict[str, Fault] = {
         "replicated_with_grad_allreduce ignored", (1, 2, 1), lambda: tiny_config("qwen3"), no_qk_norm_grad_allreduce
     ),
     "expert gradients reduced over every DP rank": Fault(
-        "experts of different EP ranks averaged together", (2, 1, 1), _moe, experts_reduced_over_all_dp_ranks, ep=2
+        "experts of different EP ranks averaged together", (2, 1, 2), _moe, experts_reduced_over_all_dp_ranks, ep=2
     ),
     "routing-weight gradient not summed over TP": Fault(
         "the router learns from one TP rank's experts only", (1, 2, 1), _moe, routing_weight_grad_not_summed_over_tp
