@@ -71,6 +71,8 @@ class ParityCase:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert parallelism (divides dp): MoE experts split over ep DP ranks, tokens exchanged all-to-all."""
     steps: int = 3
     micro_batch_size: int = 2
     micro_batches: int = 2
@@ -265,7 +267,7 @@ def case_recipe(case: ParityCase) -> Recipe:
     return recipe_from_dict(
         {
             "model": {"config": model_cfg},
-            "parallel": {"dp": case.dp, "tp": case.tp, "pp": case.pp, "stage_layers": case.stage_layers},
+            "parallel": {"dp": case.dp, "tp": case.tp, "pp": case.pp, "ep": case.ep, "stage_layers": case.stage_layers},
             "cluster": {"nodes": 1, "gpus_per_node": case.world_size},
             "train": {
                 "micro_batch_size": case.micro_batch_size,
@@ -347,7 +349,7 @@ def run_parity(case: ParityCase, model: torch.nn.Module | None = None, timeout_s
             if diff > worst:
                 worst, worst_name = diff, name
     return ParityResult(
-        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp, "zero_stage": case.zero_stage},
+        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp, "ep": case.ep, "zero_stage": case.zero_stage},
         optimizer=case.optimizer,
         losses_ref=ref.losses,
         losses_3d=losses_3d,

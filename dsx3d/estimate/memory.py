@@ -26,6 +26,18 @@ only each layer's 2*s*b*h input plus one layer's working set during its recomput
 adds the head: the final norm and head inputs (2 * 2*s*b*h) and fp32 logits for the loss, 4*s*b*V/t.
 A synchronous 1F1B pipeline holds min(pp - stage, m) micro-batches in flight on a stage (Narayanan et
 al. 2021), so stage 0 holds the most.
+
+MoE layers. Experts are split over tp x ep ranks and their optimizer states partitioned over the
+expert-data-parallel group (dp / ep ranks) instead of dp. In an MoE layer the dense MLP's share of the
+activations (its input and dropout mask, 3*s*b*h, and the 16*s*b*h/t of its 4h activations) is replaced by
+what HF's MoE block saves for backward, per token: the router's input (h values) and about 3.5*E fp32
+values (logits, probabilities, the top-k picks), and per route a rank runs (k / t of them per token on
+average, however they spread over EP ranks) the expert's input and weighted output (2h) and its gate/up
+output, activation and product (4I), plus, when the experts are split (tp x ep > 1), the route's row as
+dsx3d gathers it before the family's kernel gathers it again (h). Measured on one Qwen3-MoE block alone
+(scripts/bench/moe.py's model, h = I = 128, E = 8, k = 2), values per token over h: 13.2 unsplit (this
+model: 13.2), 8.2 at tp 2 (8.2), 15.3 at ep 2 (15.2: each EP rank runs the routes of two ranks' tokens to
+half the experts), 8.2 at tp 2 x ep 2 (8.2).
 """
 
 from __future__ import annotations
@@ -101,8 +113,10 @@ def stage_params(shape: ModelShape, layers: list[int]) -> list[ParamCount]:
     last. A tied embedding/head lives on both end stages when pp > 1 (both hold a copy), once when pp == 1."""
     pp = len(layers)
     result = []
+    first = 0
     for stage, n in enumerate(layers):
-        count = shape.layer * n
+        count = shape.layers_params(first, n)
+        first += n
         if stage == 0:
             count += ParamCount(sharded=shape.embedding)
         if stage == pp - 1:
@@ -114,14 +128,31 @@ def stage_params(shape: ModelShape, layers: list[int]) -> list[ParamCount]:
 
 
 def layer_activation_bytes(
-    shape: ModelShape, *, seq_len: int, micro_batch: int, tp: int, dtype: str, flash_attention: bool = False
+    shape: ModelShape,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    dtype: str,
+    flash_attention: bool = False,
+    moe: bool = False,
+    ep: int = 1,
 ) -> float:
-    """Korthikanti eq. 2 with TP: s*b*h*(10 + 24/t + 5*a*s/(h*t)), scaled by bytes/2 for fp32."""
+    """Korthikanti eq. 2 with TP: s*b*h*(10 + 24/t + 5*a*s/(h*t)), scaled by bytes/2 for fp32; for an MoE
+    layer the dense MLP's 3 + 16/t is replaced by the router and experts (module docstring)."""
     s, b, h, a = seq_len, micro_batch, shape.hidden_size, shape.num_heads
     if h == 0:
         return 0.0
     per_token_width = 10 + 24 / tp + (0 if flash_attention else 5 * a * s / (h * tp))
-    return s * b * h * per_token_width * dtype_bytes(dtype) / 2
+    if moe:
+        per_token_width -= 3 + 16 / tp
+    total = s * b * h * per_token_width * dtype_bytes(dtype) / 2
+    if moe:
+        routes = shape.experts_per_token / tp
+        per_route = (3 if tp * ep > 1 else 2) * h + 4 * shape.expert_width
+        per_token = (h + routes * per_route) * dtype_bytes(dtype)
+        total += s * b * (per_token + 3.5 * shape.num_experts * 4)
+    return total
 
 
 def head_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch: int, tp: int, dtype: str) -> float:
@@ -149,17 +180,32 @@ def stage_activation_bytes(
     dtype: str,
     checkpointing: bool,
     flash_attention: bool = False,
+    moe_layers: int = 0,
+    ep: int = 1,
 ) -> float:
-    """Peak activation bytes on one device of `stage` (see the module docstring for the model)."""
-    one_layer = layer_activation_bytes(
-        shape, seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype=dtype, flash_attention=flash_attention
-    )
+    """Peak activation bytes on one device of `stage` (see the module docstring for the model); `moe_layers`
+    of its `layers` are MoE layers."""
+
+    def one(moe: bool) -> float:
+        return layer_activation_bytes(
+            shape,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            tp=tp,
+            dtype=dtype,
+            flash_attention=flash_attention,
+            moe=moe,
+            ep=ep,
+        )
+
+    one_layer = max(one(False) if layers > moe_layers else 0.0, one(True) if moe_layers else 0.0)
+    all_layers = (layers - moe_layers) * one(False) + (moe_layers * one(True) if moe_layers else 0.0)
     held = in_flight(stage, pp, micro_batches)
     if checkpointing:
         layer_input = seq_len * micro_batch * shape.hidden_size * dtype_bytes(dtype)
         total = held * layers * layer_input + (one_layer if layers else 0.0)
     else:
-        total = held * layers * one_layer
+        total = held * all_layers
     if stage == pp - 1 and shape.hidden_size:
         total += head_activation_bytes(shape, seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype=dtype)
     return total

@@ -18,10 +18,17 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
      and `rowwise_split_input` styles add an all-gather of their sharded side forward / backward. Plus,
      per micro-batch: the vocab-parallel embedding's forward all-reduce of b*s*h (first stage); the head's
      input-gradient all-reduce of b*s*h and the vocab-parallel cross-entropy's three fp32 all-reduces of b*s
-     (last stage); gradients of parameters kept whole on every TP rank (q/k norms). Intra-node link.
+     (last stage); gradients of parameters kept whole on every TP rank (q/k norms). An MoE experts region
+     all-reduces its output forward and its input's gradient backward (b*s*h), and its routing weights'
+     gradient (b*s*k, fp32). Intra-node link.
+  EP (MoE, ep > 1): per MoE layer and micro-batch, each rank sends its TP slot's routes (b*s*k/t rows of h)
+     to the EP ranks holding their experts and gets the results back, all-to-all twice forward, twice
+     backward, twice more with checkpointing; with routes spread evenly, (ep-1)/ep of the rows leave the
+     rank.
   PP: per micro-batch and stage boundary, the activations forward (b*s*h, plus the b*s int64 token ids that
      travel with them so every stage rebuilds masks and rotary tables) and their gradient backward (b*s*h).
-  DP, of the stage's per-device parameters P, with s' = (d-1)/d: ZeRO-0 all-reduces the gradients once per
+  DP, of the stage's per-device parameters P, with s' = (d-1)/d (for experts d = dp / ep, their
+     expert-data-parallel group): ZeRO-0 all-reduces the gradients once per
      step, 2s'*P; ZeRO-1 3s'*P (DeepSpeed all-reduces the whole gradient at the accumulation boundary, then
      all-gathers the updated partition: measured 1.5x DDP); ZeRO-2 reduce-scatters in every micro-batch's
      backward (its gradients are partitioned, DeepSpeed's stage_1_and_2.py) and all-gathers the updated
@@ -87,18 +94,42 @@ def tp_bytes_per_micro_batch(
     grad_allreduce_params: float = 0,
     forward_gather_width: float = 0,
     backward_gather_width: float = 0,
+    routing_allreduce_width: float = 0,
 ) -> float:
-    """Decoder layers: (forward x (2 with checkpointing, else 1) + backward) all-reduces of b*s*h and the
-    gradients of `grad_allreduce_params` TP-replicated parameters per layer, 2*(t-1)/t of each sent; plus
-    all-gathers of b*s*(forward width, again with checkpointing, + backward width), (t-1)/t of each sent."""
+    """Decoder layers: (forward x (2 with checkpointing, else 1) + backward) all-reduces of b*s*h, of
+    b*s*`routing_allreduce_width` fp32 routing weights backward, and of the gradients of
+    `grad_allreduce_params` TP-replicated parameters per layer, 2*(t-1)/t of each sent; plus all-gathers of
+    b*s*(forward width, again with checkpointing, + backward width), (t-1)/t of each sent."""
     if tp == 1:
         return 0.0
     recompute = 2 if checkpointing else 1
     tokens = seq_len * micro_batch
     count = forward_allreduces * recompute + backward_allreduces
-    reduced = count * tokens * hidden * width + grad_allreduce_params * width
+    reduced = count * tokens * hidden * width + grad_allreduce_params * width + routing_allreduce_width * tokens * 4
     gathered = (forward_gather_width * recompute + backward_gather_width) * tokens * width
     return layers * (ring_allreduce_factor(tp) * reduced + (tp - 1) / tp * gathered)
+
+
+def ep_bytes_per_micro_batch(
+    *,
+    moe_layers: int,
+    tp: int,
+    ep: int,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    width: int,
+    experts_per_token: int,
+    checkpointing: bool,
+) -> float:
+    """All-to-all rows a rank sends over its EP group for `moe_layers` MoE layers: its TP slot's routes
+    (b*s*k/t), the (ep-1)/ep of them whose experts sit on other EP ranks, h values each, out and back, in the
+    forward, the backward and the recomputation."""
+    if ep == 1:
+        return 0.0
+    rows = seq_len * micro_batch * experts_per_token / tp * (ep - 1) / ep
+    exchanges = 2 * ((2 if checkpointing else 1) + 1)
+    return moe_layers * exchanges * rows * hidden * width
 
 
 def tp_edge_bytes_per_micro_batch(

@@ -106,7 +106,13 @@ def recipe_from_ds_config(config: dict[str, Any], name: str, model: dict[str, An
     zero = config.get("zero_optimization", {})
     data = {
         "model": model,
-        "parallel": {"dp": section["dp"], "tp": section["tp"], "pp": section["pp"], "stage_layers": section.get("stage_layers")},
+        "parallel": {
+            "dp": section["dp"],
+            "tp": section["tp"],
+            "pp": section["pp"],
+            "ep": section.get("ep", 1),
+            "stage_layers": section.get("stage_layers"),
+        },
         "cluster": {"nodes": section.get("nodes", 1), "gpus_per_node": section["gpus_per_node"]},
         "train": {
             "micro_batch_size": config["train_micro_batch_size_per_gpu"],

@@ -141,10 +141,10 @@ def _observe_after(engine: Any, methods: tuple[str, ...], observe: Any) -> None:
 
 
 def worker(
-    rank: int, work: bc.Workload, state: dict[str, torch.Tensor], dims: tuple[int, int, int], steps: int
+    rank: int, work: bc.Workload, state: dict[str, torch.Tensor], dims: tuple[int, ...], steps: int
 ) -> dict[str, Any]:
-    dp, tp, pp = dims
-    contender = bc.dsx3d_contender("dsx3d", work, state, dp=dp, tp=tp, pp=pp)
+    dp, tp, pp, ep = (*dims, 1)[:4]
+    contender = bc.dsx3d_contender("dsx3d", work, state, dp=dp, tp=tp, pp=pp, ep=ep)
     engine = contender.engine.ds_engine
     meter = SavedTensorMeter()
     peak: dict[str, Any] = {"total": 0, "states": 0, "activations": 0, "by_kind": {}}
@@ -182,10 +182,12 @@ def worker(
             contender.step(batch)
     rss_peak = bc.proc_status_kb("VmHWM")
     layers = sum(1 for m in contender.engine.module.modules() if type(m).__name__ == "DecoderLayerPipe")
+    experts = [p for p in contender.engine.module.parameters() if hasattr(p, "shard_slot")]
     return {
         "rank": rank,
         "stage": contender.engine.placement.pp,
         "layers": layers,
+        "expert_param_bytes": sum(p.numel() * p.element_size() for p in experts),
         "peak": peak,
         "rss_over_build_mib": (rss_peak - rss_before) / 1024,
         "rss_peak_mib": rss_peak / 1024,
@@ -193,14 +195,15 @@ def worker(
     }
 
 
-def predicted(work: bc.Workload, dims: tuple[int, int, int], stage_layers: list[int], flash: bool) -> Any:
+def predicted(work: bc.Workload, dims: tuple[int, ...], stage_layers: list[int], flash: bool) -> Any:
     from dsx3d.estimate import Setup, estimate, shape_from_hf_config
 
-    dp, tp, pp = dims
+    dp, tp, pp, ep = (*dims, 1)[:4]
     setup = Setup(
         dp=dp,
         tp=tp,
         pp=pp,
+        ep=ep,
         zero_stage=1,
         dtype=work.dtype,
         micro_batch_size=work.micro_batch,
@@ -213,9 +216,10 @@ def predicted(work: bc.Workload, dims: tuple[int, int, int], stage_layers: list[
 
 
 def run_layout(
-    work: bc.Workload, state: dict[str, torch.Tensor], dims: tuple[int, int, int], steps: int
+    work: bc.Workload, state: dict[str, torch.Tensor], dims: tuple[int, ...], steps: int
 ) -> list[dict[str, Any]]:
-    dp, tp, pp = dims
+    """One layout (dp, tp, pp[, ep]): every rank's measured peak next to the estimator's stage."""
+    dp, tp, pp, ep = (*dims, 1)[:4]
     per_rank = run_ranks(worker, dp * tp * pp, work, state, dims, steps, timeout_s=600)
     stage_layers = [next(r["layers"] for r in per_rank if r["stage"] == s) for s in range(pp)]
     # sdpa on CPU without a mask runs the fused (flash) kernel: no s x s scores are kept
@@ -230,9 +234,11 @@ def run_layout(
         meas = r["peak"]
         rows.append(
             {
-                "layout": f"dp{dp} tp{tp} pp{pp}",
+                "layout": f"dp{dp} tp{tp} pp{pp}" + (f" ep{ep}" if ep > 1 else ""),
                 "rank": r["rank"],
                 "stage": r["stage"],
+                "expert_param_bytes": r["expert_param_bytes"],
+                "expert_param_bytes_predicted": st.expert_params_per_device * (4 if work.dtype == "fp32" else 2),
                 "predicted_mib": {
                     "states": pred_states / MiB,
                     "activations": pred_acts / MiB,
