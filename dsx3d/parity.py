@@ -330,7 +330,18 @@ def run_parity(case: ParityCase, model: torch.nn.Module | None = None, timeout_s
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     batches = make_batches(case)
     t0 = time.perf_counter()
-    ref = run_reference(case, model, batches)
+    try:
+        ref = run_reference(case, model, batches)
+    except (RuntimeError, ValueError, IndexError) as err:  # plain transformers on one process, no dsx3d code
+        from dsx3d.errors import UserError
+
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise UserError.single(
+            "model config",
+            case.config.model_type,
+            f"transformers itself cannot train this config on one process ({type(err).__name__}: {first})",
+            "fix the config so that the plain HF model runs (head counts, sizes), then verify it",
+        ) from None
     t1 = time.perf_counter()
     results = run_ranks(_rank_worker, case.world_size, case, state, batches, timeout_s=timeout_s)
     t2 = time.perf_counter()
