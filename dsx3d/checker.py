@@ -418,12 +418,21 @@ def _model_builds(c: _Context) -> Iterator[Problem]:
     model on the meta device (no memory) and name the key when it fails."""
     if c.hf_config is None:
         return
-    from dsx3d.models.shape import build_meta_model
+    key = c.hf_config.to_json_string(use_diff=False)
+    if key not in _BUILD_PROBLEMS:
+        from dsx3d.models.shape import build_meta_model
 
-    try:
-        build_meta_model(c.hf_config)
-    except UserError as err:
-        yield from err.problems
+        try:
+            build_meta_model(c.hf_config)
+            _BUILD_PROBLEMS[key] = ()
+        except UserError as err:
+            _BUILD_PROBLEMS[key] = tuple(err.problems)
+    yield from _BUILD_PROBLEMS[key]
+
+
+_BUILD_PROBLEMS: dict[str, tuple[Problem, ...]] = {}
+"""What building each config (by its JSON) on the meta device reported: the planner checks hundreds of
+candidate layouts of one model, and a large model's meta build takes seconds."""
 
 
 def _family_supported(c: _Context) -> Iterator[Problem]:
