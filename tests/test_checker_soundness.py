@@ -2,7 +2,7 @@
 checkpoint and HF export written), and every recipe it refuses is refused before any process starts, with
 each problem naming the recipe key, the reason and the fix. Recipes are drawn at random over the space a
 user can write (dsx3d.testing.recipe_grid); CI draws until ACCEPTED of them were accepted (the refused ones
-on the way are checked too); DSX3D_SWEEP=1 draws 100."""
+on the way are checked too); DSX3D_SWEEP=1 draws until 40 (DSX3D_SOUNDNESS_ACCEPTED sets the number)."""
 
 from __future__ import annotations
 
