@@ -98,23 +98,7 @@ def worker(
 
 
 def analytic(work: bc.Workload, dims: tuple[int, ...], stage_layers: list[int], ckpt: bool) -> Any:
-    from dsx3d.estimate import Setup, estimate, shape_from_hf_config
-
-    dp, tp, pp, ep = (*dims, 1)[:4]
-    setup = Setup(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        zero_stage=1,
-        dtype=work.dtype,
-        micro_batch_size=work.micro_batch,
-        seq_len=work.seq_len,
-        grad_accum=work.micro_batches(dp),
-        activation_checkpointing=ckpt,
-        stage_layers=tuple(stage_layers),
-    )
-    return estimate(shape_from_hf_config(work.config), setup)
+    return bc.estimate_for(work, dims, stage_layers, activation_checkpointing=ckpt)
 
 
 def run(
