@@ -388,13 +388,11 @@ def _monitor_packages(c: _Context) -> Iterator[Problem]:
 
 
 def _data_source(c: _Context) -> Iterator[Problem]:
-    """A missing or unreadable data file fails only after every rank has started: say it now."""
-    from dsx3d.data.corpus import check_source
+    """A missing file, a missing field, an empty file, a chat format without a template or too little data
+    for one global batch fails only after every rank has started: say it now (dsx3d.data.inspect)."""
+    from dsx3d.data.inspect import data_problems
 
-    try:
-        check_source(c.recipe.data)
-    except UserError as err:
-        yield from err.problems
+    yield from data_problems(c.recipe, c.dp)
 
 
 def _vocab_holds_the_tokenizer(c: _Context) -> Iterator[Problem]:

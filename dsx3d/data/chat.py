@@ -109,7 +109,7 @@ def encode_conversation(
 ) -> tuple[list[int], list[int]]:
     """(token ids, labels) of one conversation: labels are the ids on the assistant's tokens, -100 elsewhere."""
     if _GENERATION.search(template):
-        out = tokenizer.apply_chat_template(
+        out: Any = tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
@@ -119,7 +119,7 @@ def encode_conversation(
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], template: str, prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(
+    out: Any = tokenizer.apply_chat_template(
         messages, chat_template=template, tokenize=True, return_dict=True, add_generation_prompt=prompt
     )
     return list(out["input_ids"])

@@ -63,7 +63,7 @@ def resolve_corpus(data: DataSection, cache_dir: Path | None = None) -> Corpus:
         corpus = _builtin_corpus(data)
     elif is_saved_dataset(Path(source).expanduser()):
         corpus = _saved_corpus(data, Path(source).expanduser())
-    elif (files := _local_files(source, cache_dir)) is not None:
+    elif (files := local_files(source, cache_dir)) is not None:
         corpus = _local_corpus(data, files, cache_dir)
     else:
         corpus = _hub_corpus(data)
@@ -110,7 +110,7 @@ def check_source(data: DataSection) -> None:
         return
     if is_saved_dataset(Path(source).expanduser()):
         return
-    files = _local_files(source, None)
+    files = local_files(source, None)
     unreadable = [str(f) for f in files or [] if not os.access(f, os.R_OK)]
     if unreadable:
         raise UserError.single(
@@ -194,7 +194,7 @@ def _builtin_corpus(data: DataSection) -> Corpus:
 # --- local files -------------------------------------------------------------------------------------
 
 
-def _local_files(source: str, cache_dir: Path | None) -> list[Path] | None:
+def local_files(source: str, cache_dir: Path | None) -> list[Path] | None:
     """The files `source` names (a file, a directory searched recursively, or a glob); None if not local."""
     path = Path(source).expanduser()
     if path.is_dir():
