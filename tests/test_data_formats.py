@@ -1,0 +1,130 @@
+"""Data formats and sources (chat, instruction, save_to_disk folders, local datasets with a split, held-out
+data) and what the checker reads of the data before any process starts: each problem names the key, the
+value and the fix, all at once, exit 2 without a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import yaml
+
+from dsx3d.checker import check_recipe
+from dsx3d.cli import main
+from dsx3d.data.chat import IGNORE_INDEX
+from dsx3d.data.prepare import build_rank_data, prepare_data
+from dsx3d.data.tiny_chat import tiny_chat_conversations
+from dsx3d.data.tokenizer import train_bpe_tokenizer
+from dsx3d.recipe import Recipe, recipe_from_dict
+from dsx3d.testing.recipes import tiny_recipe_dict
+
+
+def _recipe(tmp: Path, **data: Any) -> Recipe:
+    sections = {"data": {"cache_dir": str(tmp / "cache"), **data}, "train": {"seq_len": 64}, "output_dir": str(tmp / "run")}
+    return recipe_from_dict(tiny_recipe_dict(**sections))
+
+
+def _errors(recipe: Recipe) -> dict[str, Any]:
+    return {p.key: p for p in check_recipe(recipe) if p.severity == "error"}
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_jsonl(tmp_path_factory.mktemp("chat") / "chat.jsonl", [{"conv": c} for c in tiny_chat_conversations(60)])
+
+
+def test_chat_jsonl_with_a_field_name_and_held_out_fraction(tmp_path: Path, chats: Path) -> None:
+    recipe = _recipe(tmp_path, source=str(chats), format="chat", messages_field="conv", eval_fraction=0.2)
+    assert _errors(recipe) == {}
+    prepared = prepare_data(recipe)
+    assert prepared.packed is None and prepared.labels is not None and prepared.eval_rows is not None
+    assert len(prepared.blocks) + len(prepared.eval_rows.input_ids) == 60
+    assert (prepared.labels == IGNORE_INDEX).any() and (prepared.labels != IGNORE_INDEX).any()
+    # every rank holds out the same rows; the stream carries the global normaliser
+    data = build_rank_data(recipe, dp=1, dp_rank=0)
+    ids, (labels, norm) = next(data.stream)
+    assert ids.shape == labels.shape == (2, 64) and norm.dtype.is_floating_point
+    assert data.eval_batches is not None and data.eval_batches.num_batches == 3  # 12 rows, batches of 4
+
+
+def test_instruction_parquet_from_a_save_to_disk_dict_and_a_split_slice(tmp_path: Path) -> None:
+    rows = {"q": [f"What is {i} plus 1?" for i in range(40)], "a": [f"{i + 1}." for i in range(40)]}
+    folder = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict(rows)}).save_to_disk(folder)
+    recipe = _recipe(tmp_path, source=str(folder), format="instruction", prompt_field="q", response_field="a",
+                     eval_source=str(folder), eval_split="test")
+    assert _errors(recipe) == {}
+    prepared = prepare_data(recipe)
+    assert len(prepared.blocks) == 40 and prepared.eval_rows is not None and len(prepared.eval_rows.input_ids) == 40
+    wrong = _recipe(tmp_path, source=str(folder), format="instruction", prompt_field="q", response_field="a", split="validation")
+    assert "data.split" in _errors(wrong)
+    # a local parquet file read by `datasets` with a split slice
+    datasets.Dataset.from_dict(rows).to_parquet(tmp_path / "qa.parquet")
+    sliced = _recipe(tmp_path, source=str(tmp_path / "qa.parquet"), format="instruction", prompt_field="q", response_field="a", split="train[:50%]")
+    assert len(prepare_data(sliced).blocks) == 20
+
+
+def test_a_save_to_disk_folder_is_a_dataset_not_its_json_metadata(tmp_path: Path) -> None:
+    """It was read as data files (dataset_info.json, state.json), and the fix offered was data.text_field."""
+    folder = tmp_path / "docs"
+    datasets.Dataset.from_dict({"text": ["some words here. " * 40] * 30}).save_to_disk(folder)
+    recipe = _recipe(tmp_path, source=str(folder))
+    assert _errors(recipe) == {}
+    assert prepare_data(recipe).packed.num_documents == 30  # type: ignore[union-attr]
+
+
+def test_the_checker_names_every_data_problem_at_once(tmp_path: Path, chats: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    few = _write_jsonl(tmp_path / "few.jsonl", [{"messages": c} for c in tiny_chat_conversations(3)])
+    cases = {
+        "data.messages_field": _recipe(tmp_path, source=str(chats), format="chat"),  # the field is "conv"
+        "data.text_field": _recipe(tmp_path, source=str(chats)),
+        "data.source": _recipe(tmp_path, source=str(empty)),
+        "data.eval_source": _recipe(tmp_path, source=str(chats), format="chat", messages_field="conv", eval_source=str(tmp_path / "nope.jsonl")),
+    }
+    for key, recipe in cases.items():
+        problem = _errors(recipe).get(key)
+        assert problem is not None and problem.reason and problem.fix, (key, _errors(recipe))
+    too_few = _errors(_recipe(tmp_path, source=str(few), format="chat"))["data.source"]
+    assert "fewer than one global batch of 4" in too_few.reason
+    held_out = _errors(_recipe(tmp_path, source=str(chats), format="chat", messages_field="conv", eval_fraction=0.01))
+    assert "data.eval_fraction" in held_out  # 1 held-out example cannot fill a global batch
+    # several problems, one run, exit 2, no traceback
+    path = tmp_path / "r.yaml"
+    bad = tiny_recipe_dict(data={"source": str(chats), "format": "chat", "eval_source": str(empty)}, output_dir=str(tmp_path / "run"))
+    path.write_text(yaml.safe_dump(bad))
+    assert main(["check", str(path)]) == 2
+    out = capsys.readouterr()
+    assert "data.messages_field" in out.out and "data.eval_source" in out.out and "Traceback" not in out.out + out.err
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_with_the_fix(tmp_path: Path, chats: Path) -> None:
+    tok_dir = tmp_path / "tok"
+    train_bpe_tokenizer(["hello world"] * 10, 300).save_pretrained(tok_dir)
+    recipe = _recipe(tmp_path, source=str(chats), format="chat", messages_field="conv", tokenizer=str(tok_dir))
+    problem = _errors(recipe)["data.chat_template"]
+    assert "data.chat_template" in problem.fix
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {% generation %}{{ m['content'] }}{% endgeneration %}\n{% endfor %}")
+    fixed = _recipe(tmp_path, source=str(chats), format="chat", messages_field="conv", tokenizer=str(tok_dir), chat_template=str(template))
+    assert "data.chat_template" not in _errors(fixed)
+    missing = _recipe(tmp_path, source=str(chats), format="chat", messages_field="conv", chat_template=str(tmp_path / "no.jinja"))
+    assert "data.chat_template" in _errors(missing)
+
+
+def test_formats_and_sources_that_cannot_go_together() -> None:
+    from dsx3d.errors import UserError
+
+    with pytest.raises(UserError, match="at most one of data.eval_source and data.eval_fraction"):
+        recipe_from_dict(tiny_recipe_dict(data={"eval_source": "x.jsonl", "eval_fraction": 0.1}))
+    assert "data.source" in _errors(recipe_from_dict(tiny_recipe_dict(data={"source": "builtin:tiny-chat"})))
+    assert "data.source" in _errors(recipe_from_dict(tiny_recipe_dict(data={"format": "chat"})))
