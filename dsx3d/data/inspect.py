@@ -45,6 +45,8 @@ class SourceView:
     """An upper bound on its text's bytes (local files), None when unknown."""
     plain_text: bool = False
     """.txt files: the packaged text loader's single "text" column, whatever data.text_field says."""
+    row_bytes: list[int] | None = None
+    """Bytes of each row (a bound on its text) where known."""
 
 
 def view_source(data: DataSection) -> SourceView | None:
@@ -101,28 +103,35 @@ def _view_files(data: DataSection, files: list[Path]) -> SourceView:
             rows += [dict(r) for r in stream.take(PEEK_ROWS)]
         except Exception as err:  # the packaged loaders raise many types (arrow, json, os)
             raise UserError.single("data.source", data.source, f"cannot read {kind} files ({_short(err)})", "fix the files") from None
-    return SourceView(rows, _count_rows(files), num_bytes, plain_text)
+    num_rows, row_bytes = _count_rows(files)
+    return SourceView(rows, num_rows, num_bytes, plain_text, row_bytes)
 
 
-def _count_rows(files: list[Path]) -> int | None:
-    total = 0
+def _count_rows(files: list[Path]) -> tuple[int | None, list[int] | None]:
+    """(rows, bytes of each row where known): a .txt file is one row; jsonl lines are counted; parquet
+    metadata says how many rows (not their sizes); a .json array is not counted."""
+    total, sizes, sized = 0, [], True
     for f in files:
         kind = LOADERS[f.suffix]
         if kind == "text":
-            total += 1 if f.stat().st_size > 0 else 0
+            size = f.stat().st_size
+            total += 1 if size > 0 else 0
+            sizes += [size] if size > 0 else []
         elif f.suffix == ".jsonl" and f.stat().st_size <= COUNT_LINES_BELOW:
             with f.open("rb") as fh:
-                total += sum(1 for line in fh if line.strip())
+                lines = [len(line) for line in fh if line.strip()]
+            total, sizes = total + len(lines), sizes + lines
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
             try:
                 total += pq.ParquetFile(f).metadata.num_rows
             except Exception:
-                return None
+                return None, None
+            sized = False
         else:
-            return None
-    return total
+            return None, None
+    return total, sizes if sized else None
 
 
 def _short(err: Exception) -> str:
@@ -165,13 +174,21 @@ def _size_problems(recipe: Recipe, data: DataSection, view: SourceView, global_b
             yield Problem("data.eval_fraction" if held_out and fraction else "data.source", fraction if held_out and fraction else data.source,
                           f"{view.num_rows} examples, {part} has {rows}: fewer than one global batch of {global_batch} "
                           "(train.micro_batch_size x train.gradient_accumulation_steps x dp)", fix)
-    elif not data.masked and view.num_bytes is not None and not held_out:
-        # A token covers at least one byte, plus one eos per document: an upper bound on the tokens.
-        bound = view.num_bytes + (view.num_rows or 0)
+    elif not data.masked and view.num_bytes is not None:
+        # A token covers at least one byte, plus one eos per document: an upper bound on the tokens. The
+        # held-out documents' bound: the largest ones.
         need = global_batch * recipe.train.seq_len
+        value: Any
+        if not held_out:
+            bound, key, value, what = view.num_bytes + (view.num_rows or 0), "data.source", data.source, f"{view.num_bytes} bytes"
+        elif view.row_bytes is not None:
+            held = max(1, round(len(view.row_bytes) * fraction))
+            bound = sum(sorted(view.row_bytes)[-held:]) + held
+            key, value, what = "data.eval_fraction", fraction, f"the {held} held-out documents"
+        else:
+            return
         if bound < need:
-            yield Problem("data.source", data.source,
-                          f"at most {bound} tokens ({view.num_bytes} bytes), fewer than one global batch needs "
+            yield Problem(key, value, f"at most {bound} tokens ({what}), fewer than one global batch needs "
                           f"({global_batch} x train.seq_len {recipe.train.seq_len} = {need})", fix + ", or train.seq_len")
 
 

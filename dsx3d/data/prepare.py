@@ -108,8 +108,19 @@ def _rows(
     counted = int((np.asarray(ex.labels)[:, 1:] != IGNORE_INDEX).sum())
     what = (
         f"{len(ex.input_ids)} {recipe.data.format} examples padded to {seq_len} tokens, {counted} tokens with loss, "
-        f"{ex.truncated} cut to fit, {ex.dropped} dropped with no assistant token left ({'cached' if ex.cached else 'encoded'})"
+        f"{ex.truncated} cut to fit ({'cached' if ex.cached else 'encoded'})"
     )
+    if ex.without_loss:
+        log.warning(
+            "%s: %d of %d examples are cut by train.seq_len %d before their first assistant token and carry no loss; "
+            "raise train.seq_len",
+            corpus.source, ex.without_loss, len(ex.input_ids), seq_len,
+        )
+    if counted == 0:
+        raise UserError.single(
+            "train.seq_len", seq_len, f"no example of {corpus.source} has an assistant token within the first {seq_len} tokens",
+            "raise train.seq_len",
+        )
     return None, Rows(ex.input_ids, ex.labels), what
 
 

@@ -6,8 +6,9 @@ pad token (the eos token when the tokenizer has no pad token); the padding's lab
 and not packing: with right padding and causal attention no real token ever attends to a pad token, so
 every example's logits are exactly those of the example alone, with no attention mask to build or send
 between pipeline stages; packing several examples into a row would let later examples attend to earlier
-ones unless a block-diagonal mask went with every micro-batch. Examples left with no assistant token after
-the cut carry no loss and are dropped (`dropped` in the log).
+ones unless a block-diagonal mask went with every micro-batch. An example cut before its first assistant
+token carries no loss; it is kept (`without_loss` in the log, with a warning), so that the number of rows is
+the number of records, which the checker counts before launch.
 
 The rows are cached as two .npy arrays keyed by (corpus, tokenizer, template, format, seq_len).
 """
@@ -37,16 +38,16 @@ class Examples:
     labels: np.ndarray
     """(num_examples, seq_len) int32: the id on an assistant token, -100 elsewhere (prompt, template, padding)."""
     truncated: int
-    dropped: int
+    without_loss: int
     cached: bool
 
 
 def encode_examples(
     dataset: datasets.Dataset, data: DataSection, tokenizer: PreTrainedTokenizerBase, template: str, seq_len: int
 ) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(input_ids, labels, truncated, dropped) of every row of `dataset` (columns as dsx3d.data.corpus names them)."""
+    """(input_ids, labels, truncated, without_loss) of every row of `dataset` (columns as dsx3d.data.corpus names them)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows_ids, rows_labels, truncated, dropped = [], [], 0, 0
+    rows_ids, rows_labels, truncated, without_loss = [], [], 0, 0
     for index, row in enumerate(dataset):
         messages = example_messages(row, data)
         problem = message_problem(messages)
@@ -59,14 +60,13 @@ def encode_examples(
         if len(ids) > seq_len:
             ids, labels, truncated = ids[:seq_len], labels[:seq_len], truncated + 1
         if all(t == IGNORE_INDEX for t in labels[1:]):  # position 0 is never predicted
-            dropped += 1
-            continue
+            without_loss += 1
         fill = seq_len - len(ids)
         rows_ids.append(ids + [pad] * fill)
         rows_labels.append(labels + [IGNORE_INDEX] * fill)
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     input_ids = np.asarray(rows_ids, dtype=dtype).reshape(-1, seq_len)
-    return input_ids, np.asarray(rows_labels, dtype=np.int32).reshape(-1, seq_len), truncated, dropped
+    return input_ids, np.asarray(rows_labels, dtype=np.int32).reshape(-1, seq_len), truncated, without_loss
 
 
 def cached_examples(
@@ -78,16 +78,16 @@ def cached_examples(
     cache_dir: Path,
 ) -> Examples:
     """The corpus's rows, from the cache or encoded now (and then cached)."""
-    key = digest("sft-v1", corpus.fingerprint, tokenizer_fingerprint(tokenizer), template, data.format, seq_len)
+    key = digest("sft-v2", corpus.fingerprint, tokenizer_fingerprint(tokenizer), template, data.format, seq_len)
     base = cache_dir / "examples" / key
     ids_path, labels_path, meta_path = base.with_suffix(".ids.npy"), base.with_suffix(".labels.npy"), base.with_suffix(".json")
     cached = meta_path.is_file()  # written last: present = complete
     if not cached:
-        input_ids, labels, truncated, dropped = encode_examples(corpus.load(), data, tokenizer, template, seq_len)
+        input_ids, labels, truncated, without_loss = encode_examples(corpus.load(), data, tokenizer, template, seq_len)
         save_npy_atomic(ids_path, input_ids)
         save_npy_atomic(labels_path, labels)
-        save_json_atomic(meta_path, {"truncated": truncated, "dropped": dropped, "source": corpus.source})
+        save_json_atomic(meta_path, {"truncated": truncated, "without_loss": without_loss, "source": corpus.source})
     meta = json.loads(meta_path.read_text())
     return Examples(
-        np.load(ids_path, mmap_mode="r"), np.load(labels_path, mmap_mode="r"), int(meta["truncated"]), int(meta["dropped"]), cached
+        np.load(ids_path, mmap_mode="r"), np.load(labels_path, mmap_mode="r"), int(meta["truncated"]), int(meta["without_loss"]), cached
     )

@@ -49,8 +49,9 @@ def counted_tokens(labels: np.ndarray) -> np.ndarray:
 
 
 def with_norm(labels: torch.Tensor, counted: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(labels, norm): `counted` tokens with loss over `parts` = grad_accum * dp micro-batch slots."""
-    return labels, torch.tensor([counted / parts], dtype=torch.float64)
+    """(labels, norm): `counted` tokens with loss over `parts` = grad_accum * dp micro-batch slots. A global
+    batch without any (every example cut before its answer) has loss 0 and no gradient, not 0 / 0."""
+    return labels, torch.tensor([max(counted, 1) / parts], dtype=torch.float64)
 
 
 class MicroBatchStream(Iterator[Batch]):
