@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsx3d.data.prepare import prepare_data
-from dsx3d.data.stream import EvalBatches, counted_tokens
+from dsx3d.data.stream import counted_tokens
 from dsx3d.recipe import Recipe, load_recipe, recipe_from_dict
 from dsx3d.run.metrics import read_metrics
 from dsx3d.testing.harness import run_ranks
@@ -44,12 +44,10 @@ def _hf_eval_loss(recipe: Recipe, hf_dir: Path, cache: Path) -> float:
 
     rows = prepare_data(recipe, cache).eval_rows
     assert rows is not None and rows.labels is not None
-    train = recipe.train
-    batches = EvalBatches(rows.input_ids, rows.labels, train.micro_batch_size, train.gradient_accumulation_steps, recipe.resolved_dp(), 0)
-    used = batches.num_batches * batches.rows_per_batch
-    ids = torch.from_numpy(rows.input_ids[:used].astype("int64"))
-    labels = torch.from_numpy(rows.labels[:used].astype("int64"))
-    n = int(counted_tokens(rows.labels[:used]).sum())
+    assert recipe.train.eval_batches == 0  # every held-out row is evaluated (the last batch padded)
+    ids = torch.from_numpy(rows.input_ids.astype("int64"))
+    labels = torch.from_numpy(rows.labels.astype("int64"))
+    n = int(counted_tokens(rows.labels).sum())
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return float(model(input_ids=ids, labels=labels, num_items_in_batch=n).loss)

@@ -4,7 +4,8 @@ Cheap looks only: which files a source names, their sizes, the first few records
 is not loaded), row counts where the format keeps them (jsonl lines, parquet metadata, save_to_disk
 folders). From these: the source exists and has records; the field data.format reads is there (text,
 messages or prompt/response) and the first records hold what that format needs; a chat template exists when
-the format needs one; the data can fill one global batch; and the same for the held-out data. A hub dataset
+the format needs one; the training part can fill one global batch; the held-out data exists and has
+records (any non-empty held-out part fills a batch: the last one is padded with rows without loss). A hub dataset
 is not inspected (that needs the network): it is checked when the ranks load it.
 """
 
@@ -45,8 +46,6 @@ class SourceView:
     """An upper bound on its text's bytes (local files), None when unknown."""
     plain_text: bool = False
     """.txt files: the packaged text loader's single "text" column, whatever data.text_field says."""
-    row_bytes: list[int] | None = None
-    """Bytes of each row (a bound on its text) where known."""
 
 
 def view_source(data: DataSection) -> SourceView | None:
@@ -103,35 +102,30 @@ def _view_files(data: DataSection, files: list[Path]) -> SourceView:
             rows += [dict(r) for r in stream.take(PEEK_ROWS)]
         except Exception as err:  # the packaged loaders raise many types (arrow, json, os)
             raise UserError.single("data.source", data.source, f"cannot read {kind} files ({_short(err)})", "fix the files") from None
-    num_rows, row_bytes = _count_rows(files)
-    return SourceView(rows, num_rows, num_bytes, plain_text, row_bytes)
+    return SourceView(rows, _count_rows(files), num_bytes, plain_text)
 
 
-def _count_rows(files: list[Path]) -> tuple[int | None, list[int] | None]:
-    """(rows, bytes of each row where known): a .txt file is one row; jsonl lines are counted; parquet
-    metadata says how many rows (not their sizes); a .json array is not counted."""
-    total, sizes, sized = 0, [], True
+def _count_rows(files: list[Path]) -> int | None:
+    """Rows, where cheap to know: a .txt file is one row; jsonl lines are counted; parquet metadata says how
+    many rows; a .json array is not counted."""
+    total = 0
     for f in files:
         kind = LOADERS[f.suffix]
         if kind == "text":
-            size = f.stat().st_size
-            total += 1 if size > 0 else 0
-            sizes += [size] if size > 0 else []
+            total += 1 if f.stat().st_size > 0 else 0
         elif f.suffix == ".jsonl" and f.stat().st_size <= COUNT_LINES_BELOW:
             with f.open("rb") as fh:
-                lines = [len(line) for line in fh if line.strip()]
-            total, sizes = total + len(lines), sizes + lines
+                total += sum(1 for line in fh if line.strip())
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
             try:
                 total += pq.ParquetFile(f).metadata.num_rows
             except Exception:
-                return None, None
-            sized = False
+                return None
         else:
-            return None, None
-    return total, sizes if sized else None
+            return None
+    return total
 
 
 def _short(err: Exception) -> str:
@@ -161,35 +155,27 @@ def _field_problems(data: DataSection, view: SourceView) -> Iterator[Problem]:
                 break
 
 
-def _size_problems(recipe: Recipe, data: DataSection, view: SourceView, global_batch: int, held_out: bool) -> Iterator[Problem]:
+def _size_problems(recipe: Recipe, data: DataSection, view: SourceView, global_batch: int) -> Iterator[Problem]:
+    """The training part must fill one global batch (the held-out part is padded to whole batches)."""
     if global_batch <= 0:
         return
     fix = "use more data, or lower train.micro_batch_size, train.gradient_accumulation_steps or dp"
     fraction = recipe.data.eval_fraction
     if data.masked and view.num_rows is not None:
         held = max(1, round(view.num_rows * fraction)) if fraction > 0 else 0
-        rows = held if held_out else view.num_rows - held
+        rows = view.num_rows - held
         if rows < global_batch:
-            part = "the held-out part" if held_out else "the training part" if held else "it"
-            yield Problem("data.eval_fraction" if held_out and fraction else "data.source", fraction if held_out and fraction else data.source,
-                          f"{view.num_rows} examples, {part} has {rows}: fewer than one global batch of {global_batch} "
+            part = f", {rows} once data.eval_fraction is held out" if held else ""
+            yield Problem("data.source", data.source,
+                          f"{view.num_rows} examples{part}: fewer than one global batch of {global_batch} "
                           "(train.micro_batch_size x train.gradient_accumulation_steps x dp)", fix)
     elif not data.masked and view.num_bytes is not None:
-        # A token covers at least one byte, plus one eos per document: an upper bound on the tokens. The
-        # held-out documents' bound: the largest ones.
+        # A token covers at least one byte, plus one eos per document: an upper bound on the tokens.
+        bound = view.num_bytes + (view.num_rows or 0)
         need = global_batch * recipe.train.seq_len
-        value: Any
-        if not held_out:
-            bound, key, value, what = view.num_bytes + (view.num_rows or 0), "data.source", data.source, f"{view.num_bytes} bytes"
-        elif view.row_bytes is not None:
-            held = max(1, round(len(view.row_bytes) * fraction))
-            bound = sum(sorted(view.row_bytes)[-held:]) + held
-            key, value, what = "data.eval_fraction", fraction, f"the {held} held-out documents"
-        else:
-            return
         if bound < need:
-            yield Problem(key, value, f"at most {bound} tokens ({what}), fewer than one global batch needs "
-                          f"({global_batch} x train.seq_len {recipe.train.seq_len} = {need})", fix + ", or train.seq_len")
+            yield Problem("data.source", data.source, f"at most {bound} tokens ({view.num_bytes} bytes), fewer than one "
+                          f"global batch needs ({global_batch} x train.seq_len {recipe.train.seq_len} = {need})", fix + ", or train.seq_len")
 
 
 def _template_problems(recipe: Recipe) -> Iterator[Problem]:
@@ -231,7 +217,7 @@ def _renamed(problems: Iterator[Problem]) -> Iterator[Problem]:
         yield dataclasses.replace(p, key=keys.get(p.key, p.key))
 
 
-def _source_problems(recipe: Recipe, data: DataSection, global_batch: int, held_out: bool) -> Iterator[Problem]:
+def _source_problems(recipe: Recipe, data: DataSection, global_batch: int) -> Iterator[Problem]:
     try:
         view = view_source(data)
     except UserError as err:
@@ -245,9 +231,7 @@ def _source_problems(recipe: Recipe, data: DataSection, global_batch: int, held_
     fields = list(_field_problems(data, view))
     yield from fields
     if not fields:
-        yield from _size_problems(recipe, data, view, global_batch, held_out=False)
-        if held_out:  # data.eval_fraction: the held-out part of this same source
-            yield from _size_problems(recipe, data, view, global_batch, held_out=True)
+        yield from _size_problems(recipe, data, view, global_batch)
 
 
 def data_problems(recipe: Recipe, dp: int) -> list[Problem]:
@@ -255,9 +239,8 @@ def data_problems(recipe: Recipe, dp: int) -> list[Problem]:
     data = recipe.data
     train = recipe.train
     global_batch = train.micro_batch_size * train.gradient_accumulation_steps * dp
-    problems = list(_source_problems(recipe, data, global_batch, held_out=data.eval_fraction > 0))
-    if data.eval_source is not None:
-        held = eval_data(data)
-        problems += _renamed(_source_problems(recipe, held, global_batch, held_out=False))
+    problems = list(_source_problems(recipe, data, global_batch))
+    if data.eval_source is not None:  # any non-empty held-out source fills a batch: size 0 stands for "no check"
+        problems += _renamed(_source_problems(recipe, eval_data(data), 0))
     problems += _template_problems(recipe)
     return problems

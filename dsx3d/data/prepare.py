@@ -87,7 +87,7 @@ def prepare_data(
     eval_rows = None
     if eval_corpus is not None:
         try:
-            _, eval_rows, what = _rows(recipe, eval_corpus, tokenizer, template, cache)
+            _, eval_rows, what = _rows(recipe, eval_corpus, tokenizer, template, cache, keep_tail=True)
         except UserError as err:
             raise renamed_for_eval(err) from None
         log.log(log_level, "held-out data %s: %s", data.eval_source or f"{data.eval_fraction:g} of data.source", what)
@@ -95,15 +95,29 @@ def prepare_data(
 
 
 def _rows(
-    recipe: Recipe, corpus: Corpus, tokenizer: PreTrainedTokenizerBase, template: str | None, cache: Path
+    recipe: Recipe,
+    corpus: Corpus,
+    tokenizer: PreTrainedTokenizerBase,
+    template: str | None,
+    cache: Path,
+    keep_tail: bool = False,
 ) -> tuple[PackedTokens | None, Rows, str]:
+    """`keep_tail` (held-out text): the tokens that fill no whole block become one more block, padded with
+    labels -100, so that every held-out token is evaluated."""
     seq_len = recipe.train.seq_len
     if template is None:
         packed = pack_corpus(corpus, tokenizer, cache)
         blocks = cut_blocks(packed.tokens, seq_len)
         how = "tokens cached" if packed.cached else "tokenized"
         what = f"{packed.num_documents} documents, {packed.tokens.size} tokens, {len(blocks)} blocks of {seq_len} ({how})"
-        return packed, Rows(blocks, None), what
+        tail = packed.tokens[blocks.size :]
+        if not keep_tail or tail.size == 0:
+            return packed, Rows(blocks, None), what
+        padded = np.zeros((1, seq_len), dtype=blocks.dtype)
+        padded[0, : tail.size] = tail
+        labels = np.concatenate([np.asarray(blocks, dtype=np.int32), np.full((1, seq_len), IGNORE_INDEX, dtype=np.int32)])
+        labels[-1, : tail.size] = tail
+        return packed, Rows(np.concatenate([blocks, padded]), labels), what + f" + a last block of {tail.size}"
     ex = cached_examples(corpus, recipe.data, tokenizer, template, seq_len, cache)
     counted = int((np.asarray(ex.labels)[:, 1:] != IGNORE_INDEX).sum())
     what = (
@@ -161,14 +175,9 @@ def build_rank_data(
     eval_batches = None
     if prepared.eval_rows is not None:
         rows = prepared.eval_rows
-        if len(rows.input_ids) < global_batch:
+        if len(rows.input_ids) == 0:
             key, value = ("data.eval_source", recipe.data.eval_source) if recipe.data.eval_source else ("data.eval_fraction", recipe.data.eval_fraction)
-            raise UserError.single(
-                key,
-                value,
-                f"the held-out data has {len(rows.input_ids)} {what} of {train.seq_len} tokens, less than one global batch of {global_batch}",
-                "hold out more data, or lower train.seq_len, train.micro_batch_size or train.gradient_accumulation_steps",
-            )
+            raise UserError.single(key, value, "the held-out data holds no tokens", "hold out more data")
         eval_batches = EvalBatches(
             rows.input_ids, rows.labels, train.micro_batch_size, train.gradient_accumulation_steps, dp, dp_rank, train.eval_batches
         )

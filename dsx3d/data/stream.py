@@ -171,11 +171,12 @@ class MicroBatchStream(Iterator[Batch]):
 
 
 class EvalBatches:
-    """The held-out rows as global batches of B = micro * grad_accum * dp rows, in order (the incomplete
-    last one dropped), for one DP rank (micro-batch k of rank d: rows [(k*dp + d)*micro, ...) of a batch,
-    as in training). Every micro-batch carries (labels, norm) with N = the tokens with loss of all the
-    evaluated batches, so the evaluation loss is the sum over batches of the engine's batch losses: one
-    mean over every held-out token with loss, as a single process evaluating all of them computes."""
+    """The held-out rows as global batches of B = micro * grad_accum * dp rows, in order, for one DP rank
+    (micro-batch k of rank d: rows [(k*dp + d)*micro, ...) of a batch, as in training). The last batch is
+    filled up with rows without loss (labels -100), so every held-out row is evaluated and any non-empty
+    held-out set fills a batch. Every micro-batch carries (labels, norm) with N = the tokens with loss of
+    all the evaluated rows, so the evaluation loss is the sum over batches of the engine's batch losses:
+    one mean over every held-out token with loss, as a single process evaluating all of them computes."""
 
     def __init__(
         self,
@@ -187,18 +188,19 @@ class EvalBatches:
         dp_rank: int,
         max_batches: int = 0,
     ):
-        self.rows, self.labels = rows, labels
         self.micro_batch_size, self.grad_accum, self.dp, self.dp_rank = micro_batch_size, grad_accum, dp, dp_rank
         self.rows_per_batch = micro_batch_size * grad_accum * dp
-        self.num_batches = len(rows) // self.rows_per_batch
+        self.num_batches = -(-len(rows) // self.rows_per_batch)
         if max_batches:
             self.num_batches = min(self.num_batches, max_batches)
-        used = self.num_batches * self.rows_per_batch
-        self.counted = int(counted_tokens(self._labels(0, used)).sum())
+        used = min(len(rows), self.num_batches * self.rows_per_batch)
+        fill = self.num_batches * self.rows_per_batch - used
+        ids = np.asarray(rows[:used], dtype=np.int64)
+        targets = np.asarray(labels[:used] if labels is not None else rows[:used], dtype=np.int64)
+        self.rows = np.concatenate([ids, np.zeros((fill, ids.shape[1]), dtype=np.int64)])
+        self.labels = np.concatenate([targets, np.full((fill, ids.shape[1]), IGNORE_INDEX, dtype=np.int64)])
+        self.counted = int(counted_tokens(self.labels).sum())
         """Tokens with loss in the evaluated rows (N)."""
-
-    def _labels(self, start: int, stop: int) -> np.ndarray:
-        return np.asarray(self.labels[start:stop] if self.labels is not None else self.rows[start:stop], dtype=np.int64)
 
     def batch(self, b: int) -> list[Batch]:
         """This rank's grad_accum micro-batches of evaluation batch `b`."""
@@ -206,8 +208,7 @@ class EvalBatches:
         for k in range(self.grad_accum):
             start = b * self.rows_per_batch + (k * self.dp + self.dp_rank) * self.micro_batch_size
             stop = start + self.micro_batch_size
-            ids = torch.from_numpy(np.asarray(self.rows[start:stop], dtype=np.int64))
-            labels = torch.from_numpy(self._labels(start, stop))
+            ids, labels = torch.from_numpy(self.rows[start:stop]), torch.from_numpy(self.labels[start:stop])
             out.append((ids, with_norm(labels, self.counted, self.grad_accum * self.dp)))
         return out
 
