@@ -131,3 +131,20 @@ def test_formats_and_sources_that_cannot_go_together() -> None:
         recipe_from_dict(tiny_recipe_dict(data={"eval_source": "x.jsonl", "eval_fraction": 0.1}))
     assert "data.source" in _errors(recipe_from_dict(tiny_recipe_dict(data={"source": "builtin:tiny-chat"})))
     assert "data.source" in _errors(recipe_from_dict(tiny_recipe_dict(data={"format": "chat"})))
+
+
+def test_held_out_text_keeps_its_tail_and_eval_batches_are_padded(tmp_path: Path) -> None:
+    """Every held-out token is evaluated: the text tail that fills no block is one more block (padding
+    labelled -100), and the last evaluation batch is filled with rows without loss."""
+    from dsx3d.data.stream import EvalBatches, counted_tokens
+
+    docs = [{"text": f"document {i}: the quick brown fox jumps{' high' * (i % 5)} over the lazy dog."} for i in range(120)]
+    recipe = _recipe(tmp_path, source=str(_write_jsonl(tmp_path / "docs.jsonl", docs)), eval_fraction=0.1)
+    rows = prepare_data(recipe).eval_rows
+    assert rows is not None and rows.labels is not None
+    real = rows.labels != IGNORE_INDEX
+    assert real[:-1].all() and not real[-1].all()  # only the last block is padded
+    batches = EvalBatches(rows.input_ids, rows.labels, 2, 2, 2, 1)
+    assert batches.num_batches == -(-len(rows.input_ids) // 8)
+    assert batches.counted == int(counted_tokens(rows.labels).sum())
+    assert len(batches.batch(batches.num_batches - 1)) == 2
