@@ -395,6 +395,17 @@ def _data_source(c: _Context) -> Iterator[Problem]:
     yield from data_problems(c.recipe, c.dp)
 
 
+def _evaluation_without_data(c: _Context) -> Iterator[Problem]:
+    """train.eval_interval / eval_batches with no held-out data would silently evaluate nothing."""
+    train = c.recipe.train
+    if not c.recipe.data.has_eval and (train.eval_interval or train.eval_batches):
+        key = "train.eval_interval" if train.eval_interval else "train.eval_batches"
+        yield _warning(
+            key, getattr(train, key.split(".")[1]), "there is no held-out data, so nothing is evaluated",
+            "set data.eval_fraction (for example 0.05) or data.eval_source",
+        )
+
+
 def _vocab_holds_the_tokenizer(c: _Context) -> Iterator[Problem]:
     """Token ids past the model's vocabulary fail only once every rank has trained its tokenizer."""
     from dsx3d.data.tokenizer import trained_tokenizer_bound
@@ -605,6 +616,7 @@ RULES: list[Rule] = [
 # Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.
 DATA_RULES: list[Rule] = [
     _data_source,
+    _evaluation_without_data,
     _vocab_holds_the_tokenizer,
 ]
 

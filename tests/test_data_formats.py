@@ -148,3 +148,9 @@ def test_held_out_text_keeps_its_tail_and_eval_batches_are_padded(tmp_path: Path
     assert batches.num_batches == -(-len(rows.input_ids) // 8)
     assert batches.counted == int(counted_tokens(rows.labels).sum())
     assert len(batches.batch(batches.num_batches - 1)) == 2
+
+
+def test_evaluation_keys_without_held_out_data_are_a_warning(tmp_path: Path) -> None:
+    recipe = recipe_from_dict(tiny_recipe_dict(train={"eval_interval": 10}, output_dir=str(tmp_path / "run")))
+    warnings = [p for p in check_recipe(recipe) if p.key == "train.eval_interval"]
+    assert len(warnings) == 1 and warnings[0].severity == "warning" and "data.eval_fraction" in warnings[0].fix
