@@ -154,3 +154,24 @@ def test_evaluation_keys_without_held_out_data_are_a_warning(tmp_path: Path) -> 
     recipe = recipe_from_dict(tiny_recipe_dict(train={"eval_interval": 10}, output_dir=str(tmp_path / "run")))
     warnings = [p for p in check_recipe(recipe) if p.key == "train.eval_interval"]
     assert len(warnings) == 1 and warnings[0].severity == "warning" and "data.eval_fraction" in warnings[0].fix
+
+
+def test_a_hub_dataset_is_loaded_with_its_split_and_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No network here: `datasets.load_dataset` stands in for the hub, returning local rows for the split."""
+    from dsx3d.data import corpus
+    from dsx3d.recipe import DataSection
+
+    calls: list[tuple[str, str]] = []
+
+    def load_dataset(name: str, split: str) -> datasets.Dataset:
+        calls.append((name, split))
+        return datasets.Dataset.from_dict({"dialog": tiny_chat_conversations(5), "id": list(range(5))})
+
+    monkeypatch.setattr(corpus.datasets, "load_dataset", load_dataset)
+    data = DataSection(source="someone/chats", split="validation", format="chat", messages_field="dialog")
+    ds = corpus.resolve_corpus(data).load()
+    assert calls == [("someone/chats", "validation")] and ds.column_names == ["messages"] and ds.num_rows == 5
+    from dsx3d.errors import UserError
+
+    with pytest.raises(UserError, match="data.messages_field"):
+        corpus.resolve_corpus(DataSection(source="someone/chats", format="chat"))
