@@ -175,3 +175,29 @@ def test_a_hub_dataset_is_loaded_with_its_split_and_fields(monkeypatch: pytest.M
 
     with pytest.raises(UserError, match="data.messages_field"):
         corpus.resolve_corpus(DataSection(source="someone/chats", format="chat"))
+
+
+def test_a_masked_stream_resumes_exactly_and_its_norm_counts_the_global_batch() -> None:
+    import numpy as np
+    import torch
+
+    from dsx3d.data.stream import MicroBatchStream, counted_tokens
+
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 100, (40, 8))
+    labels = np.where(rng.random((40, 8)) < 0.3, rows, IGNORE_INDEX)
+    streams = [MicroBatchStream(rows, 2, 2, 2, d, seed=3, labels=labels) for d in range(2)]
+    for step in range(6):
+        n = int(counted_tokens(streams[0].global_batch(step)[1].numpy()).sum())
+        for s in streams:
+            for k in range(2):
+                _, (_, norm) = s.micro_batch(step, k)
+                assert float(norm) == max(n, 1) / 4
+    first = MicroBatchStream(rows, 2, 2, 2, 1, seed=3, labels=labels)
+    for _ in range(7):
+        next(first)
+    resumed = MicroBatchStream(rows, 2, 2, 2, 1, seed=3, labels=labels)
+    resumed.load_state_dict(first.state_dict())
+    for _ in range(5):
+        (a, (la, na)), (b, (lb, nb)) = next(first), next(resumed)
+        assert torch.equal(a, b) and torch.equal(la, lb) and torch.equal(na, nb)

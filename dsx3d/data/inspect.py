@@ -147,12 +147,21 @@ def _field_problems(data: DataSection, view: SourceView) -> Iterator[Problem]:
             )
             continue
         for i, row in enumerate(view.rows):
-            value = row[field]
-            why = message_problem(value) if key == "data.messages_field" else (None if isinstance(value, str) else "is not a string")
+            why = _value_problem(key, row.get(field))
             if why:
                 yield Problem(key, field, f"record {i} of {data.source}: the field {why}",
                               "point it at a field of [{role, content}, ...] messages" if key == "data.messages_field" else "name a text field")
                 break
+
+
+def _value_problem(key: str, value: Any) -> str | None:
+    """Why one record's `value` of the field named by `key` cannot be used (None when it can). A text
+    document may be missing (null rows are skipped); a prompt or response may not."""
+    if key == "data.messages_field":
+        return message_problem(value)
+    if isinstance(value, str) or (value is None and key == "data.text_field"):
+        return None
+    return "is not a string"
 
 
 def _size_problems(recipe: Recipe, data: DataSection, view: SourceView, global_batch: int) -> Iterator[Problem]:
