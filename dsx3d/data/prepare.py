@@ -82,12 +82,13 @@ def prepare_data(
             eval_corpus = resolve_corpus(eval_data(data), cache)
         except UserError as err:
             raise renamed_for_eval(err) from None
-    packed, rows, what = _rows(recipe, train_corpus, tokenizer, template, cache)
+    warn = logging.WARNING if log_level <= logging.INFO else logging.DEBUG  # said once, by the preparing rank
+    packed, rows, what = _rows(recipe, train_corpus, tokenizer, template, cache, warn=warn)
     log.log(log_level, "data %s: %s; tokenizer: %s; %.1f s", corpus.source, what, tokenizer_how, time.perf_counter() - start)
     eval_rows = None
     if eval_corpus is not None:
         try:
-            _, eval_rows, what = _rows(recipe, eval_corpus, tokenizer, template, cache, keep_tail=True)
+            _, eval_rows, what = _rows(recipe, eval_corpus, tokenizer, template, cache, keep_tail=True, warn=warn)
         except UserError as err:
             raise renamed_for_eval(err) from None
         log.log(log_level, "held-out data %s: %s", data.eval_source or f"{data.eval_fraction:g} of data.source", what)
@@ -101,6 +102,7 @@ def _rows(
     template: str | None,
     cache: Path,
     keep_tail: bool = False,
+    warn: int = logging.WARNING,
 ) -> tuple[PackedTokens | None, Rows, str]:
     """`keep_tail` (held-out text): the tokens that fill no whole block become one more block, padded with
     labels -100, so that every held-out token is evaluated."""
@@ -125,7 +127,8 @@ def _rows(
         f"{ex.truncated} cut to fit ({'cached' if ex.cached else 'encoded'})"
     )
     if ex.without_loss:
-        log.warning(
+        log.log(
+            warn,
             "%s: %d of %d examples are cut by train.seq_len %d before their first assistant token and carry no loss; "
             "raise train.seq_len",
             corpus.source, ex.without_loss, len(ex.input_ids), seq_len,
