@@ -388,13 +388,22 @@ def _monitor_packages(c: _Context) -> Iterator[Problem]:
 
 
 def _data_source(c: _Context) -> Iterator[Problem]:
-    """A missing or unreadable data file fails only after every rank has started: say it now."""
-    from dsx3d.data.corpus import check_source
+    """A missing file, a missing field, an empty file, a chat format without a template or too little data
+    for one global batch fails only after every rank has started: say it now (dsx3d.data.inspect)."""
+    from dsx3d.data.inspect import data_problems
 
-    try:
-        check_source(c.recipe.data)
-    except UserError as err:
-        yield from err.problems
+    yield from data_problems(c.recipe, c.dp)
+
+
+def _evaluation_without_data(c: _Context) -> Iterator[Problem]:
+    """train.eval_interval / eval_batches with no held-out data would silently evaluate nothing."""
+    train = c.recipe.train
+    if not c.recipe.data.has_eval and (train.eval_interval or train.eval_batches):
+        key = "train.eval_interval" if train.eval_interval else "train.eval_batches"
+        yield _warning(
+            key, getattr(train, key.split(".")[1]), "there is no held-out data, so nothing is evaluated",
+            "set data.eval_fraction (for example 0.05) or data.eval_source",
+        )
 
 
 def _vocab_holds_the_tokenizer(c: _Context) -> Iterator[Problem]:
@@ -607,6 +616,7 @@ RULES: list[Rule] = [
 # Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.
 DATA_RULES: list[Rule] = [
     _data_source,
+    _evaluation_without_data,
     _vocab_holds_the_tokenizer,
 ]
 

@@ -38,7 +38,8 @@ from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]
+MicroBatch = tuple[torch.Tensor, Any]
+"""(input_ids, labels) or, for masked rows, (input_ids, (labels, norm)) (dsx3d.data.stream)."""
 
 
 @dataclass
@@ -64,7 +65,8 @@ class Engine3D:
 
     def train_step(self, micro_batches: Iterator[MicroBatch]) -> float:
         """One optimizer step over gradient_accumulation_steps micro-batches of this DP rank; the loss is
-        the mean over micro-batches and DP ranks, known on every rank."""
+        the mean over micro-batches and DP ranks, known on every rank (with (labels, norm) micro-batches, the
+        per-token mean over the global batch)."""
         if self.pipelined:
             return float(self.ds_engine.train_batch(data_iter=micro_batches))
         engine, m = self.ds_engine, self.ds_engine.gradient_accumulation_steps()

@@ -175,6 +175,11 @@ class TrainSection(_Section):
     save_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: Annotated[StrictInt, Field(ge=1, le=10_000)] = 2
+    eval_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
+    """Evaluate on the held-out data (data.eval_source or data.eval_fraction) every N steps, and always after
+    the last step (0: only after the last step)."""
+    eval_batches: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
+    """Global batches per evaluation (0: every complete global batch of the held-out data)."""
     report_to: list[Literal["tensorboard", "wandb", "csv"]] = Field(default_factory=list)
     """Experiment tracking: any of tensorboard, wandb, csv (a name or a list); "none" or [] for none."""
 
@@ -207,6 +212,41 @@ class DataSection(_Section):
     """Vocabulary of the tokenizer dsx3d trains when none is given."""
     cache_dir: Path_ | None = None
     """Where trained tokenizers and tokenized corpora are cached; default $DSX3D_CACHE_DIR, else ~/.cache/dsx3d."""
+    format: Literal["text", "chat", "instruction"] = "text"
+    """text: documents packed into blocks, loss on every token. chat: conversations (data.messages_field)
+    rendered by the tokenizer's chat template, loss on assistant tokens only. instruction: prompt/response
+    pairs (data.prompt_field, data.response_field) as a user turn and an assistant turn of the chat
+    template, loss on the response only. chat and instruction pad each example to train.seq_len (no packing)."""
+    messages_field: Annotated[StrictStr, Field(min_length=1)] = "messages"
+    """data.format chat: the column holding a list of {role, content} messages."""
+    prompt_field: Annotated[StrictStr, Field(min_length=1)] = "prompt"
+    """data.format instruction: the column holding the prompt."""
+    response_field: Annotated[StrictStr, Field(min_length=1)] = "response"
+    """data.format instruction: the column holding the answer."""
+    chat_template: Annotated[StrictStr, Field(min_length=1)] | None = None
+    """A Jinja chat template, or the path of a file holding one; default: the tokenizer's own (dsx3d's
+    trained tokenizer gets dsx3d.data.chat.DEFAULT_CHAT_TEMPLATE)."""
+    eval_source: Path_ | None = None
+    """Held-out data in the same format as data.source (a file, directory, save_to_disk folder or dataset)."""
+    eval_split: Annotated[StrictStr, Field(min_length=1)] | None = None
+    """The split of data.eval_source (default: data.split)."""
+    eval_fraction: Annotated[StrictFloat, Field(ge=0, lt=1)] = 0.0
+    """Hold out this fraction of data.source's documents (examples) for evaluation, chosen by train.seed."""
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> DataSection:
+        if self.eval_source is not None and self.eval_fraction > 0:
+            raise ValueError("give at most one of data.eval_source and data.eval_fraction")
+        return self
+
+    @property
+    def masked(self) -> bool:
+        """Whether only some tokens carry loss (chat and instruction data)."""
+        return self.format != "text"
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_source is not None or self.eval_fraction > 0
 
 
 class Recipe(_Section):

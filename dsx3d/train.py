@@ -28,7 +28,9 @@ import torch
 from deepspeed.utils import logger as ds_logger
 
 from dsx3d.checkpoint.export import export_hf
-from dsx3d.data import MicroBatchStream, build_train_data
+from dsx3d.data import MicroBatchStream
+from dsx3d.data.prepare import build_rank_data
+from dsx3d.data.stream import EvalBatches
 from dsx3d.distributed import comm
 from dsx3d.engine import Engine3D, build_engine
 from dsx3d.errors import RunFailure, UserError
@@ -94,7 +96,7 @@ def train(
         paths = RunPaths.of(recipe)
         removed = check_start(paths, resume=resume, overwrite=overwrite)
         engine = _quietly(functools.partial(build_engine, recipe, check_data=True))
-        stream, tokenizer = _rank_data(recipe, engine, info)
+        stream, eval_batches, tokenizer = _rank_data(recipe, engine, info)
         ckpt = Checkpointer(engine, paths.checkpoints, recipe, recipe.train.keep_checkpoints)
         start = _resume(ckpt, stream) if resume else 0
         _save_beside_run(
@@ -108,17 +110,29 @@ def train(
             resume=resume,
         )
         end = max(start, min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps))
-        losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info)
+        losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info, eval_batches)
         if end == recipe.train.steps:
             _finish(engine, paths, tokenizer, info)
         return TrainResult(start, end, losses)
 
 
-def _rank_data(recipe: Recipe, engine: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, Any]:
+def _rank_data(recipe: Recipe, engine: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, EvalBatches | None, Any]:
     prepare_once_per_node(recipe, info.local_rank)
-    stream, tokenizer = build_train_data(recipe, engine.layout.dp, engine.placement.dp)
-    check_vocab(tokenizer, engine.hf_config)
-    return stream, tokenizer
+    data = build_rank_data(recipe, engine.layout.dp, engine.placement.dp)
+    check_vocab(data.tokenizer, engine.hf_config)
+    return data.stream, data.eval_batches, data.tokenizer
+
+
+def evaluate(engine: Engine3D, batches: EvalBatches) -> float:
+    """The per-token mean loss over the held-out batches: no dropout, no gradients, no optimizer step (the
+    pipeline's eval_batch, or the pp = 1 engine in eval mode). Each batch's loss is its share of the mean
+    (dsx3d.data.stream.EvalBatches), so they add up."""
+    return sum(engine.eval_loss(iter(batches.batch(b))) for b in range(batches.num_batches))
+
+
+def _evaluates_at(recipe: Recipe, step: int) -> bool:
+    interval = recipe.train.eval_interval
+    return step == recipe.train.steps or (interval > 0 and step % interval == 0)
 
 
 def _resume(ckpt: Checkpointer, stream: MicroBatchStream) -> int:
@@ -170,6 +184,7 @@ def _train_steps(
     start: int,
     end: int,
     info: RankInfo,
+    eval_batches: EvalBatches | None = None,
 ) -> list[float]:
     train = recipe.train
     reporter = Reporter(
@@ -196,7 +211,10 @@ def _train_steps(
                     f"train.warmup_steps, or check the data); the last checkpoint is kept",
                     everywhere=True,
                 )
-            reporter.step(step, loss, lr, engine.grad_norm, time.perf_counter() - began)
+            seconds, grad_norm = time.perf_counter() - began, engine.grad_norm
+            evaluating = eval_batches is not None and _evaluates_at(recipe, step)
+            eval_loss = evaluate(engine, eval_batches) if evaluating else None  # type: ignore[arg-type]
+            reporter.step(step, loss, lr, grad_norm, seconds, eval_loss)
             losses.append(loss)
             if train.save_interval and step % train.save_interval == 0:
                 ckpt.save(step, _client_state(step, stream, engine))
@@ -219,7 +237,7 @@ def _client_state(step: int, stream: MicroBatchStream, engine: Engine3D) -> dict
 
 
 def _finish(engine: Engine3D, paths: RunPaths, tokenizer: Any, info: RankInfo) -> None:
-    if info.rank == 0 and plot_loss(paths.metrics, paths.loss_plot, f"{paths.root.name}: training loss"):
+    if info.rank == 0 and plot_loss(paths.metrics, paths.loss_plot, f"{paths.root.name}: loss"):
         log.info("loss curve: %s", paths.loss_plot)
     exported = export_hf(engine, paths.hf, tokenizer=tokenizer)
     if info.rank == 0:

@@ -64,3 +64,41 @@ def test_accepted_recipes_train_and_refused_ones_name_the_key(tmp_path_factory: 
         assert (tmp / "run" / "hf" / "config.json").is_file(), data
     print(f"checker soundness: {accepted} accepted recipes trained, {refused} refused with a key (seed {SEED})")
     assert refused > 0  # the grid reaches the checker's refusals too
+
+
+def test_every_data_variant_trains_or_is_refused_with_the_key(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each chat / instruction / held-out data section of the grid (good and broken) on one small valid
+    layout (dp 2 x pp 2, so the pipeline's eval_batch runs): accepted ones train a step, evaluate and export
+    (CI trains the first 2 accepted, text and instruction data with held-out parts; DSX3D_SWEEP=1 all);
+    refused ones name the key, the reason and the fix."""
+    from dsx3d.ds_config import deep_merge
+    from dsx3d.testing.recipe_grid import SFT_DATA, _fill
+    from dsx3d.testing.recipes import tiny_recipe_dict
+
+    shared = tmp_path_factory.mktemp("grid-data")
+    write_corpus(shared)
+    accepted, refused = [], []
+    for i, variant in enumerate(SFT_DATA):
+        base = tiny_recipe_dict(
+            parallel={"dp": 2, "tp": 1, "pp": 2},
+            model={"config": {"vocab_size": 320}},
+            train={"steps": 1, "seq_len": 64, "eval_interval": 1},
+            data={"tokenizer_vocab_size": 300, "cache_dir": str(shared / "cache")},
+            output_dir=str(shared / f"run{i}"),
+        )
+        data = _fill(deep_merge(base, {"data": variant}), shared)
+        recipe, errors = _judge(data)
+        if errors:
+            refused.append(variant)
+            for p in errors:
+                assert p.key.startswith(TOP_LEVEL) and p.reason and p.fix, (p, variant)
+            continue
+        assert recipe is not None
+        accepted.append(variant)
+        if len(accepted) > 2 and not SWEEP:  # chat: tests/test_sft_train.py
+            continue
+        losses = run_ranks(_train, 4, recipe, timeout_s=600)[0]
+        assert len(losses) == 1 and math.isfinite(losses[0]), variant
+        assert (shared / f"run{i}" / "hf" / "config.json").is_file(), variant
+    print(f"data variants: {len(accepted)} accepted ({len(accepted) if SWEEP else min(2, len(accepted))} trained), {len(refused)} refused with a key")
+    assert accepted and refused

@@ -16,10 +16,13 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
+import numpy as np
 
 from dsx3d.data.cache import digest
+from dsx3d.data.tiny_chat import tiny_chat_conversations
 from dsx3d.errors import UserError
 from dsx3d.recipe import DataSection
 
@@ -57,13 +60,42 @@ def resolve_corpus(data: DataSection, cache_dir: Path | None = None) -> Corpus:
     """
     source = data.source
     if source.startswith(BUILTIN_PREFIX):
-        corpus = _builtin_corpus(source)
-    elif (files := _local_files(source, cache_dir)) is not None:
+        corpus = _builtin_corpus(data)
+    elif is_saved_dataset(Path(source).expanduser()):
+        corpus = _saved_corpus(data, Path(source).expanduser())
+    elif (files := local_files(source, cache_dir)) is not None:
         corpus = _local_corpus(data, files, cache_dir)
     else:
         corpus = _hub_corpus(data)
     # Tokenizer training and tokenization both read the text: load it at most once.
     return dataclasses.replace(corpus, load=functools.cache(corpus.load))
+
+
+_FORMAT_FIX = "set data.format to text, or point data.source at chat/instruction data (jsonl, parquet or a datasets folder)"
+
+SAVED_DATASET_FILES = ("state.json", "dataset_info.json")
+"""A folder written by `datasets.Dataset.save_to_disk` holds these beside its arrow files."""
+SAVED_DATASET_DICT = "dataset_dict.json"
+"""... and one written by `DatasetDict.save_to_disk` holds this, with one such folder per split."""
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a `save_to_disk` folder (read with `datasets.load_from_disk`, not as data files)."""
+    return path.is_dir() and (
+        all((path / f).is_file() for f in SAVED_DATASET_FILES) or (path / SAVED_DATASET_DICT).is_file()
+    )
+
+
+def eval_data(data: DataSection) -> DataSection:
+    """data.eval_source as a data section of its own (its split: data.eval_split, else data.split)."""
+    assert data.eval_source is not None
+    return data.model_copy(update={"source": data.eval_source, "split": data.eval_split or data.split})
+
+
+def renamed_for_eval(err: UserError) -> UserError:
+    """A problem found reading `eval_data(data)` names data.eval_source / data.eval_split."""
+    keys = {"data.source": "data.eval_source", "data.split": "data.eval_split"}
+    return UserError([dataclasses.replace(p, key=keys.get(p.key, p.key)) for p in err.problems])
 
 
 def check_source(data: DataSection) -> None:
@@ -72,12 +104,13 @@ def check_source(data: DataSection) -> None:
     naming the key. Hub datasets are only resolved at training time (that needs the network)."""
     source = data.source
     if source.startswith(BUILTIN_PREFIX):
-        name = source[len(BUILTIN_PREFIX) :]
-        if name not in BUILTINS:
-            known = ", ".join(BUILTIN_PREFIX + n for n in BUILTINS)
-            raise UserError.single("data.source", source, "unknown builtin corpus", f"use one of: {known}")
+        problem = builtin_problem(data)
+        if problem is not None:
+            raise problem
         return
-    files = _local_files(source, None)
+    if is_saved_dataset(Path(source).expanduser()):
+        return
+    files = local_files(source, None)
     unreadable = [str(f) for f in files or [] if not os.access(f, os.R_OK)]
     if unreadable:
         raise UserError.single(
@@ -116,13 +149,38 @@ def _split_sections(text: str) -> list[str]:
 
 
 BUILTINS: dict[str, Callable[[], list[str]]] = {"python-docs": python_docs_documents}
+"""Builtin text corpora (data.format text)."""
+BUILTIN_CHATS: dict[str, Callable[[], list[list[dict[str, Any]]]]] = {"tiny-chat": tiny_chat_conversations}
+"""Builtin conversations (data.format chat)."""
 
 
-def _builtin_corpus(source: str) -> Corpus:
+def builtin_problem(data: DataSection) -> UserError | None:
+    """Why data.source names no builtin usable with data.format (None when it names one)."""
+    name = data.source[len(BUILTIN_PREFIX) :]
+    if name not in BUILTINS and name not in BUILTIN_CHATS:
+        known = ", ".join(BUILTIN_PREFIX + n for n in [*BUILTINS, *BUILTIN_CHATS])
+        return UserError.single("data.source", data.source, "unknown builtin corpus", f"use one of: {known}")
+    kind = "text" if name in BUILTINS else "chat"
+    if kind != data.format:
+        return UserError.single(
+            "data.source",
+            data.source,
+            f"a builtin {kind} corpus, and data.format is {data.format}",
+            f"set data.format to {kind}, or use a builtin {data.format} corpus or your own data",
+        )
+    return None
+
+
+def _builtin_corpus(data: DataSection) -> Corpus:
+    source = data.source
+    problem = builtin_problem(data)
+    if problem is not None:
+        raise problem
     name = source[len(BUILTIN_PREFIX) :]
-    if name not in BUILTINS:
-        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTINS)
-        raise UserError.single("data.source", source, "unknown builtin corpus", f"use one of: {known}")
+    if name in BUILTIN_CHATS:
+        chats = BUILTIN_CHATS[name]()
+        fingerprint = digest("builtin-chat-v1", source, chats)
+        return Corpus(source, fingerprint, lambda: datasets.Dataset.from_dict({"messages": chats}), large=False)
     documents = BUILTINS[name]()
     # Hash the text itself: pydoc_data differs between Python versions.
     h = hashlib.sha256()
@@ -136,7 +194,7 @@ def _builtin_corpus(source: str) -> Corpus:
 # --- local files -------------------------------------------------------------------------------------
 
 
-def _local_files(source: str, cache_dir: Path | None) -> list[Path] | None:
+def local_files(source: str, cache_dir: Path | None) -> list[Path] | None:
     """The files `source` names (a file, a directory searched recursively, or a glob); None if not local."""
     path = Path(source).expanduser()
     if path.is_dir():
@@ -191,7 +249,9 @@ def _inside(path: Path, directory: Path | None) -> bool:
 
 def _local_corpus(data: DataSection, files: list[Path], cache_dir: Path | None) -> Corpus:
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    fingerprint = digest("local-v1", stats, data.text_field, data.split)
+    fingerprint = digest("local-v1", stats, data.text_field, data.split) if not data.masked else digest(
+        "local-v1", stats, source_columns(data), data.split
+    )
     size = sum(s[1] for s in stats)
 
     def load() -> datasets.Dataset:
@@ -230,27 +290,80 @@ def _load_kind(data: DataSection, kind: str, files: list[str], cache_dir: Path |
         raise UserError.single(
             "data.source", data.source, f"cannot read {kind} files ({err})", "fix the files"
         ) from None
-    field = "text" if kind == "text" else data.text_field
-    return _text_column(ds, data, field)
+    if kind == "text" and data.masked:
+        raise UserError.single(
+            "data.source", data.source, f"plain-text files cannot hold {data.format} data", _FORMAT_FIX
+        )
+    return select_columns(ds, data, plain_text=kind == "text")
 
 
-def _text_column(ds: datasets.Dataset, data: DataSection, field: str) -> datasets.Dataset:
-    if field not in ds.column_names:
-        raise UserError.single(
-            "data.text_field",
-            field,
-            f"{data.source} has no such column (columns: {', '.join(ds.column_names)})",
-            "set data.text_field to the column that holds the text",
-        )
-    if not isinstance(ds.features[field], datasets.Value) or ds.features[field].dtype not in (
-        "string",
-        "large_string",
-    ):
-        raise UserError.single(
-            "data.text_field", field, f"column is {ds.features[field]}, not text", "name a string column"
-        )
-    ds = ds.select_columns([field])
-    return ds.rename_column(field, "text") if field != "text" else ds
+def source_columns(data: DataSection) -> dict[str, str]:
+    """{recipe key: column} of what data.format reads from the source."""
+    if data.format == "chat":
+        return {"data.messages_field": data.messages_field}
+    if data.format == "instruction":
+        return {"data.prompt_field": data.prompt_field, "data.response_field": data.response_field}
+    return {"data.text_field": data.text_field}
+
+
+# What each recipe key's column is called once selected: the rest of dsx3d reads these names.
+_INTERNAL = {
+    "data.text_field": "text",
+    "data.messages_field": "messages",
+    "data.prompt_field": "prompt",
+    "data.response_field": "response",
+}
+
+
+def select_columns(ds: datasets.Dataset, data: DataSection, plain_text: bool = False) -> datasets.Dataset:
+    """Keep the columns data.format reads, renamed text / messages / prompt+response; raises `UserError`
+    naming the key of a missing or mistyped column. `plain_text`: the packaged text loader's "text" column."""
+    columns = {"data.text_field": "text"} if plain_text else source_columns(data)
+    for key, field in columns.items():
+        if field not in ds.column_names:
+            raise UserError.single(
+                key,
+                field,
+                f"{data.source} has no such column (columns: {', '.join(ds.column_names)})",
+                f"set {key} to the column that holds the {_INTERNAL[key]}",
+            )
+        feature = ds.features[field]
+        if key != "data.messages_field" and (
+            not isinstance(feature, datasets.Value) or feature.dtype not in ("string", "large_string")
+        ):
+            raise UserError.single(key, field, f"column is {feature}, not text", "name a string column")
+        if key == "data.messages_field" and not isinstance(feature, (datasets.List, datasets.LargeList, list)):
+            raise UserError.single(
+                key, field, f"column is {feature}, not a list of messages", "name a column of [{role, content}, ...] lists"
+            )
+    ds = ds.select_columns(list(columns.values()))
+    return ds.rename_columns({f: _INTERNAL[k] for k, f in columns.items() if f != _INTERNAL[k]})
+
+
+# --- save_to_disk folders ----------------------------------------------------------------------------
+
+
+def _saved_corpus(data: DataSection, path: Path) -> Corpus:
+    stats = [(str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*")) if p.is_file()]
+    fingerprint = digest("disk-v1", str(path.resolve()), stats, source_columns(data), data.format, data.split)
+    size = sum(s[1] for s in stats)
+
+    def load() -> datasets.Dataset:
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as err:
+            raise UserError.single(
+                "data.source", data.source, f"cannot read this save_to_disk folder ({err})", "fix or re-save the dataset"
+            ) from None
+        if isinstance(ds, datasets.DatasetDict):
+            if data.split not in ds:
+                raise UserError.single(
+                    "data.split", data.split, f"{data.source} has splits {', '.join(ds)}", "set data.split to one of them"
+                )
+            ds = ds[data.split]
+        return select_columns(ds, data)
+
+    return Corpus(data.source, fingerprint, load, large=size >= LARGE_BYTES)
 
 
 # --- hub ---------------------------------------------------------------------------------------------
@@ -271,9 +384,32 @@ def _hub_corpus(data: DataSection) -> Corpus:
         raise UserError.single(
             "data.split", data.split, "did not select a single split", "name one split, e.g. train"
         )
-    ds = _text_column(ds, data, data.text_field)
-    fingerprint = digest("hub-v1", data.source, data.split, data.text_field, ds._fingerprint)
+    ds = select_columns(ds, data)
+    fingerprint = digest("hub-v1", data.source, data.split, source_columns(data), ds._fingerprint)
     return Corpus(data.source, fingerprint, lambda: ds, large=ds.num_rows >= LARGE_DOCUMENTS)
+
+
+# --- held-out part ------------------------------------------------------------------------------------
+
+
+def split_held_out(corpus: Corpus, fraction: float, seed: int) -> tuple[Corpus, Corpus]:
+    """(training part, held-out part) of `corpus`: round(fraction x rows) rows (at least 1) chosen by a
+    permutation seeded with `seed`, so every rank and every run of the recipe holds out the same rows."""
+
+    @functools.cache
+    def parts() -> tuple[datasets.Dataset, datasets.Dataset]:
+        ds = corpus.load()
+        n = ds.num_rows
+        held = np.random.default_rng(seed).permutation(n)[: max(1, round(n * fraction))]
+        keep = np.ones(n, dtype=bool)
+        keep[held] = False
+        return ds.select(np.flatnonzero(keep)), ds.select(np.sort(held))
+
+    def part(i: int, name: str) -> Corpus:
+        fingerprint = digest("held-out-v1", corpus.fingerprint, fraction, seed, name)
+        return Corpus(corpus.source, fingerprint, lambda: parts()[i], corpus.large)
+
+    return part(0, "train"), part(1, "eval")
 
 
 @contextlib.contextmanager

@@ -17,6 +17,14 @@ Step t is in epoch e = t // S and uses the B consecutive samples
   one yields from step N on.
 
 Permutations come from a CPU torch.Generator, so they are reproducible for a given torch version.
+
+Masked rows (chat and instruction data, where -100 marks tokens without loss) come with a normaliser: the
+labels of a micro-batch are the pair (labels, norm), norm = N / (grad_accum * dp) as a (1,) float64 tensor,
+N the number of tokens with loss in the whole global batch. The loss of a micro-batch is then
+sum(token losses) / norm; DeepSpeed averages it over the grad_accum micro-batches and the dp ranks, so the
+step's loss and gradient are sum(token losses of the global batch) / N, exactly what one process computes
+on the whole batch (HF's `num_items_in_batch`). A mean per micro-batch would weight the tokens of a
+micro-batch with few of them more. N is counted from the data every rank holds: no communication.
 """
 
 from __future__ import annotations
@@ -28,11 +36,27 @@ from typing import Any
 import numpy as np
 import torch
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+IGNORE_INDEX = -100
+Labels = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""The labels, or (labels, norm) for masked rows (module docstring)."""
+Batch = tuple[torch.Tensor, Labels]
+
+
+def counted_tokens(labels: np.ndarray) -> np.ndarray:
+    """(num_rows,) tokens with loss per row: labels past position 0 that are not -100 (the causal loss
+    predicts position t from t - 1, so position 0 is never a target)."""
+    return (np.asarray(labels)[:, 1:] != IGNORE_INDEX).sum(axis=1).astype(np.int64)
+
+
+def with_norm(labels: torch.Tensor, counted: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels, norm): `counted` tokens with loss over `parts` = grad_accum * dp micro-batch slots. A global
+    batch without any (every example cut before its answer) has loss 0 and no gradient, not 0 / 0."""
+    return labels, torch.tensor([max(counted, 1) / parts], dtype=torch.float64)
 
 
 class MicroBatchStream(Iterator[Batch]):
-    """An endless iterator of (input_ids, labels), each a (micro, seq_len) torch.long tensor, for one DP rank."""
+    """An endless iterator of (input_ids, labels), each a (micro, seq_len) torch.long tensor, for one DP rank;
+    with `labels` (masked rows), of (input_ids, (labels, norm))."""
 
     def __init__(
         self,
@@ -43,8 +67,12 @@ class MicroBatchStream(Iterator[Batch]):
         dp_rank: int,
         seed: int,
         start_step: int = 0,
+        labels: np.ndarray | None = None,
     ):
         self.blocks = blocks.numpy() if isinstance(blocks, torch.Tensor) else blocks  # (num_blocks, seq_len)
+        self.labels = labels
+        """(num_blocks, seq_len) labels with -100 where no loss, or None: the labels are the inputs."""
+        self.counted = counted_tokens(labels) if labels is not None else None
         if self.blocks.ndim != 2:
             raise ValueError(f"blocks must be (num_blocks, seq_len), got shape {tuple(self.blocks.shape)}")
         if min(micro_batch_size, grad_accum, dp) < 1 or not 0 <= dp_rank < dp:
@@ -92,10 +120,15 @@ class MicroBatchStream(Iterator[Batch]):
     def micro_batch(self, step: int, k: int) -> Batch:
         """Micro-batch `k` of this rank at `step`, without moving the stream."""
         first = (k * self.dp + self.dp_rank) * self.micro_batch_size
-        return self._samples(self._step_indices(step)[first : first + self.micro_batch_size])
+        indices = self._step_indices(step)
+        ids, labels = self._samples(indices[first : first + self.micro_batch_size])
+        if self.counted is None:
+            return ids, labels
+        return ids, with_norm(labels, int(self.counted[indices].sum()), self.grad_accum * self.dp)
 
-    def global_batch(self, step: int) -> Batch:
-        """All B samples of `step`: rank d's micro-batch k is rows [(k*dp + d)*micro, (k*dp + d + 1)*micro)."""
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All B samples of `step` as (input_ids, labels): rank d's micro-batch k is rows
+        [(k*dp + d)*micro, (k*dp + d + 1)*micro)."""
         return self._samples(self._step_indices(step))
 
     def state_dict(self) -> dict[str, Any]:
@@ -130,9 +163,54 @@ class MicroBatchStream(Iterator[Batch]):
             self._perm_epoch = epoch
         return self._perm[i * self.samples_per_step : (i + 1) * self.samples_per_step]
 
-    def _samples(self, indices: np.ndarray) -> Batch:
+    def _samples(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids = torch.from_numpy(np.asarray(self.blocks[indices], dtype=np.int64))
-        return input_ids, input_ids.clone()
+        if self.labels is None:
+            return input_ids, input_ids.clone()
+        return input_ids, torch.from_numpy(np.asarray(self.labels[indices], dtype=np.int64))
+
+
+class EvalBatches:
+    """The held-out rows as global batches of B = micro * grad_accum * dp rows, in order, for one DP rank
+    (micro-batch k of rank d: rows [(k*dp + d)*micro, ...) of a batch, as in training). The last batch is
+    filled up with rows without loss (labels -100), so every held-out row is evaluated and any non-empty
+    held-out set fills a batch. Every micro-batch carries (labels, norm) with N = the tokens with loss of
+    all the evaluated rows, so the evaluation loss is the sum over batches of the engine's batch losses:
+    one mean over every held-out token with loss, as a single process evaluating all of them computes."""
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        labels: np.ndarray | None,
+        micro_batch_size: int,
+        grad_accum: int,
+        dp: int,
+        dp_rank: int,
+        max_batches: int = 0,
+    ):
+        self.micro_batch_size, self.grad_accum, self.dp, self.dp_rank = micro_batch_size, grad_accum, dp, dp_rank
+        self.rows_per_batch = micro_batch_size * grad_accum * dp
+        self.num_batches = -(-len(rows) // self.rows_per_batch)
+        if max_batches:
+            self.num_batches = min(self.num_batches, max_batches)
+        used = min(len(rows), self.num_batches * self.rows_per_batch)
+        fill = self.num_batches * self.rows_per_batch - used
+        ids = np.asarray(rows[:used], dtype=np.int64)
+        targets = np.asarray(labels[:used] if labels is not None else rows[:used], dtype=np.int64)
+        self.rows = np.concatenate([ids, np.zeros((fill, ids.shape[1]), dtype=np.int64)])
+        self.labels = np.concatenate([targets, np.full((fill, ids.shape[1]), IGNORE_INDEX, dtype=np.int64)])
+        self.counted = int(counted_tokens(self.labels).sum())
+        """Tokens with loss in the evaluated rows (N)."""
+
+    def batch(self, b: int) -> list[Batch]:
+        """This rank's grad_accum micro-batches of evaluation batch `b`."""
+        out: list[Batch] = []
+        for k in range(self.grad_accum):
+            start = b * self.rows_per_batch + (k * self.dp + self.dp_rank) * self.micro_batch_size
+            stop = start + self.micro_batch_size
+            ids, labels = torch.from_numpy(self.rows[start:stop]), torch.from_numpy(self.labels[start:stop])
+            out.append((ids, with_norm(labels, self.counted, self.grad_accum * self.dp)))
+        return out
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

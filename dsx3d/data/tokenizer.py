@@ -30,6 +30,9 @@ EOS = "<|endoftext|>"
 # Files whose presence in a model directory means it ships a tokenizer.
 
 
+TRAINED = "byte-level BPE"
+"""How `resolve_tokenizer` describes the tokenizer dsx3d trained (the start of its description)."""
+
 BPE_MIN_TOKENS = 257
 """A byte-level BPE holds the 256 byte tokens and <|endoftext|> before any merge."""
 
@@ -108,7 +111,7 @@ def cached_bpe_tokenizer(
         how = "trained"
     # Load from the files even right after training, so a first run and a cached run use identical objects.
     tok = AutoTokenizer.from_pretrained(str(path))
-    return tok, f"byte-level BPE, {len(tok)} tokens, {how} at {path}"
+    return tok, f"{TRAINED}, {len(tok)} tokens, {how} at {path}"
 
 
 def train_bpe_tokenizer(
@@ -144,5 +147,11 @@ def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
 
 
 def _text_batches(dataset, batch_size: int = 1000) -> Iterator[list[str]]:
+    """The text of each row: a document, a conversation's contents, or a prompt and its response."""
     for batch in dataset.iter(batch_size=batch_size):
-        yield [t for t in batch["text"] if t]
+        if "text" in batch:
+            yield [t for t in batch["text"] if t]
+        elif "messages" in batch:
+            yield ["\n".join(str(m.get("content", "")) for m in c if isinstance(m, dict)) for c in batch["messages"] if c]
+        else:
+            yield [f"{p}\n{r}" for p, r in zip(batch["prompt"], batch["response"], strict=True)]

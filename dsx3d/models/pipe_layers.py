@@ -150,16 +150,26 @@ class LayerBuilder:
 
     # -- running -------------------------------------------------------------------------------------------
 
-    def loss(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-        """HF's causal-LM loss on vocab shards: predict token t+1 at position t, mean over non-ignored; plus
-        the family's auxiliary terms when the head computed them (`outputs` = (logits, auxiliary))."""
+    def loss(
+        self,
+        outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """HF's causal-LM loss on vocab shards: predict token t+1 at position t; plus the family's auxiliary
+        terms when the head computed them (`outputs` = (logits, auxiliary)). `labels` alone: the mean over
+        this micro-batch's non-ignored tokens. (labels, norm): the sum over them divided by norm, the global
+        batch's count of tokens with loss per micro-batch slot (dsx3d.data.stream), so that DeepSpeed's
+        average over micro-batches and DP ranks is the global per-token mean."""
         logits, extra = outputs if isinstance(outputs, tuple) else (outputs, None)
+        labels, norm = labels if isinstance(labels, (tuple, list)) else (labels, None)
         target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
         per_token = vocab_parallel_cross_entropy(
             logits.reshape(-1, logits.shape[-1]), target, self.vocab_start, self.vocab, self.tp.group
         )
-        count = (target != IGNORE_INDEX).sum().clamp(min=1)
-        loss = per_token.sum() / count
+        if norm is not None:
+            loss = per_token.sum() / norm.to(per_token.dtype).reshape(())
+        else:
+            loss = per_token.sum() / (target != IGNORE_INDEX).sum().clamp(min=1)
         return loss if extra is None else loss + extra
 
 

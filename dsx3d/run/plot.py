@@ -24,8 +24,11 @@ def plot_loss(metrics_path: Path, out_path: Path, title: str) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["loss"] for r in records], marker=".", label="loss at the logged step")
     ax.plot(steps, [r["loss_avg"] for r in records], label="mean over the log interval")
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="o", label="held-out loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -68,6 +68,7 @@ def format_log_line(record: dict[str, Any], total_steps: int) -> str:
         f"lr {record['lr']:.3e} | grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
         f"{record['tflops_per_device']:.3g} TFLOP/s/device | elapsed {format_duration(record['elapsed_s'])} | "
         f"eta {format_duration(record['eta_s'])}"
+        + (f" | eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
     )
 
 
@@ -79,7 +80,8 @@ class Reporter:
     Record fields: step, loss (of that step), loss_avg (mean since the previous record), lr (the rate the
     step used), grad_norm (global, before clipping), tokens_per_s and tflops_per_device (over the steps
     since the previous record), tokens (trained so far), step_time_s, elapsed_s (since this process
-    started training), eta_s, time (unix)."""
+    started training), eta_s, time (unix); and eval_loss at the steps that evaluated (the per-token mean
+    loss on the held-out data; an evaluation also forces a record at its step)."""
 
     def __init__(
         self,
@@ -100,7 +102,9 @@ class Reporter:
         self._losses: list[float] = []
         self._seconds = 0.0
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float, seconds: float) -> None:
+    def step(
+        self, step: int, loss: float, lr: float, grad_norm: float, seconds: float, eval_loss: float | None = None
+    ) -> None:
         if self.metrics is None:
             return
         self._losses.append(loss)
@@ -109,7 +113,8 @@ class Reporter:
         tokens_per_s = self.throughput.tokens_per_s(n, self._seconds)
         tflops = self.throughput.tflops_per_device(n, self._seconds)
         self.progress.update(loss, tokens_per_s, tflops)
-        if step == self.start_step + 1 or step % self.log_interval == 0 or step == self.total_steps:
+        due = step == self.start_step + 1 or step % self.log_interval == 0 or step == self.total_steps
+        if due or eval_loss is not None:
             elapsed = time.perf_counter() - self.started
             record = {
                 "step": step,
@@ -125,6 +130,8 @@ class Reporter:
                 "eta_s": elapsed / (step - self.start_step) * (self.total_steps - step),
                 "time": time.time(),
             }
+            if eval_loss is not None:
+                record["eval_loss"] = eval_loss
             self.metrics.write(record)
             if self.tracker is not None:
                 self.tracker.log(record)

@@ -21,6 +21,8 @@ BACKENDS = ("tensorboard", "wandb", "csv")
 """The values of train.report_to besides "none"."""
 FIGURES = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device")
 """The metrics.jsonl fields each backend receives, as train/<name> at the record's step."""
+EVAL_FIGURES = {"eval_loss": "eval/loss"}
+"""metrics.jsonl fields of evaluations and their names in the backends."""
 
 
 def monitor_sections(report_to: Sequence[str], output_dir: Path, job_name: str) -> dict[str, Any]:
@@ -61,7 +63,9 @@ class Tracker:
     def log(self, record: dict[str, Any]) -> None:
         if self._monitor is not None:
             step = int(record["step"])
-            self._monitor.write_events([(f"train/{k}", float(record[k]), step) for k in FIGURES if k in record])
+            events = [(f"train/{k}", float(record[k]), step) for k in FIGURES if k in record]
+            events += [(name, float(record[k]), step) for k, name in EVAL_FIGURES.items() if k in record]
+            self._monitor.write_events(events)
 
     def close(self) -> None:
         monitor, self._monitor = self._monitor, None

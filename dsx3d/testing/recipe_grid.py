@@ -1,7 +1,8 @@
 """Recipes nobody here wrote: drawn at random over the whole space a user can write (layouts, ZeRO stages,
 precision, tied or untied embeddings, head counts tp may not divide, activation checkpointing, explicit
 stage splits valid or not, DeepSpeed overrides including HF-style "auto" values, timers, monitors, data
-sources that exist or not). The checker-soundness property test (tests/test_checker_soundness.py) asserts
+sources that exist or not, chat / instruction / held-out data with missing fields, empty files, too few
+examples or no chat template). The checker-soundness property test (tests/test_checker_soundness.py) asserts
 that every one the checker accepts trains, and every one it refuses is refused with the key named."""
 
 from __future__ import annotations
@@ -32,16 +33,53 @@ OVERRIDES: list[dict[str, Any]] = [
     {"pipeline_parallel": {"stages": 2}},
     {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_allow_untested_optimizer": True},
 ]
-SOURCES = ["builtin:python-docs", "{tmp}/corpus.jsonl", "{tmp}/missing.txt", "{tmp}/empty_dir"]
+SOURCES = ["builtin:python-docs", "{tmp}/corpus.jsonl", "{tmp}/missing.txt", "{tmp}/empty_dir", "{tmp}/saved"]
+# data sections for chat and instruction data, good and broken: a missing field, an empty file, a tokenizer
+# without a chat template, too few examples, held-out data that exists or not
+SFT_DATA: list[dict[str, Any]] = [
+    {"format": "text", "source": "{tmp}/corpus.jsonl", "eval_fraction": 0.1},
+    {"format": "instruction", "source": "{tmp}/qa.jsonl", "prompt_field": "q", "response_field": "a", "eval_fraction": 0.2},
+    {"format": "chat", "source": "{tmp}/chat.jsonl", "eval_source": "{tmp}/chat.jsonl"},
+    {"format": "chat", "source": "builtin:tiny-chat"},
+    {"format": "chat", "source": "{tmp}/chat.jsonl", "eval_fraction": 0.25},
+    {"format": "chat", "source": "{tmp}/chat.jsonl", "eval_fraction": 0.02},
+    {"format": "chat", "source": "{tmp}/corpus.jsonl"},
+    {"format": "chat", "source": "{tmp}/chat.jsonl", "messages_field": "conversation"},
+    {"format": "chat", "source": "{tmp}/empty.jsonl"},
+    {"format": "chat", "source": "{tmp}/few.jsonl"},
+    {"format": "chat", "source": "{tmp}/chat.jsonl", "tokenizer": "{tmp}/tok_without_template"},
+    {"format": "chat", "source": "{tmp}/chat.jsonl", "eval_source": "{tmp}/missing.jsonl"},
+    {"format": "instruction", "source": "{tmp}/qa.jsonl"},
+    {"format": "instruction", "source": "builtin:python-docs"},
+    {"format": "text", "source": "{tmp}/empty.jsonl"},
+    {"format": "text", "source": "{tmp}/corpus.jsonl", "text_field": "body"},
+]
 
 
 def write_corpus(tmp: Path) -> None:
-    """The files SOURCES name: a small jsonl corpus and an empty directory."""
+    """The files SOURCES and SFT_DATA name: small jsonl corpora (text, chat, prompt/response), an empty
+    file, an empty directory, a save_to_disk folder and a tokenizer without a chat template."""
+    import datasets
+
+    from dsx3d.data.tiny_chat import tiny_chat_conversations
+    from dsx3d.data.tokenizer import train_bpe_tokenizer
+
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "empty_dir").mkdir(exist_ok=True)
-    with (tmp / "corpus.jsonl").open("w") as f:
-        for i in range(200):
-            f.write(json.dumps({"text": f"document {i}: the quick brown fox jumps over the lazy dog {i} times."}) + "\n")
+    (tmp / "empty.jsonl").write_text("")
+    docs = [f"document {i}: the quick brown fox jumps over the lazy dog {i} times." for i in range(200)]
+    _jsonl(tmp / "corpus.jsonl", [{"text": d} for d in docs])
+    chats = tiny_chat_conversations(80)
+    _jsonl(tmp / "chat.jsonl", [{"messages": c} for c in chats])
+    _jsonl(tmp / "few.jsonl", [{"messages": c} for c in chats[:2]])
+    _jsonl(tmp / "qa.jsonl", [{"q": f"What is {i} plus 2?", "a": f"{i + 2}."} for i in range(80)])
+    if not (tmp / "saved").is_dir():
+        datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp / "saved"))
+    train_bpe_tokenizer(docs, 256).save_pretrained(str(tmp / "tok_without_template"))
+
+
+def _jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _fill(value: Any, tmp: Path) -> Any:
@@ -88,4 +126,8 @@ def random_recipe(rng: random.Random, tmp: Path) -> dict[str, Any]:
         "deepspeed": rng.choice(OVERRIDES),
         "output_dir": str(tmp / "run"),
     }
+    if rng.random() < 0.4:  # chat / instruction / held-out data, good or broken
+        recipe["data"].update(rng.choice(SFT_DATA))
+        recipe["train"]["seq_len"] = 64  # shorter rows cut most answers, which only tokenizing shows
+        recipe["train"]["eval_interval"] = rng.choice([0, 1])
     return _fill(deep_merge(TINY_LLAMA, recipe), tmp)
