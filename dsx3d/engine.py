@@ -104,6 +104,7 @@ def build_engine(
         seq_len=recipe.train.seq_len,
         stage_layers=recipe.parallel.stage_layers,
         activation_checkpointing=recipe.train.activation_checkpointing,
+        sequence_parallel=recipe.parallel.sequence_parallel,
     )
     import deepspeed
 

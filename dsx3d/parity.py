@@ -41,6 +41,8 @@ class ParityCase:
     seed: int = 0
     activation_checkpointing: bool = False
     stage_layers: list[int] | None = None
+    sequence_parallel: bool = True
+    """parallel.sequence_parallel (takes effect with tp > 1)"""
 
     @property
     def world_size(self) -> int:
@@ -129,7 +131,13 @@ def case_recipe(case: ParityCase) -> Recipe:
     return recipe_from_dict(
         {
             "model": {"config": model_cfg},
-            "parallel": {"dp": case.dp, "tp": case.tp, "pp": case.pp, "stage_layers": case.stage_layers},
+            "parallel": {
+                "dp": case.dp,
+                "tp": case.tp,
+                "pp": case.pp,
+                "stage_layers": case.stage_layers,
+                "sequence_parallel": case.sequence_parallel,
+            },
             "cluster": {"nodes": 1, "gpus_per_node": case.world_size},
             "train": {
                 "micro_batch_size": case.micro_batch_size,

@@ -45,6 +45,10 @@ class ParallelSection(_Section):
     """Pipeline stages."""
     stage_layers: list[int] | None = None
     """Explicit decoder layers per stage (overrides the cost-balanced split); sums to num_hidden_layers."""
+    sequence_parallel: bool = True
+    """With tp > 1, keep activations outside the TP regions (norms, dropout, residuals, pipeline messages)
+    split along the sequence over the TP ranks (Megatron's sequence parallelism); train.seq_len must be a
+    multiple of tp. Families that cannot run it fall back to plain TP with a warning."""
 
 
 class ClusterSection(_Section):

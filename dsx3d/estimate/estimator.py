@@ -60,6 +60,8 @@ class Setup:
     does by default); "even": equal layer counts (`memory.split_layers`)."""
     flash_attention: bool = False
     fp32_grad_accum: bool = False
+    sequence_parallel: bool = True
+    """parallel.sequence_parallel: with tp > 1, for models the engine runs with it (`ModelShape`)."""
 
     @property
     def world_size(self) -> int:
@@ -202,6 +204,7 @@ def _stage_time(
 ) -> tuple[float, dict[str, float], dict[str, float]]:
     """(seconds per micro-batch, seconds per step by kind, bytes sent per step by group type)."""
     s, b, t, m = setup.seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
+    sp = sequence_parallel(shape, setup)
     width = memory.dtype_bytes(setup.dtype)
     place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=hw.gpus_per_node)
     last = stage == setup.pp - 1
@@ -232,15 +235,25 @@ def _stage_time(
         grad_allreduce_params=shape.tp_grad_allreduce_params,
         forward_gather_width=shape.tp_forward_gather_width,
         backward_gather_width=shape.tp_backward_gather_width,
+        sequence_parallel=sp,
+        sequence_params=shape.tp_sequence_params,
     )
     if shape.hidden_size:
         tp_bytes += timing.tp_edge_bytes_per_micro_batch(
-            first=stage == 0, last=last, tp=t, seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width
+            first=stage == 0,
+            last=last,
+            tp=t,
+            seq_len=s,
+            micro_batch=b,
+            hidden=shape.hidden_size,
+            width=width,
+            sequence_parallel=sp,
+            final_norm=shape.final_norm,
         )
     tp_time = tp_bytes / link(place.tp_crosses_node())
     # p2p: activations (and token ids) to the next stage, gradients back to the previous one
     forward_msg, backward_msg = timing.p2p_bytes_per_micro_batch(
-        seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width
+        seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width, shards=t if sp else 1
     )
     if shape.hidden_size == 0:
         forward_msg = backward_msg = 0
@@ -252,6 +265,11 @@ def _stage_time(
     times = {"compute": compute * m, "tp": tp_time * m, "pp": p2p_time * m, "dp": dp_time}
     sent = {"tp": tp_bytes * m, "pp": sum(msg for msg, _ in sends) * m, "dp": dp_bytes}
     return compute + tp_time + p2p_time, times, sent
+
+
+def sequence_parallel(shape: ModelShape, setup: Setup) -> bool:
+    """Whether the engine runs `setup` with sequence parallelism: asked for, tp > 1, and the model allows it."""
+    return setup.sequence_parallel and setup.tp > 1 and shape.sequence_parallel_blocker is None
 
 
 def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) -> Estimate:
@@ -329,4 +347,6 @@ def _assumptions(shape: ModelShape, setup: Setup) -> list[str]:
         )
     if setup.flash_attention:
         notes.append("flash attention: the 5*a*s/h score term of the activations is left out")
+    if setup.sequence_parallel and setup.tp > 1 and shape.sequence_parallel_blocker is not None:
+        notes.append(f"no sequence parallelism for this model ({shape.sequence_parallel_blocker})")
     return notes

@@ -72,10 +72,16 @@ def build_pipeline(
     seq_len: int,
     stage_layers: list[int] | None = None,
     activation_checkpointing: bool = False,
+    sequence_parallel: bool = False,
 ) -> StagedPipelineModule:
-    """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed)."""
+    """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed).
+    `sequence_parallel` takes effect with tp > 1 for families that allow it (`LayerBuilder`)."""
     plan = resolve_family(config)
-    tp = TPContext(rank=layout.placement(comm.get_rank()).tp, size=layout.tp)
+    tp = TPContext(
+        rank=layout.placement(comm.get_rank()).tp,
+        size=layout.tp,
+        sequence_parallel=sequence_parallel and layout.tp > 1,
+    )
     builder = LayerBuilder(config, plan, tp, source)
     bounds = stage_bounds(config, layout.pp, seq_len, stage_layers)
 
