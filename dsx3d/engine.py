@@ -20,7 +20,7 @@ from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, RankPlacement
-from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline
+from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline, release_last_stage_outputs
 from dsx3d.models.shards import Shard, local_hf_shards
 from dsx3d.models.weights import WeightSource
 from dsx3d.recipe import Recipe
@@ -110,6 +110,7 @@ def build_engine(
 
     params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
+    release_last_stage_outputs(engine)
     placement = layout.placement(comm.get_rank())
     # dropout: the same replicated stream on the ranks of a TP group (a resume restores each rank's state)
     seed_ranks(recipe.train.seed, pp_rank=placement.pp, dp_rank=placement.dp)

@@ -32,7 +32,10 @@ class Hardware:
     gpus_per_node: int = 8
     gpu_memory_gb: float | None = None
     memory_headroom: float = 0.1
-    """Fraction of device memory kept free for the CUDA context, allocator fragmentation, comm buffers."""
+    """Fraction of device memory kept free for the CUDA context and allocator fragmentation."""
+    optimizer_temporaries: float = 1.0
+    """Partition-sized fp32 temporaries of torch's AdamW step: 1 with its foreach kernels (GPUs), 2 with the
+    per-tensor path it takes on CPU."""
 
     @property
     def usable_gb(self) -> float | None:
@@ -59,13 +62,23 @@ class Setup:
     """"cost": the engine's own cost-balanced split (`dsx3d.partition.decoder_split`, what dsx3d's pipeline
     does by default); "even": equal layer counts (`memory.split_layers`)."""
     flash_attention: bool = False
-    fp32_grad_accum: bool = False
+    fp32_grad_accum: bool | None = None
+    """DeepSpeed's unsharded fp32 gradient buffer (BF16_Optimizer); None: what dsx3d's config does (bf16
+    with ZeRO >= 1 accumulates gradients in fp32)."""
+    reduce_bucket_size: float = 5e8
+    """`zero_optimization.reduce_bucket_size` (DeepSpeed's default): ZeRO's gradient buckets, in elements."""
     sequence_parallel: bool = True
     """parallel.sequence_parallel: with tp > 1, for models the engine runs with it (`ModelShape`)."""
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def grad_accum_fp32(self) -> bool:
+        if self.fp32_grad_accum is not None:
+            return self.fp32_grad_accum
+        return self.dtype != "fp32" and self.zero_stage >= 1
 
     @property
     def global_batch(self) -> int:
@@ -84,7 +97,13 @@ class StageEstimate:
     optimizer_gb: float
     model_states_gb: float
     activations_gb: float
+    transient_gb: float
+    """Beyond states and activations at the peak: ZeRO's gradient buckets, the optimizer step's copies and
+    temporaries (`memory.peak_bytes`)."""
     total_gb: float
+    """The peak: states + activations + transients."""
+    peak_phase: str
+    """"backward" or "optimizer": the phase of the step that reaches the peak."""
     micro_batch_time_s: float
     """Compute + TP + p2p time of one micro-batch on this stage."""
     time_s: dict[str, float]
@@ -166,7 +185,7 @@ def _stage(
         dp=setup.dp,
         zero_stage=setup.zero_stage,
         dtype=setup.dtype,
-        fp32_grad_accum=setup.fp32_grad_accum,
+        fp32_grad_accum=setup.grad_accum_fp32,
     )
     acts = memory.stage_activation_bytes(
         shape,
@@ -180,6 +199,23 @@ def _stage(
         dtype=setup.dtype,
         checkpointing=setup.activation_checkpointing,
         flash_attention=setup.flash_attention,
+        sequence_parallel=sequence_parallel(shape, setup),
+    )
+    transients = memory.transient_bytes(
+        per_device,
+        dp=setup.dp,
+        zero_stage=setup.zero_stage,
+        dtype=setup.dtype,
+        fp32_grad_accum=setup.grad_accum_fp32,
+        reduce_bucket_size=setup.reduce_bucket_size,
+        optimizer_temporaries=hw.optimizer_temporaries,
+    )
+    peak, phase = memory.peak_bytes(
+        states,
+        acts,
+        transients,
+        pipelined=setup.pp > 1,
+        lp_grads=memory.dtype_bytes(setup.dtype) * per_device,
     )
     micro_batch_time, time_s, comm_bytes = _stage_time(shape, setup, hw, stage, layers, per_device)
     return StageEstimate(
@@ -192,7 +228,9 @@ def _stage(
         optimizer_gb=states.optimizer / GB,
         model_states_gb=states.total / GB,
         activations_gb=acts / GB,
-        total_gb=(states.total + acts) / GB,
+        transient_gb=(peak - states.total - acts) / GB,
+        total_gb=peak / GB,
+        peak_phase=phase,
         micro_batch_time_s=micro_batch_time,
         time_s=time_s,
         comm_bytes=comm_bytes,
@@ -259,7 +297,7 @@ def _stage_time(
         forward_msg = backward_msg = 0
     sends = ([(forward_msg, stage)] if not last else []) + ([(backward_msg, stage - 1)] if stage > 0 else [])
     p2p_time = sum(msg / link(place.boundary_crosses_node(k)) for msg, k in sends)
-    grad_width = 4 if setup.fp32_grad_accum else width
+    grad_width = 4 if setup.grad_accum_fp32 else width
     dp_bytes = timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * per_device * grad_width
     dp_time = dp_bytes / link(place.dp_crosses_node(stage))
     times = {"compute": compute * m, "tp": tp_time * m, "pp": p2p_time * m, "dp": dp_time}
@@ -286,7 +324,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
     if shape.tie_word_embeddings and p > 1:
         # 2-rank all-reduce of the tied V*h/t shard between the first and last stage: factor 2*(2-1)/2 = 1.
         tied_bytes = (
-            shape.embedding / setup.tp * (4 if setup.fp32_grad_accum else memory.dtype_bytes(setup.dtype))
+            shape.embedding / setup.tp * (4 if setup.grad_accum_fp32 else memory.dtype_bytes(setup.dtype))
         )
         place = Layout(dp=setup.dp, tp=setup.tp, pp=p, gpus_per_node=hw.gpus_per_node)
         tied_bw = hw.inter_node_gbps if place.ends_cross_node() else hw.intra_node_gbps

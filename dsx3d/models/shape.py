@@ -114,6 +114,14 @@ class ModelShape:
     vocab_size: int = 0
     tie_word_embeddings: bool = False
     model_type: str = "unknown"
+    ffn_size: int = 0
+    """MLP width (per expert for MoE); 0 when unknown (a bare parameter count)."""
+    gated_mlp: bool = True
+    """gate, up and down (SwiGLU) rather than fc_in -> act -> fc_out."""
+    experts_per_token: int = 1
+    """MoE top-k (1 for dense MLPs)."""
+    rms_norm: bool = True
+    """RMSNorm (computed in fp32 by HF) rather than LayerNorm."""
     tp_forward_allreduces: float = 2
     """All-reduces of b*s*h a decoder layer issues forward at tp > 1: one per row-parallel linear (a TP
     region's exit; with sequence parallelism a reduce-scatter, and an all-gather backward)."""
@@ -350,6 +358,10 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         vocab_size=vocab,
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
         model_type=model_type,
+        ffn_size=ffn,
+        gated_mlp=gated,
+        experts_per_token=top_k,
+        rms_norm=_get(config, "layer_norm_eps", "layer_norm_epsilon", "norm_eps") is None,
         tp_forward_allreduces=tp.forward_allreduces,
         tp_backward_allreduces=tp.backward_allreduces,
         tp_grad_allreduce_params=tp.grad_allreduce_params,
