@@ -11,4 +11,8 @@ def __getattr__(name: str) -> Any:
         from dsx3d.integrations.trainer import Trainer
 
         return Trainer
+    if name == "argmax_logits":  # preprocess_logits_for_metrics that runs on the vocabulary shards
+        from dsx3d.integrations.last_stage import argmax_logits
+
+        return argmax_logits
     raise AttributeError(f"module 'dsx3d' has no attribute {name!r}")

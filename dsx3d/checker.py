@@ -7,15 +7,18 @@ function in `RULES`; each problem names the key path, the value, the reason and 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dsx3d.ds_config import AUTO, auto_paths, build_ds_config
 from dsx3d.errors import Problem, UserError
-from dsx3d.hf_config import load_hf_config, model_dim
+from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import bubble_fraction
 from dsx3d.models.family import resolve_family  # noqa: E402
+from dsx3d.models.shape import model_dim
 from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -84,6 +87,22 @@ def _zero_with_pipeline(c: _Context) -> Iterator[Problem]:
             "cannot afford, and the pipeline already divides gradient memory by pp, so sharding saves little "
             "(DeepSpeed only asserts this after all process groups exist)",
             "set zero.stage: 1, or parallel.pp: 1 to use ZeRO-2/3",
+        )
+
+
+def _low_precision_without_zero_under_tp(c: _Context) -> Iterator[Problem]:
+    """Without a pipeline and without ZeRO, DeepSpeed's regular engine wraps bf16/fp16 in its unfused fp16
+    optimizer, whose gradient norm runs over flattened gradients: the `tensor_model_parallel` marks are gone,
+    so TP ranks > 0 count nothing and clipping uses too small a norm (measured at tp 2: 0.86 for 1.24)."""
+    dtype = c.recipe.train.dtype
+    if c.pp == 1 and c.tp > 1 and dtype in ("bf16", "fp16") and c.recipe.zero.stage == 0:
+        yield Problem(
+            "zero.stage",
+            0,
+            f"with parallel.pp = 1, parallel.tp = {c.tp} and train.dtype = {dtype}, DeepSpeed's optimizer without "
+            "ZeRO computes the gradient norm over flattened gradients and counts the TP shards of rank 0 only, "
+            "so gradient clipping would differ from single-process training",
+            "set zero.stage: 1 (or 2, 3), or train.dtype: fp32",
         )
 
 
@@ -186,7 +205,7 @@ def _batch_overrides(c: _Context) -> Iterator[Problem]:
         "train_batch_size": ("train.micro_batch_size x train.gradient_accumulation_steps x dp", m * g * c.dp),
     }
     for key, (source, want) in owners.items():
-        if key not in c.overrides or c.overrides[key] == want or (key == "train_batch_size" and not c.dp):
+        if key not in c.overrides or c.overrides[key] in (want, AUTO) or (key == "train_batch_size" and not c.dp):
             continue
         yield Problem(
             f"deepspeed.{key}",
@@ -236,7 +255,7 @@ def _contradicting_overrides(c: _Context) -> Iterator[Problem]:
             "remove it and set parallel.tp",
         )
     zero = o.get("zero_optimization")
-    if isinstance(zero, dict) and "stage" in zero and zero["stage"] != c.recipe.zero.stage:
+    if isinstance(zero, dict) and zero.get("stage", AUTO) not in (AUTO, c.recipe.zero.stage):
         yield Problem(
             "deepspeed.zero_optimization.stage",
             zero["stage"],
@@ -245,7 +264,7 @@ def _contradicting_overrides(c: _Context) -> Iterator[Problem]:
         )
     for section in ("bf16", "fp16"):
         enabled = o.get(section, {}).get("enabled") if isinstance(o.get(section), dict) else None
-        if enabled is not None and bool(enabled) != (c.recipe.train.dtype == section):
+        if enabled not in (None, AUTO) and bool(enabled) != (c.recipe.train.dtype == section):
             yield Problem(
                 f"deepspeed.{section}.enabled",
                 enabled,
@@ -262,6 +281,88 @@ def _fp16(c: _Context) -> Iterator[Problem]:
             "DeepSpeed refuses fp16 on CPU ('Type fp16 is not supported on your device'); fp16 also needs loss scaling",
             "use bf16 (or fp32 on CPU); keep fp16 only for GPUs without bf16",
         )
+
+
+def _auto_left(c: _Context) -> Iterator[Problem]:
+    """"auto" (the form of HF's example DeepSpeed JSONs) is resolved from the recipe where dsx3d derives the
+    value; anywhere else DeepSpeed would compare a string with numbers minutes after launch."""
+    if not auto_paths(c.overrides) or not c.dp or c.world_size % (c.tp * c.pp):
+        return
+    config = build_ds_config(c.recipe, c.world_size, hidden_size=c.dim("hidden_size"))
+    for path in auto_paths(config):
+        yield Problem(
+            f"deepspeed.{path}",
+            AUTO,
+            "dsx3d resolves \"auto\" only where it derives the value from the recipe (batch sizes, precision, "
+            "clipping, AdamW and schedule parameters, ZeRO bucket sizes)",
+            "give a number",
+        )
+
+
+def _deepspeed_timers(c: _Context) -> Iterator[Problem]:
+    if c.overrides.get("wall_clock_breakdown") and c.pp > 1:
+        yield Problem(
+            "deepspeed.wall_clock_breakdown",
+            c.overrides["wall_clock_breakdown"],
+            "DeepSpeed's pipeline engine starts its backward timer twice with it on and every rank fails "
+            "('bwd_microstep timer has already been started')",
+            "remove it: dsx3d logs step times and tokens/s itself (metrics.jsonl)",
+        )
+
+
+# DeepSpeed's monitor sections -> the package each needs.
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+
+
+def _monitor_packages(c: _Context) -> Iterator[Problem]:
+    for section, package in MONITOR_PACKAGES.items():
+        conf = c.overrides.get(section)
+        if isinstance(conf, dict) and conf.get("enabled") and importlib.util.find_spec(package) is None:
+            yield Problem(
+                f"deepspeed.{section}.enabled",
+                conf["enabled"],
+                f"this monitor needs the {package} package, which is not installed",
+                f"pip install {package}, or disable the section",
+            )
+
+
+def _data_source(c: _Context) -> Iterator[Problem]:
+    """A missing or unreadable data file fails only after every rank has started: say it now."""
+    from dsx3d.data.corpus import check_source
+
+    try:
+        check_source(c.recipe.data)
+    except UserError as err:
+        yield from err.problems
+
+
+def _vocab_holds_the_tokenizer(c: _Context) -> Iterator[Problem]:
+    """Token ids past the model's vocabulary fail only once every rank has trained its tokenizer."""
+    from dsx3d.data.tokenizer import trained_tokenizer_bound
+
+    bound, vocab = trained_tokenizer_bound(c.recipe), c.dim("vocab_size")
+    if bound is not None and vocab is not None and vocab < bound:
+        yield Problem(
+            "model.config.vocab_size" if c.recipe.model.config is not None else "data.tokenizer_vocab_size",
+            vocab if c.recipe.model.config is not None else c.recipe.data.tokenizer_vocab_size,
+            f"the byte-level BPE dsx3d trains on the corpus can have up to {bound} tokens (256 bytes, "
+            f"<|endoftext|> and merges up to data.tokenizer_vocab_size), more than the model's vocab_size {vocab}",
+            f"set model.config.vocab_size to at least {bound}, or data.tokenizer_vocab_size to at most {vocab} "
+            "(and vocab_size to at least 257), or give data.tokenizer",
+        )
+
+
+def _model_builds(c: _Context) -> Iterator[Problem]:
+    """transformers accepts configs it cannot build (a pad_token_id outside the vocabulary, ...): build the
+    model on the meta device (no memory) and name the key when it fails."""
+    if c.hf_config is None:
+        return
+    from dsx3d.models.shape import build_meta_model
+
+    try:
+        build_meta_model(c.hf_config)
+    except UserError as err:
+        yield from err.problems
 
 
 def _family_supported(c: _Context) -> Iterator[Problem]:
@@ -325,9 +426,23 @@ def _sequence_parallel_blocker(hf_config: Any) -> str | None:
         return None
 
 
+def _tracking_packages(c: _Context) -> Iterator[Problem]:
+    """train.report_to backends drive the same DeepSpeed monitors (dsx3d.run.tracking); csv needs no package."""
+    for backend in c.recipe.train.report_to:
+        package = MONITOR_PACKAGES.get(backend)
+        if package is not None and importlib.util.find_spec(package) is None:
+            yield Problem(
+                "train.report_to",
+                backend,
+                f"the {backend} backend needs the {package!r} package, which is not installed",
+                f"pip install {package} (or `pip install dsx3d[tracking]`), or remove {backend!r} from train.report_to",
+            )
+
+
 RULES: list[Rule] = [
     _world_size_matches,
     _zero_with_pipeline,
+    _low_precision_without_zero_under_tp,
     _tp_inside_node,
     _tp_divides_model,
     _vocab_padding,
@@ -338,13 +453,27 @@ RULES: list[Rule] = [
     _grad_accum_dtype,
     _contradicting_overrides,
     _fp16,
+    _auto_left,
+    _deepspeed_timers,
+    _monitor_packages,
     _family_supported,
     _sequence_parallel,
+    _model_builds,
+    _tracking_packages,
+]
+
+# Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.
+DATA_RULES: list[Rule] = [
+    _data_source,
+    _vocab_holds_the_tokenizer,
 ]
 
 
-def check_recipe(recipe: Recipe, world_size: int | None = None, hf_config: Any = None) -> list[Problem]:
-    """Every problem of `recipe` on `world_size` ranks (default: the cluster's), errors and warnings.
+def check_recipe(
+    recipe: Recipe, world_size: int | None = None, hf_config: Any = None, *, data: bool = True
+) -> list[Problem]:
+    """Every problem of `recipe` on `world_size` ranks (default: the cluster's), errors and warnings;
+    with `data`, also of the data pipeline `dsx3d train` runs (`DATA_RULES`).
 
     Without `hf_config` the model's config is read from the recipe; if that fails, the failure is one of
     the problems and the rules that need the model are skipped.
@@ -363,7 +492,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None, hf_config: Any =
             f"cluster.nodes {recipe.cluster.nodes} x cluster.gpus_per_node {recipe.cluster.gpus_per_node}"
         )
     ctx = _Context(recipe, world_size, source, recipe.resolved_dp(world_size), hf_config)
-    for rule in RULES:
+    for rule in RULES + (DATA_RULES if data else []):
         problems.extend(rule(ctx))
     return problems
 

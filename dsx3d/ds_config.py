@@ -20,8 +20,9 @@ _NEVER_EMIT = ("pipeline_parallel", "tensor_parallel")
 STEPS_PER_PRINT = 1_000_000_000  # dsx3d logs itself; keep DeepSpeed's own step log quiet
 
 
-def build_ds_config(recipe: Recipe, world_size: int | None = None) -> dict[str, Any]:
-    """The DeepSpeed config for `recipe` on `world_size` ranks (default: the cluster's), overrides merged."""
+def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for `recipe` on `world_size` ranks (default: the cluster's), overrides merged;
+    their "auto" values resolved from the recipe (`resolve_auto`; `hidden_size` sizes ZeRO's buckets)."""
     layout = recipe.layout(world_size)
     train = recipe.train
     config: dict[str, Any] = {
@@ -60,10 +61,73 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None) -> dict[str, 
     if train.dtype == "bf16" and recipe.zero.stage >= 1:
         # Accumulate bf16 gradients in fp32. Without ZeRO DeepSpeed rejects this mix (NotImplementedError).
         config["data_types"] = {"grad_accum_dtype": "fp32"}
-    merged = deep_merge(config, recipe.deepspeed)
+    overrides = resolve_auto(recipe.deepspeed, config, recipe.train, hidden_size)
+    for section in ("optimizer", "scheduler"):
+        # another optimizer or schedule than dsx3d's: its own parameters, not a mix with dsx3d's
+        given = overrides.get(section)
+        if isinstance(given, dict) and given.get("type", config[section]["type"]) != config[section]["type"]:
+            config.pop(section)
+    merged = deep_merge(config, overrides)
     for key in _NEVER_EMIT:
         merged.pop(key, None)
     return merged
+
+
+AUTO = "auto"
+
+
+def _recipe_values(train: TrainSection) -> dict[str, Any]:
+    """What an "auto" under optimizer.params / scheduler.params means, by key, as HF's Trainer fills them."""
+    return {
+        "lr": train.lr,
+        "betas": list(train.betas),
+        "eps": train.eps,
+        "weight_decay": train.weight_decay,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": train.lr,
+        "warmup_num_steps": train.warmup_steps,
+        "total_num_steps": train.steps,
+        "warmup_min_ratio": 0.0,
+        "cos_min_ratio": train.min_lr / train.lr,
+    }
+
+
+def resolve_auto(
+    overrides: dict[str, Any], generated: dict[str, Any], train: TrainSection, hidden_size: int | None = None
+) -> dict[str, Any]:
+    """`overrides` with each "auto" (the form HF's example DeepSpeed JSONs ship) replaced by what dsx3d
+    derives from the recipe: the generated value at the same path (batch sizes, precision, clipping,
+    optimizer and scheduler parameters), optimizer/scheduler parameters by name, and ZeRO's bucket sizes
+    from the hidden size h (HF's formulas: h^2, 0.9 h^2, 10 h). Anything else stays "auto": the checker
+    reports it (`auto_paths`)."""
+    by_name = _recipe_values(train)
+    zero_auto = {} if hidden_size is None else {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+
+    def walk(value: Any, gen: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(value, dict):
+            return {k: walk(v, gen.get(k) if isinstance(gen, dict) else None, (*path, k)) for k, v in value.items()}
+        if value != AUTO:
+            return value
+        if gen is not None and gen != AUTO:
+            return copy.deepcopy(gen)
+        if len(path) == 3 and path[0] in ("optimizer", "scheduler") and path[1] == "params" and path[2] in by_name:
+            return by_name[path[2]]
+        if len(path) == 2 and path[0] == "zero_optimization" and path[1] in zero_auto:
+            return zero_auto[path[1]]
+        return value
+
+    return walk(overrides, generated, ())
+
+
+def auto_paths(config: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of the values still "auto" in a config."""
+    if isinstance(config, dict):
+        return [p for k, v in config.items() for p in auto_paths(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")] if config == AUTO else []
 
 
 def _optimizer(train: TrainSection) -> dict[str, Any]:

@@ -1,12 +1,17 @@
-"""The one engine builder: recipe -> checker -> layout -> TP-sharded pipeline stages -> DeepSpeed engine.
+"""The one engine builder: recipe -> checker -> layout -> TP-sharded model -> DeepSpeed engine.
 
 `dsx3d train`, `dsx3d verify`, the Trainer drop-in and accelerate integration all call `build_engine`.
+With parallel.pp > 1 the model is a `PipelineModule` of TP-sharded stages and DeepSpeed runs its
+`PipelineEngine` (ZeRO-0/1). With pp = 1 it is one plain module of the same items (dsx3d.models.sequential)
+and DeepSpeed runs its regular engine, with our dp/tp process groups as its mpu, so ZeRO-0/1/2/3 all run.
+`Engine3D` hides which: the train loop, verify and the Trainer call the same methods on both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +20,17 @@ from transformers import PretrainedConfig
 
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.distributed import comm
+from dsx3d.distributed.groups import DataTensorParallelGroups
+from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
+from dsx3d.grad_clip import install_fp32_clipping
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, RankPlacement
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline, release_last_stage_outputs
+from dsx3d.models.sequential import SequentialLM, build_sequential
+from dsx3d.models.shape import model_dim
 from dsx3d.models.shards import Shard, local_hf_shards
 from dsx3d.models.weights import WeightSource
 from dsx3d.recipe import Recipe
@@ -32,23 +42,60 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class Engine3D:
-    """A DeepSpeed PipelineEngine with the layout it runs under."""
+    """A DeepSpeed engine (PipelineEngine with pp > 1, the regular one with pp = 1) with its layout."""
 
     ds_engine: Any
-    module: StagedPipelineModule
+    module: StagedPipelineModule | SequentialLM
     layout: Layout
     placement: RankPlacement
     hf_config: PretrainedConfig
     ds_config: dict[str, Any]
+    mpu: DataTensorParallelGroups | None = None
+    """The dp/tp groups of a pp = 1 engine; None with a pipeline (the engine's grid holds them)."""
+
+    @property
+    def pipelined(self) -> bool:
+        return self.mpu is None
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
 
     def train_step(self, micro_batches: Iterator[MicroBatch]) -> float:
         """One optimizer step over gradient_accumulation_steps micro-batches of this DP rank; the loss is
         the mean over micro-batches and DP ranks, known on every rank."""
-        return float(self.ds_engine.train_batch(data_iter=micro_batches))
+        if self.pipelined:
+            return float(self.ds_engine.train_batch(data_iter=micro_batches))
+        engine, m = self.ds_engine, self.ds_engine.gradient_accumulation_steps()
+        losses = []
+        for _ in range(m):
+            input_ids, labels = next(micro_batches)
+            loss = engine(input_ids, labels)
+            engine.backward(loss)  # scales by 1/m; ZeRO/DDP averages the gradients over the DP group
+            engine.step()  # applies the optimizer at the m-th micro-batch only
+            losses.append(float(loss.detach()))
+        return self._dp_mean(sum(losses) / m)
 
     def eval_loss(self, micro_batches: Iterator[MicroBatch]) -> float:
-        loss = self.ds_engine.eval_batch(data_iter=micro_batches, compute_loss=True, reduce_output="avg")
-        return float(loss)
+        """The mean loss over gradient_accumulation_steps micro-batches and the DP ranks, without gradients."""
+        if self.pipelined:
+            loss = self.ds_engine.eval_batch(data_iter=micro_batches, compute_loss=True, reduce_output="avg")
+            return float(loss)
+        engine, m = self.ds_engine, self.ds_engine.gradient_accumulation_steps()
+        was_training = engine.module.training
+        engine.eval()
+        try:
+            with torch.no_grad():
+                total = sum(float(engine(*next(micro_batches))) for _ in range(m))
+        finally:
+            engine.train(was_training)
+        return self._dp_mean(total / m)
+
+    def _dp_mean(self, local: float) -> float:
+        assert self.mpu is not None
+        t = torch.tensor([local], dtype=torch.float64, device=self.ds_engine.device)  # nccl: on the GPU
+        comm.all_reduce_sum(t, self.mpu.get_data_parallel_group())
+        return float(t.item()) / self.layout.dp
 
     @property
     def grad_norm(self) -> float:
@@ -59,8 +106,47 @@ class Engine3D:
     def lr(self) -> float:
         return float(self.ds_engine.get_lr()[0])
 
+    def gathered(self, params: Iterable[torch.nn.Parameter]) -> contextlib.AbstractContextManager[Any]:
+        """Inside, ZeRO-3's partitioned `params` hold their whole (TP-shard) tensors; a collective over the DP
+        group. A no-op for the other stages, whose parameters are always whole."""
+        if self.zero_stage < 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+
     def hf_shards(self) -> dict[str, Shard]:
-        return local_hf_shards(self.module, self.placement.tp)
+        """{hf name: (tensor, TP dim, tp rank)} of this rank's parameters. A collective with ZeRO-3."""
+        with self.gathered(self.module.parameters()):
+            return local_hf_shards(self.module, self.placement.tp)
+
+
+def _zero3_partitioner(ds_config: dict[str, Any], mpu: DataTensorParallelGroups) -> Callable[[torch.nn.Module], None] | None:
+    """With ZeRO-3, partition each model item over the DP group as soon as its weights are read (what
+    `deepspeed.zero.Init` does to a module built inside it), so a rank never holds the whole model; the
+    engine then finds the parameters partitioned already. It no longer casts them then ("ZeRO-Init params
+    are already at the configured dtype"), so bf16/fp16 parameters are cast here first, as the engine would
+    (parameters only: buffers such as rotary tables stay fp32). None for the other stages."""
+    if int(ds_config.get("zero_optimization", {}).get("stage", 0)) < 3:
+        return None
+    import deepspeed
+
+    dtype = None
+    if ds_config.get("bf16", {}).get("enabled"):
+        dtype = torch.bfloat16
+    elif ds_config.get("fp16", {}).get("enabled"):
+        dtype = torch.float16
+
+    def partition(item: torch.nn.Module) -> None:
+        if dtype is not None:
+            for p in item.parameters():
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+        deepspeed.zero.Init(
+            module=item, data_parallel_group=mpu.get_data_parallel_group(), config_dict_or_path=ds_config, mpu=mpu
+        )
+
+    return partition
 
 
 def default_weight_source(recipe: Recipe, hf_config: PretrainedConfig) -> WeightSource:
@@ -80,38 +166,62 @@ def build_engine(
     hf_config: PretrainedConfig | None = None,
     source: WeightSource | None = None,
     ds_overrides: dict[str, Any] | None = None,
-    param_groups: Callable[[StagedPipelineModule], list[dict[str, Any]]] | None = None,
+    param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+    check_data: bool = False,
 ) -> Engine3D:
-    """Build this rank's stage and its DeepSpeed engine. The process group must exist
-    (dsx3d.distributed.comm.init_distributed); the world size is the group's. `param_groups` splits the stage's
+    """Build this rank's model (its pipeline stage, or with pp = 1 the whole TP-sharded model) and its
+    DeepSpeed engine. The process group must exist (dsx3d.distributed.comm.init_distributed); the world size
+    is the group's. `param_groups` splits the model's
     parameters into optimizer groups (the Trainer drop-in exempts biases and norms from weight decay, as HF
-    does); by default every trainable parameter is in one group."""
+    does); by default every trainable parameter is in one group. `check_data` adds the checker's rules on the
+    recipe's data pipeline (for `dsx3d train`, which reads it)."""
     world = comm.get_world_size()
     hf_config = hf_config if hf_config is not None else load_hf_config(recipe.model)
-    raise_for_errors(check_recipe(recipe, world_size=world, hf_config=hf_config))
+    raise_for_errors(check_recipe(recipe, world_size=world, hf_config=hf_config, data=check_data))
     layout = recipe.layout(world)
     if layout.world_size != world:
         raise UserError.single("parallel", f"dp*tp*pp={layout.world_size}", f"the job has {world} processes", "match the launcher's process count")
-    ds_config = build_ds_config(recipe, world)
+    ds_config = build_ds_config(recipe, world, hidden_size=model_dim(hf_config, "hidden_size"))
     if ds_overrides:
         from dsx3d.ds_config import deep_merge
 
         ds_config = deep_merge(ds_config, ds_overrides)
-    module = build_pipeline(
-        hf_config,
-        layout,
-        source if source is not None else default_weight_source(recipe, hf_config),
-        seq_len=recipe.train.seq_len,
-        stage_layers=recipe.parallel.stage_layers,
-        activation_checkpointing=recipe.train.activation_checkpointing,
-        sequence_parallel=recipe.parallel.sequence_parallel,
-    )
+    placement = layout.placement(comm.get_rank())
+    source = source if source is not None else default_weight_source(recipe, hf_config)
+    module: StagedPipelineModule | SequentialLM
+    mpu: DataTensorParallelGroups | None = None
+    if layout.pp > 1:
+        module = build_pipeline(
+            hf_config,
+            layout,
+            source,
+            seq_len=recipe.train.seq_len,
+            stage_layers=recipe.parallel.stage_layers,
+            activation_checkpointing=recipe.train.activation_checkpointing,
+            sequence_parallel=recipe.parallel.sequence_parallel,
+        )
+    else:
+        mpu = DataTensorParallelGroups(layout.tp_groups(), layout.dp_groups())
+        tp = TPContext(
+            rank=placement.tp, size=layout.tp, sequence_parallel=recipe.parallel.sequence_parallel and layout.tp > 1
+        )
+        tp.bind(mpu.get_tensor_model_parallel_group())
+        module = build_sequential(
+            hf_config,
+            tp,
+            source,
+            activation_checkpointing=recipe.train.activation_checkpointing,
+            after_item=_zero3_partitioner(ds_config, mpu),
+        )
     import deepspeed
 
     params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
-    release_last_stage_outputs(engine)
-    placement = layout.placement(comm.get_rank())
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
+    if layout.pp > 1:
+        release_last_stage_outputs(engine)
+    module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go
+    if not engine.zero_optimization() and not engine.bfloat16_enabled() and not engine.fp16_enabled():
+        install_fp32_clipping(engine, placement.tp)
     # dropout: the same replicated stream on the ranks of a TP group (a resume restores each rank's state)
     seed_ranks(recipe.train.seed, pp_rank=placement.pp, dp_rank=placement.dp)
-    return Engine3D(engine, module, layout, placement, hf_config, ds_config)
+    return Engine3D(engine, module, layout, placement, hf_config, ds_config, mpu)

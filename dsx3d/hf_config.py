@@ -13,15 +13,6 @@ from transformers import AutoConfig, PretrainedConfig
 from dsx3d.errors import UserError
 from dsx3d.recipe import ModelSection
 
-# Attribute spellings across families (gpt2 says n_head, falcon num_kv_heads, ...), first present wins.
-_ATTRIBUTE_NAMES = {
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
-    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
-    "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
-    "vocab_size": ("vocab_size",),
-}
-
 
 def load_hf_config(model: ModelSection) -> PretrainedConfig:
     """The model's `PretrainedConfig`; raises `UserError` naming `model.config...` or `model.name_or_path`."""
@@ -66,16 +57,3 @@ def _invalid_config(err: Exception) -> UserError:
 def _summary(err: Exception) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[-1][:300] if lines else type(err).__name__
-
-
-def model_dim(hf_config: PretrainedConfig, name: str) -> int | None:
-    """One dimension of the text model (`num_attention_heads`, ...) under any family's spelling, or None."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    for attr in _ATTRIBUTE_NAMES.get(name, (name,)):
-        try:
-            value = getattr(text, attr, None)
-        except Exception:  # heterogeneous configs refuse global access to per-layer dims
-            return None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None

@@ -1,9 +1,27 @@
 """Numerical parity: the same steps single-process with plain HF and under a dp x tp x pp layout.
 
 Both sides start from one state dict, see the same samples per optimizer step (global batch t is samples
-[t*B, (t+1)*B); micro-batch k of DP rank d is the slice (k*dp + d) of it), use AdamW with the same
-hyper-parameters and clip by the global gradient norm. The 3D side runs the real DeepSpeed pipeline engine
-with ZeRO-1 on forked gloo ranks.
+[t*B, (t+1)*B); micro-batch k of DP rank d is the slice (k*dp + d) of it), use the same optimizer and clip
+by the global gradient norm. The 3D side runs the real DeepSpeed engine (ZeRO as the case says) on forked
+gloo ranks.
+
+What is compared, and why it is round-off-proof yet sharp (`Criteria`):
+
+- the loss of every step, relative to max(1, |loss|), and the global gradient norm of every step: plain
+  sums of round-off, no amplification;
+- with SGD (`optimizer="sgd"`): every step's weight change, tensor by tensor. W_{t+1} - W_t = -lr c_t g_t,
+  so this compares every parameter's gradient before the optimizer, relative to its own norm, with a small
+  floor relative to the whole model's update for tensors whose gradient is (nearly) zero;
+- with AdamW: the final weights element by element, within the move Adam's amplification of gradient
+  round-off can explain. Adam's update u = lr m/(sqrt(v) + eps) changes with a gradient perturbation delta
+  by about lr delta / (sqrt(v) + eps): an element whose gradient is near zero (|g| ~ eps) turns a round-off
+  difference into a sizeable fraction of lr, while an element with a real gradient moves by lr delta/|g|,
+  tiny. The reference tracks v per element and sums that bound over the steps (delta = `roundoff` times
+  the tensor's largest gradient, plus, from the second step on, twice the gradient change that the weight
+  differences admitted so far cause when fed through this step's forward, measured on the reference with
+  those differences applied at random signs); anything beyond it is a real difference.
+
+`dsx3d verify` runs both: SGD for the gradients, AdamW for the optimizer as training uses it.
 """
 
 from __future__ import annotations
@@ -18,7 +36,31 @@ from transformers import PretrainedConfig
 from dsx3d.recipe import Recipe, recipe_from_dict
 
 LOSS_TOL_FP32 = 1e-5
-PARAM_TOL_FP32 = 1e-5
+"""Loss difference allowed in fp32, relative to max(1, |loss|)."""
+
+
+@dataclass(frozen=True)
+class Criteria:
+    """Tolerances of one comparison (see the module docstring)."""
+
+    loss_rtol: float
+    """|loss_3d - loss_ref| <= loss_rtol * max(1, |loss_ref|), every step."""
+    norm_rtol: float
+    """|norm_3d - norm_ref| <= norm_rtol * max(1, norm_ref), every step."""
+    grad_rtol: float
+    """SGD: ||dW_3d - dW_ref|| <= grad_rtol * ||dW_ref|| + grad_floor * ||dW_ref(all tensors)||, per tensor and step."""
+    grad_floor: float
+    roundoff: float
+    """AdamW: gradient round-off of a tensor, relative to its largest gradient element."""
+    weight_atol: float
+    """AdamW: plus this much per element, relative to max(1, |w|)."""
+
+
+CRITERIA = {
+    "fp32": Criteria(loss_rtol=1e-5, norm_rtol=1e-5, grad_rtol=1e-4, grad_floor=1e-6, roundoff=1e-5, weight_atol=1e-6),
+    # bf16 compute against an fp32 reference: bf16's 8-bit mantissa
+    "bf16": Criteria(loss_rtol=5e-2, norm_rtol=5e-2, grad_rtol=5e-2, grad_floor=1e-3, roundoff=1e-2, weight_atol=1e-3),
+}
 
 
 @dataclass
@@ -34,6 +76,10 @@ class ParityCase:
     lr: float = 1e-3
     weight_decay: float = 0.01
     adam_eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.95)
+    optimizer: str = "adamw"
+    """"adamw", or "sgd" (plain SGD: the weight change of a step is the gradient, see the module docstring)."""
+    zero_stage: int = 1
     data: str = "random"
     """random tokens, or \"pattern\": sequences counting up from a random start (learnable, so losses fall)"""
     grad_clip: float = 1.0
@@ -54,8 +100,19 @@ class ParityCase:
 
 
 @dataclass
+class Check:
+    """One criterion's verdict: the worst value seen (as a fraction of what is allowed: <= 1 passes)."""
+
+    name: str
+    worst: float
+    where: str
+    ok: bool
+
+
+@dataclass
 class ParityResult:
     layout: dict[str, int]
+    optimizer: str
     losses_ref: list[float]
     losses_3d: list[float]
     grad_norms_ref: list[float]
@@ -66,8 +123,8 @@ class ParityResult:
     worst_param: str
     seconds_ref: float
     seconds_3d: float
+    checks: list[Check] = field(default_factory=list)
     ok: bool = False
-    tolerance: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,38 +153,115 @@ def build_reference(case: ParityCase) -> torch.nn.Module:
     return model.float()
 
 
-def run_reference(
-    case: ParityCase, model: torch.nn.Module, batches: torch.Tensor
-) -> tuple[list[float], list[float]]:
-    """Plain HF on one process: mean loss over the global batch, AdamW, global-norm clipping."""
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=case.lr, betas=(0.9, 0.95), eps=case.adam_eps, weight_decay=case.weight_decay
-    )
+@dataclass
+class Reference:
+    losses: list[float]
+    norms: list[float]
+    snapshots: list[dict[str, torch.Tensor]]
+    """Parameters before each step and after the last (SGD), or only after the last (AdamW)."""
+    adam_slack: dict[str, torch.Tensor] = field(default_factory=dict)
+    """AdamW: per element, how far round-off amplified by Adam can move a weight (module docstring)."""
+
+
+def _optimizer(case: ParityCase, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=case.lr, momentum=0.0, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=case.lr, betas=case.betas, eps=case.adam_eps, weight_decay=case.weight_decay)
+
+
+def _accumulate_grads(case: ParityCase, model: torch.nn.Module, batch: torch.Tensor) -> float:
+    """Backward of the mean loss over the global batch `batch` into .grad; return that loss."""
     n_micro = case.micro_batches * case.dp
-    losses, norms = [], []
+    total = 0.0
+    for k in range(case.micro_batches):
+        for d in range(case.dp):
+            ids = micro_batch(case, batch, k, d)
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / n_micro).backward()
+            total += loss.item() / n_micro
+    return total
+
+
+def _propagated_change(
+    case: ParityCase, model: torch.nn.Module, named: list, batch: torch.Tensor, slack: dict[str, torch.Tensor], t: int
+) -> dict[str, torch.Tensor]:
+    """|g(W + p) - g(W)| per element, p = the slack so far with random signs: how much the earlier steps'
+    admissible weight differences change this step's gradient (they feed into this step's forward)."""
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in named}
+    gen = torch.Generator().manual_seed(case.seed * 1000 + t)
+    kept = {n: p.detach().clone() for n, p in named}
+    with torch.no_grad():
+        for n, p in named:
+            if n in slack:
+                signs = torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1
+                p.add_(slack[n] * signs)
+    for _, p in named:
+        p.grad = None
+    rng = torch.get_rng_state()
+    _accumulate_grads(case, model, batch)
+    torch.set_rng_state(rng)
+    change = {}
+    with torch.no_grad():
+        for n, p in named:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            change[n] = (g - grads[n]).abs()
+            p.copy_(kept[n])
+            p.grad = grads[n]
+    return change
+
+
+def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tensor) -> Reference:
+    """Plain HF on one process: mean loss over the global batch, global-norm clipping, the optimizer."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = _optimizer(case, [p for _, p in named])
+    criteria = CRITERIA[case.dtype]
+    ref = Reference([], [], [])
+    v = {n: torch.zeros_like(p) for n, p in named}
+    beta2 = case.betas[1]
     model.train()
-    for batch in batches:
+    for t, batch in enumerate(batches, start=1):
+        if case.optimizer == "sgd":
+            ref.snapshots.append({n: p.detach().clone() for n, p in named})
         opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for k in range(case.micro_batches):
-            for d in range(case.dp):
-                ids = micro_batch(case, batch, k, d)
-                loss = model(input_ids=ids, labels=ids).loss
-                (loss / n_micro).backward()
-                total += loss.item() / n_micro
-        norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), case.grad_clip if case.grad_clip > 0 else float("inf")
-        )
+        rng = torch.get_rng_state()
+        total = _accumulate_grads(case, model, batch)
+        after = torch.get_rng_state()
+        propagated: dict[str, torch.Tensor] = {}
+        if case.optimizer != "sgd" and ref.adam_slack:
+            torch.set_rng_state(rng)
+            propagated = _propagated_change(case, model, named, batch, ref.adam_slack, t)
+            torch.set_rng_state(after)
+        max_norm = case.grad_clip if case.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm)
+        clip = min(1.0, max_norm / (float(norm) + 1e-6))
+        if case.optimizer != "sgd":
+            for n, p in named:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                v[n].mul_(beta2).add_(g * g, alpha=1 - beta2)
+                v_hat = v[n] / (1 - beta2**t)
+                delta = criteria.roundoff * float(g.abs().max()) if g.numel() else 0.0
+                if n in propagated:
+                    delta = delta + 2 * clip * propagated[n]
+                step = 2 * case.lr * delta / (v_hat.sqrt() + case.adam_eps)
+                # Adam moves an element by at most a few lr per step, whatever its gradient
+                ref.adam_slack[n] = ref.adam_slack.get(n, torch.zeros_like(p)) + step.clamp(max=4 * case.lr)
         opt.step()
-        losses.append(total)
-        norms.append(float(norm))
-    return losses, norms
+        ref.losses.append(total)
+        ref.norms.append(float(norm))
+    ref.snapshots.append({n: p.detach().clone() for n, p in named})
+    return ref
 
 
 def case_recipe(case: ParityCase) -> Recipe:
     """The recipe that runs `case` through the same engine builder as `dsx3d train`."""
     model_cfg = {k: v for k, v in case.config.to_diff_dict().items() if not k.startswith("_")}
     model_cfg["model_type"] = case.config.model_type
+    deepspeed: dict[str, Any] = {}
+    if case.optimizer == "sgd":
+        deepspeed = {
+            "optimizer": {"type": "SGD", "params": {"lr": case.lr, "momentum": 0.0, "weight_decay": 0.0}},
+            "zero_allow_untested_optimizer": True,
+        }
     return recipe_from_dict(
         {
             "model": {"config": model_cfg},
@@ -147,86 +281,160 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "lr": case.lr,
                 "lr_schedule": "constant",
                 "weight_decay": case.weight_decay,
-                "betas": [0.9, 0.95],
+                "betas": list(case.betas),
                 "eps": case.adam_eps,
                 "grad_clip": case.grad_clip,
                 "seed": case.seed,
                 "dtype": case.dtype,
                 "activation_checkpointing": case.activation_checkpointing,
             },
-            "zero": {"stage": 1},
+            "zero": {"stage": case.zero_stage},
+            "deepspeed": deepspeed,
         }
     )
 
 
-def _rank_worker(
-    rank: int, case: ParityCase, state: dict[str, torch.Tensor], batches: torch.Tensor
-) -> dict[str, Any]:
+def _rank_worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], batches: torch.Tensor) -> dict[str, Any]:
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
     engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
-    losses, norms = [], []
+    losses, norms, shards = [], [], []
     for batch in batches:
         micro = iter(
-            [
-                (ids, ids)
-                for ids in (micro_batch(case, batch, k, engine.placement.dp) for k in range(case.micro_batches))
-            ]
+            [(ids, ids) for ids in (micro_batch(case, batch, k, engine.placement.dp) for k in range(case.micro_batches))]
         )
         losses.append(engine.train_step(micro))
         norms.append(engine.grad_norm)
-    return {"losses": losses, "norms": norms, "shards": engine.hf_shards()}
+        if case.optimizer == "sgd":
+            shards.append(engine.hf_shards())
+    if case.optimizer != "sgd":
+        shards.append(engine.hf_shards())
+    return {"losses": losses, "norms": norms, "shards": shards}
 
 
-def run_parity(
-    case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0
-) -> ParityResult:
+def run_parity(case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0) -> ParityResult:
     """Train `model` (default: a fresh HF model of case.config, seeded) both ways and compare."""
     from dsx3d.models.shards import merge_shards
     from dsx3d.testing.harness import run_ranks
 
     model = build_reference(case) if model is None else model.float()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     batches = make_batches(case)
     t0 = time.perf_counter()
-    losses_ref, norms_ref = run_reference(case, model, batches)
+    ref = run_reference(case, model, batches)
     t1 = time.perf_counter()
     results = run_ranks(_rank_worker, case.world_size, case, state, batches, timeout_s=timeout_s)
     t2 = time.perf_counter()
-    final_ref = model.state_dict()
     vocab = case.config.get_text_config().vocab_size
-    sizes = {name: vocab for name, t in final_ref.items() if t.dim() >= 1 and t.shape[0] == vocab}
-    merged = merge_shards([r["shards"] for r in results], sizes)
-    worst, worst_name = 0.0, ""
-    for name, tensor in merged.items():
-        diff = (tensor - final_ref[name].float()).abs().max().item()
-        if diff > worst:
-            worst, worst_name = diff, name
-    params = dict(model.named_parameters())  # state-dict keys not here are tied aliases (lm_head.weight)
-    missing = sorted(set(k for k in final_ref if k in params) - set(merged))
+    sizes = {name: vocab for name, t in initial.items() if t.dim() >= 1 and t.shape[0] == vocab}
+    merged = [merge_shards([r["shards"][i] for r in results], sizes) for i in range(len(results[0]["shards"]))]
+    criteria = CRITERIA[case.dtype]
     losses_3d, norms_3d = results[0]["losses"], results[0]["norms"]
-    loss_diff = max(abs(a - b) for a, b in zip(losses_ref, losses_3d, strict=True))
-    norm_diff = max(abs(a - b) for a, b in zip(norms_ref, norms_3d, strict=True))
-    tol = (
-        {"loss": LOSS_TOL_FP32, "param": PARAM_TOL_FP32}
-        if case.dtype == "fp32"
-        else {"loss": 5e-2, "param": 5e-2}
-    )
-    result = ParityResult(
-        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp},
-        losses_ref=losses_ref,
+    checks = [
+        _relative_check("loss", ref.losses, losses_3d, criteria.loss_rtol),
+        _relative_check("grad_norm", ref.norms, norms_3d, criteria.norm_rtol),
+    ]
+    params = set(ref.snapshots[-1])  # state-dict keys not here are tied aliases (lm_head.weight)
+    missing = sorted(params - set(merged[-1]))
+    if missing:
+        checks.append(Check("parameters", float("inf"), f"missing from the 3D model: {missing}", False))
+    elif case.optimizer == "sgd":
+        after = [*merged]  # parameters after step t, t = 1..steps
+        before = [initial, *after[:-1]]
+        checks.append(_gradient_check(ref.snapshots, before, after, criteria))
+    else:
+        checks.append(_adam_weight_check(ref.snapshots[-1], merged[-1], ref.adam_slack, criteria))
+    worst, worst_name = 0.0, ""
+    for name, tensor in merged[-1].items():
+        if name in ref.snapshots[-1]:
+            diff = (tensor - ref.snapshots[-1][name].float()).abs().max().item()
+            if diff > worst:
+                worst, worst_name = diff, name
+    return ParityResult(
+        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp, "zero_stage": case.zero_stage},
+        optimizer=case.optimizer,
+        losses_ref=ref.losses,
         losses_3d=losses_3d,
-        grad_norms_ref=norms_ref,
+        grad_norms_ref=ref.norms,
         grad_norms_3d=norms_3d,
-        max_abs_loss_diff=loss_diff,
-        max_abs_grad_norm_diff=norm_diff,
+        max_abs_loss_diff=max(abs(a - b) for a, b in zip(ref.losses, losses_3d, strict=True)),
+        max_abs_grad_norm_diff=max(abs(a - b) for a, b in zip(ref.norms, norms_3d, strict=True)),
         max_abs_param_diff=worst,
-        worst_param=worst_name if not missing else f"missing: {missing}",
+        worst_param=worst_name,
         seconds_ref=t1 - t0,
         seconds_3d=t2 - t1,
-        tolerance=tol,
+        checks=checks,
+        ok=all(c.ok for c in checks),
     )
-    result.ok = not missing and loss_diff <= tol["loss"] and worst <= tol["param"]
-    return result
 
+
+def _relative_check(name: str, ref: list[float], got: list[float], rtol: float) -> Check:
+    ratios = [abs(a - b) / (rtol * max(1.0, abs(a))) for a, b in zip(ref, got, strict=True)]
+    worst = max(range(len(ratios)), key=ratios.__getitem__)
+    ok = all(r <= 1.0 for r in ratios)  # NaN never passes
+    return Check(name, ratios[worst], f"step {worst + 1}: {ref[worst]:.7g} vs {got[worst]:.7g}", ok)
+
+
+def _gradient_check(
+    ref_snapshots: list[dict[str, torch.Tensor]],
+    before: list[dict[str, torch.Tensor]],
+    after: list[dict[str, torch.Tensor]],
+    criteria: Criteria,
+) -> Check:
+    """SGD: each step's weight change (= -lr x clipped gradient), tensor by tensor."""
+    worst, where, ok = 0.0, "", True
+    for t in range(len(after)):
+        ref_delta = {n: ref_snapshots[t + 1][n] - ref_snapshots[t][n] for n in ref_snapshots[t]}
+        total = sum(float((d.double() ** 2).sum()) for d in ref_delta.values()) ** 0.5
+        for name, d_ref in ref_delta.items():
+            d_3d = after[t][name] - before[t][name].float()
+            err = float((d_3d.double() - d_ref.double()).norm())
+            allowed = criteria.grad_rtol * float(d_ref.double().norm()) + criteria.grad_floor * total
+            ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
+            ok = ok and ratio <= 1.0
+            if not ratio <= worst:
+                worst, where = ratio, f"step {t + 1}, {name}: |dW_3d - dW_ref| = {err:.3g}, allowed {allowed:.3g}"
+    return Check("gradients", worst, where, ok)
+
+
+def _adam_weight_check(
+    ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], slack: dict[str, torch.Tensor], criteria: Criteria
+) -> Check:
+    """AdamW: final weights element by element within Adam's amplification of round-off."""
+    worst, where, ok = 0.0, "", True
+    for name, w_ref in ref.items():
+        w_ref = w_ref.float()
+        diff = (got[name].float() - w_ref).abs()
+        allowed = slack.get(name, torch.zeros_like(w_ref)) + criteria.weight_atol * w_ref.abs().clamp(min=1.0)
+        ratio = diff / allowed
+        i = int(torch.nan_to_num(ratio, nan=float("inf")).argmax()) if ratio.numel() else 0
+        value = float(ratio.flatten()[i]) if ratio.numel() else 0.0
+        ok = ok and bool((diff <= allowed).all())
+        if not value <= worst:
+            worst = value
+            where = f"{name}[{i}]: |w_3d - w_ref| = {float(diff.flatten()[i]):.3g}, allowed {float(allowed.flatten()[i]):.3g}"
+    return Check("weights", worst, where, ok)
+
+
+SGD_LR = 0.5
+"""The SGD run's learning rate: large enough that an update stands far above the weights' fp32 spacing
+(a clipped update of norm 0.5 moves a typical element by ~1e-3, ulp of a 0.02 weight is 2e-9), so the weight
+change measures the gradient to ~1e-6; at lr 1e-3 fp32 rounding of the weights alone is ~1e-4 of it."""
+
+
+def run_verify(case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0) -> list[ParityResult]:
+    """`dsx3d verify`: the gradients through an SGD run, then the optimizer as training runs it (AdamW)."""
+    from dataclasses import replace
+
+    state = None if model is None else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    results = []
+    for optimizer in ("sgd", "adamw"):
+        fresh = None
+        if model is not None:
+            fresh = model
+            fresh.load_state_dict(state)  # type: ignore[arg-type]
+        lr = SGD_LR if optimizer == "sgd" else case.lr
+        results.append(run_parity(replace(case, optimizer=optimizer, lr=lr), model=fresh, timeout_s=timeout_s))
+    return results

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dsx3d.errors import Problem, UserError
 from dsx3d.layout import Layout
@@ -79,6 +79,15 @@ class TrainSection(_Section):
     save_interval: int = Field(0, ge=0)
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
+    report_to: list[Literal["tensorboard", "wandb", "csv"]] = Field(default_factory=list)
+    """Experiment tracking: any of tensorboard, wandb, csv (a name or a list); "none" or [] for none."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        return [v for v in value if v != "none"] if isinstance(value, list) else value
 
 
 class ZeroSection(_Section):

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import logging
 import os
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -53,6 +55,7 @@ from dsx3d.run.ranks import (
     is_peer_lost,
     naming_dead_peers,
 )
+from dsx3d.run.tracking import Tracker
 
 log = logging.getLogger("dsx3d")
 
@@ -81,7 +84,7 @@ def train(
     with naming_dead_peers(info, peers):
         paths = RunPaths.of(recipe)
         check_start(paths, resume=resume, overwrite=overwrite)
-        engine = _quietly(build_engine, recipe)
+        engine = _quietly(functools.partial(build_engine, recipe, check_data=True))
         stream, tokenizer = _rank_data(recipe, engine, info)
         ckpt = Checkpointer(engine, paths.checkpoints, dump_recipe(recipe), recipe.train.keep_checkpoints)
         start = _resume(ckpt, stream) if resume else 0
@@ -159,6 +162,7 @@ def _train_steps(
         train.log_interval,
         _throughput(recipe, engine),
         enabled=info.rank == 0,
+        tracker=Tracker(train.report_to, paths.root, paths.root.name, enabled=info.rank == 0, fresh=start == 0),
     )
     losses: list[float] = []
     saved = start
@@ -257,9 +261,11 @@ def setup_logging(rank: int) -> None:
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    # DeepSpeed's ZeRO-1 calls a torch collective that torch has renamed; once per rank is noise.
+    # DeepSpeed's ZeRO-1/2/3 call torch collectives that torch has renamed; once per rank is noise.
     warnings.filterwarnings(
-        "ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning
+        "ignore",
+        message=".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated",
+        category=FutureWarning,
     )
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     ds_logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     info = RankInfo.from_env(rank, world)
     try:
         recipe = load_recipe(args.recipe)
-        comm.init_distributed(timeout_s=args.pg_timeout_s)
+        _init_process_group(args.pg_timeout_s)
         train(recipe, resume=args.resume, overwrite=args.overwrite)
         comm.barrier()  # every rank is done with every collective and file
         return _exit_now(0)
@@ -291,6 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(err, PeerDied) and not is_peer_lost(err):
             traceback.print_exc()
         return _exit_now(1)
+
+
+def _init_process_group(timeout_s: float) -> None:
+    """The launcher's process group (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or, run as plain
+    `python -m dsx3d.train RECIPE` without a launcher, a process group of this one rank."""
+    if "RANK" in os.environ or "MASTER_ADDR" in os.environ:
+        comm.init_distributed(timeout_s=timeout_s)
+    else:
+        comm.init_single_process(tempfile.mkdtemp(prefix="dsx3d-pg-"), timeout_s=timeout_s)
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -79,90 +79,100 @@ def test_cli_refuses_multi_node_without_address(tmp_path: Path, capsys: pytest.C
     assert yaml.safe_load(out.read_text())["num_machines"] == 2
 
 
-# -- a real launcher run ---------------------------------------------------------------------------------------
+# -- real launcher runs ------------------------------------------------------------------------------------
 
-EXAMPLE = ROOT / "scripts" / "examples" / "trainer.py"
-STEPS, TRAIN, EVAL, SEQ = 3, 32, 8, 32
+EXAMPLES = ROOT / "scripts" / "examples"
+SEQ = 32
 
 
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("example_trainer", EXAMPLE)
+def _example(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 
 
-def _reference(rank: int, model_dir: Path, work: Path, dp: int) -> dict[str, Any]:
-    """The example's job as plain transformers.Trainer on one process (accumulation x dp, same global batch)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer
+def _reference(rank: int, argv: list[str]) -> dict[str, Any]:
+    """run_clm.py before the switch: plain transformers.Trainer on one process, the same global batch."""
+    import transformers
 
-    ex = _example()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_set, eval_set = ex.build_datasets(tokenizer, SEQ, TRAIN, EVAL)
-    layout = {
-        "per_device_train_batch_size": 2,
-        "gradient_accumulation_steps": 2 * dp,
-        "max_grad_norm": 1.0,
-        "bf16": False,
+    module = _example("run_clm")
+    module.Trainer = transformers.Trainer
+    return module.main(argv)
+
+
+def _launch(tmp_path: Path, config: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", "0"]
+    return subprocess.run([*launch, *command], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _layout_recipe(path: Path, model: Path, pp: int, dp: int, **extra: Any) -> Path:
+    recipe = {
+        "model": {"name_or_path": str(model)},
+        "parallel": {"dp": dp, "tp": 1, "pp": pp},
+        "cluster": {"nodes": 1, "gpus_per_node": dp * pp},
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "seq_len": SEQ, "dtype": "fp32", "grad_clip": 1.0},
+        "zero": {"stage": 1},
+        **extra,
     }
-    trainer = Trainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        args=ex.training_arguments(work / "ref", layout, STEPS, 2e-3, 0),
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
-        train_dataset=train_set,
-        eval_dataset=eval_set,
-    )
-    before = trainer.evaluate()["eval_loss"]
-    trainer.train()
-    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "eval_before": before}
+    path.write_text(yaml.safe_dump(recipe))
+    return path
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("warm")
-def test_example_under_accelerate_launch_matches_plain_transformers(tmp_path: Path) -> None:
+def test_run_clm_under_accelerate_launch_matches_plain_transformers(tmp_path: Path) -> None:
     """4 processes (pp 2 x dp 2) started by `accelerate launch --config_file`: accelerate's environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, ACCELERATE_DEEPSPEED_CONFIG_FILE) and its CPU quirk (one
-    process reported per rank unless gloo) are handled, and the losses equal single-process transformers."""
+    process reported per rank unless gloo) are handled; the script takes the layout from accelerate's
+    DeepSpeed config, and the losses equal single-process transformers."""
     from dsx3d.testing.harness import run_ranks
 
-    model_dir = _example().make_tiny_checkpoint(tmp_path / "tiny")
+    model_dir = _example("run_clm").make_tiny_checkpoint(tmp_path / "tiny")
+    recipe = _layout_recipe(tmp_path / "recipe.yaml", model_dir, pp=2, dp=2)
+    assert main(["accelerate-config", str(recipe), "-o", str(tmp_path / "acc.yaml")]) == 0
+    common = ["--model_name_or_path", str(model_dir), "--max_steps", "3", "--do_train", "--do_eval", "--logging_steps", "1",
+              "--report_to", "none", "--disable_tqdm", "true", "--max_train_samples", "32", "--max_eval_samples", "8",
+              "--block_size", str(SEQ), "--save_strategy", "no"]  # fmt: skip
+    log_json = tmp_path / "log.json"
+    proc = _launch(tmp_path, tmp_path / "acc.yaml", str(EXAMPLES / "run_clm.py"), *common,
+                   "--output_dir", str(tmp_path / "out"), "--log_json", str(log_json))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ours = json.loads(log_json.read_text())
+    ref_args = ["--output_dir", str(tmp_path / "ref"), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"]
+    ref = run_ranks(_reference, 1, [*common, *ref_args])[0]
+    losses = [[h["loss"] for h in r["log_history"] if "loss" in h] for r in (ours, ref)]
+    assert len(losses[0]) == len(losses[1]) == 3, losses
+    assert max(abs(a - b) for a, b in zip(*losses, strict=True)) <= 1e-5, losses
+    assert abs(ours["metrics"]["eval_loss"] - ref["metrics"]["eval_loss"]) <= 1e-5, (ours["metrics"], ref["metrics"])
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_dsx3d_train_module_under_accelerate_launch(tmp_path: Path) -> None:
+    """`accelerate launch --config_file acc.yaml -m dsx3d.train RECIPE` (pp 2, 2 processes) trains the recipe."""
+    from dsx3d.run.metrics import read_metrics
+
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         yaml.safe_dump(
             {
-                "model": {"name_or_path": str(model_dir)},
-                "parallel": {"dp": 2, "tp": 1, "pp": 2},
-                "cluster": {"nodes": 1, "gpus_per_node": 4},
-                "train": {
-                    "micro_batch_size": 2,
-                    "gradient_accumulation_steps": 2,
-                    "seq_len": SEQ,
-                    "dtype": "fp32",
-                    "grad_clip": 1.0,
-                },
-                "zero": {"stage": 1},
+                "model": {"config": {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                     "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 512,
+                                     "max_position_embeddings": 64, "tie_word_embeddings": False}},
+                "parallel": {"dp": 1, "tp": 1, "pp": 2},
+                "cluster": {"nodes": 1, "gpus_per_node": 2},
+                "train": {"steps": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "seq_len": SEQ, "dtype": "fp32"},
+                "data": {"tokenizer_vocab_size": 512, "cache_dir": str(tmp_path / "cache")},
+                "output_dir": str(tmp_path / "run"),
             }
         )
-    )
+    )  # fmt: skip
     assert main(["accelerate-config", str(recipe), "-o", str(tmp_path / "acc.yaml")]) == 0
-    log_json = tmp_path / "log.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "acc.yaml"),
-        "--main_process_port", "0", str(EXAMPLE), "--model", str(model_dir), "--output-dir", str(tmp_path / "out"),
-        "--steps", str(STEPS), "--train-samples", str(TRAIN), "--eval-samples", str(EVAL), "--log-json", str(log_json),
-    ]  # fmt: skip
-    proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = _launch(tmp_path, tmp_path / "acc.yaml", "-m", "dsx3d.train", str(recipe))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    ours = json.loads(log_json.read_text())
-    ref = run_ranks(_reference, 1, model_dir, tmp_path, 2)[0]
-    losses = [h["loss"] for h in ours["log_history"] if "loss" in h]
-    assert len(losses) == len(ref["losses"]) == STEPS, (losses, ref["losses"])
-    assert max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)) <= 1e-5, (
-        losses,
-        ref["losses"],
-    )
-    assert abs(ours["eval_before"] - ref["eval_before"]) <= 1e-5
-    assert (tmp_path / "out" / "final" / "config.json").is_file()
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from transformers import AutoConfig
 
-from dsx3d.checker import RULES, check_recipe, raise_for_errors
+from dsx3d.checker import DATA_RULES, RULES, check_recipe, raise_for_errors
 from dsx3d.ds_config import deep_merge
 from dsx3d.errors import Problem, UserError
 from dsx3d.recipe import load_recipe, recipe_from_dict
@@ -35,6 +35,14 @@ def _model(**dims: Any) -> dict[str, Any]:
 # (patch, world size, key, severity, words in the message); the id says what would otherwise go wrong.
 CASES = [
     pytest.param(
+        {"model": {"config": {"vocab_size": 1024}}},
+        None,
+        "model.config.vocab_size",
+        "error",
+        "can have up to 2048 tokens",
+        id="trained-tokenizer-larger-than-the-vocabulary",
+    ),
+    pytest.param(
         {"parallel": {"dp": 3}},
         None,
         "parallel.dp x parallel.tp x parallel.pp",
@@ -49,6 +57,14 @@ CASES = [
         "error",
         "--world-size 12",
         id="world-size-option-mismatch",
+    ),
+    pytest.param(
+        {"parallel": {"dp": 4, "pp": 1}, "zero": {"stage": 0}, "train": {"dtype": "bf16"}},
+        None,
+        "zero.stage",
+        "error",
+        "counts the TP shards of rank 0 only",
+        id="bf16-without-zero-under-tp-clips-by-a-wrong-norm",
     ),
     pytest.param(
         {"parallel": {"dp": "auto", "pp": 3}, "train": {"gradient_accumulation_steps": 6}},
@@ -167,12 +183,44 @@ CASES = [
         id="batch-size-over-world-fails-at-init",
     ),
     pytest.param(
-        {"deepspeed": {"train_batch_size": "auto"}},
+        {"deepspeed": {"zero_optimization": {"sub_group_size": "auto"}}},
         None,
-        "deepspeed.train_batch_size",
+        "deepspeed.zero_optimization.sub_group_size",
         "error",
-        "= 16",
-        id="batch-size-auto",
+        "resolves \"auto\" only where",
+        id="auto-left-unresolved",
+    ),
+    pytest.param(
+        {"deepspeed": {"wall_clock_breakdown": True}},
+        None,
+        "deepspeed.wall_clock_breakdown",
+        "error",
+        "timer has already been started",
+        id="wall-clock-breakdown-with-pipeline",
+    ),
+    pytest.param(
+        {"deepspeed": {"comet": {"enabled": True}}},
+        None,
+        "deepspeed.comet.enabled",
+        "error",
+        "comet_ml package",
+        id="monitor-package-missing",
+    ),
+    pytest.param(
+        {"data": {"source": "/no/such/corpus.jsonl"}},
+        None,
+        "data.source",
+        "error",
+        "not found",
+        id="data-source-missing",
+    ),
+    pytest.param(
+        {"model": {"config": {"pad_token_id": 4000}}},
+        None,
+        "model.config.pad_token_id",
+        "error",
+        "cannot build the model",
+        id="config-transformers-cannot-build",
     ),
     pytest.param(
         {"deepspeed": {"gradient_accumulation_steps": 8}},
@@ -256,8 +304,37 @@ def test_base_recipe_is_clean() -> None:
     assert _check({}) == []
 
 
+def test_hf_style_auto_values_resolve_from_the_recipe() -> None:
+    """The "auto" values of HF's example DeepSpeed JSONs are accepted and take the recipe's values."""
+    from dsx3d.ds_config import auto_paths, build_ds_config
+
+    auto = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": "auto", "reduce_bucket_size": "auto"},
+    }
+    recipe = recipe_from_dict(deep_merge(copy.deepcopy(BASE), {"deepspeed": auto}))
+    assert check_recipe(recipe) == []
+    config = build_ds_config(recipe, hidden_size=64)
+    assert auto_paths(config) == []
+    plain = build_ds_config(recipe_from_dict(copy.deepcopy(BASE)))
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        assert config[key] == plain[key]
+    assert config["optimizer"] == plain["optimizer"] and config["bf16"] == plain["bf16"]
+    assert config["scheduler"] == {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": recipe.train.lr, "warmup_num_steps": recipe.train.warmup_steps},
+    }  # another schedule than dsx3d's: its own parameters only
+    assert config["zero_optimization"] == {"stage": recipe.zero.stage, "reduce_bucket_size": 64 * 64}
+
+
 def test_every_rule_has_a_case() -> None:
-    assert len(CASES) >= len(RULES)
+    assert len(CASES) >= len(RULES) + len(DATA_RULES)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -268,9 +345,17 @@ def test_zero_2_3_with_pipeline_is_refused_with_the_fix(stage: int) -> None:
     assert "zero.stage: 1" in problem.fix and "parallel.pp: 1" in problem.fix
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_2_3_without_pipeline_is_accepted(stage: int) -> None:
-    assert _check({"zero": {"stage": stage}, "parallel": {"pp": 1, "dp": 4}}) == []
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_zero_stage_without_pipeline_is_accepted(stage: int, dtype: str, tp: int) -> None:
+    """pp = 1 runs DeepSpeed's regular engine (dsx3d.models.sequential), which takes ZeRO-0/1/2/3 with TP and
+    with CPU offload (tests/test_pp1_engine.py); only bf16 without ZeRO under TP is refused (a wrong norm)."""
+    recipe = {"zero": {"stage": stage}, "parallel": {"pp": 1, "tp": tp, "dp": 8 // tp}, "train": {"dtype": dtype}}
+    offload = {"offload_optimizer": {"device": "cpu"}} if stage else {}
+    recipe["deepspeed"] = {"zero_optimization": offload} if offload else {}
+    refused = stage == 0 and dtype == "bf16" and tp > 1
+    assert [p.key for p in _check(recipe)] == (["zero.stage"] if refused else [])
 
 
 def test_every_problem_is_reported_at_once() -> None:

@@ -11,112 +11,62 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from trainer_helpers import (
+    ACCUM,
+    HF_AUTO_CONFIG,
+    MICRO,
+    SEQ,
+    eval_set,
+    layout_recipe,
+    step_values,
+    tiny_llama,
+    train_set,
+    training_args,
+    write_ds_config,
+)
 
-from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
-from dsx3d.models.families import tiny_config
-from dsx3d.recipe import recipe_from_dict
 from dsx3d.testing.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 
-SEQ = 16
-MICRO = 2  # micro-batch size
-ACCUM = 2  # micro-batches per optimizer step and DP rank
 STEPS = 4
 TOL = 1e-5
+_model, _train_set, _eval_set, _args, _steps, _write_ds_config = tiny_llama, train_set, eval_set, training_args, step_values, write_ds_config
+EVAL_ROWS = 3  # per_device_eval_batch_size, not the training micro-batch: the pipeline must switch shapes
 
 
-def _config() -> Any:
-    return tiny_config("llama", tie_word_embeddings=False)
+def token_accuracy(prediction: Any) -> dict[str, float]:
+    """compute_metrics as run_clm writes it: predicted token t+1 at t against the labels, scored ones only."""
+    preds, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+    scored = labels != -100
+    return {"accuracy": float((preds[scored] == labels[scored]).mean()), "scored": int(scored.sum())}
 
 
-def _model() -> Any:
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(_config())
-
-
-def _train_set() -> Any:
-    """Fixed token ids; some labels ignored (-100), so micro-batches score different numbers of tokens and the
-    loss must be weighted by tokens over the whole step, as HF's Trainer does."""
-    import datasets
-
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 128, (48, SEQ), generator=g)
-    labels = ids.clone()
-    labels[torch.rand(ids.shape, generator=g) < 0.3] = -100
-    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
-
-
-def _eval_set() -> Any:
-    import datasets
-
-    ids = torch.randint(0, 128, (10, SEQ), generator=torch.Generator().manual_seed(2))
-    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-
-
-def _write_ds_config(path: Path, dp: int, tp: int, pp: int) -> Path:
-    recipe = recipe_from_dict(
-        {
-            "model": {"config": {"model_type": "llama"}},
-            "parallel": {"dp": dp, "tp": tp, "pp": pp},
-            "cluster": {"nodes": 1, "gpus_per_node": dp * tp * pp},
-            "train": {
-                "micro_batch_size": MICRO,
-                "gradient_accumulation_steps": ACCUM,
-                "seq_len": SEQ,
-                "dtype": "fp32",
-                "grad_clip": 1.0,
-            },
-            "zero": {"stage": 1},
-        }
-    )
-    path.write_text(json.dumps(build_ds_config(recipe, dp * tp * pp)))
-    return path
-
-
-def _args(out: Path, **overrides: Any) -> Any:
-    from transformers import TrainingArguments
-
-    kwargs: dict[str, Any] = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=MICRO,
-        gradient_accumulation_steps=ACCUM,
-        max_steps=STEPS,
-        learning_rate=2e-3,
-        weight_decay=0.1,  # HF exempts biases and norms: the 3D optimizer must group the same way
-        warmup_steps=1,
-        lr_scheduler_type="linear",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        seed=0,
-        per_device_eval_batch_size=MICRO,
-        include_num_input_tokens_seen="all",
-    )
-    kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
-
-
-def _steps(history: list[dict[str, Any]], key: str) -> list[float]:
-    return [h[key] for h in history if key in h and "train_loss" not in h]
+def _plain_eval_loss(model: Any) -> float:
+    """`model`'s own HF forward over the eval set (equal lengths, every label scored: a token mean)."""
+    ids = torch.tensor(_eval_set()["input_ids"])
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
 
 
 def _trainer_3d(rank: int, work: Path, ds_config: Path) -> dict[str, Any]:
     import dsx3d
+    from dsx3d.integrations.last_stage import argmax_logits
 
     trainer = dsx3d.Trainer(
         model=_model(),
-        args=_args(work / "run3d", deepspeed=str(ds_config)),
+        args=_args(work / "run3d", deepspeed=str(ds_config), per_device_eval_batch_size=EVAL_ROWS),
         train_dataset=_train_set(),
         eval_dataset=_eval_set(),
+        compute_metrics=token_accuracy,
+        preprocess_logits_for_metrics=argmax_logits,
     )
-    before = trainer.evaluate()["eval_loss"]
+    before = trainer.evaluate()
     metrics = trainer.train().metrics
-    after = trainer.evaluate()["eval_loss"]
+    after = trainer.evaluate()
+    predicted = trainer.predict(_eval_set()).predictions
+    trained = _plain_eval_loss(trainer.model)  # trainer.model holds the trained weights
     trainer.save_model(str(work / "export"))
     figures = {
         "total_batch": trainer.get_total_train_batch_size(trainer.args),
@@ -124,18 +74,28 @@ def _trainer_3d(rank: int, work: Path, ds_config: Path) -> dict[str, Any]:
         "tokens": trainer.state.num_input_tokens_seen,
         "flos": trainer.state.total_flos,
     }
-    return {"history": trainer.state.log_history, "before": before, "after": after, "figures": figures}
+    return {"history": trainer.state.log_history, "before": before, "after": after, "figures": figures, "predicted": predicted, "trained": trained}
 
 
 def _trainer_ref(rank: int, work: Path, dp: int) -> dict[str, Any]:
     """Plain transformers.Trainer on one process: the same global batch as micro-batches of the same size."""
     from transformers import AutoModelForCausalLM, Trainer
 
-    args = _args(work / "ref", gradient_accumulation_steps=ACCUM * dp)
-    trainer = Trainer(model=_model(), args=args, train_dataset=_train_set(), eval_dataset=_eval_set())
-    before = trainer.evaluate()["eval_loss"]
+    from dsx3d.integrations.last_stage import argmax_logits
+
+    args = _args(work / "ref", gradient_accumulation_steps=ACCUM * dp, per_device_eval_batch_size=EVAL_ROWS)
+    trainer = Trainer(
+        model=_model(),
+        args=args,
+        train_dataset=_train_set(),
+        eval_dataset=_eval_set(),
+        compute_metrics=token_accuracy,
+        preprocess_logits_for_metrics=argmax_logits,
+    )
+    before = trainer.evaluate()
     metrics = trainer.train().metrics
-    after = trainer.evaluate()["eval_loss"]
+    after = trainer.evaluate()
+    predicted = trainer.predict(_eval_set()).predictions
     figures = {
         "total_batch": trainer.get_total_train_batch_size(trainer.args),
         "samples": metrics["train_samples_per_second"] * metrics["train_runtime"],
@@ -152,13 +112,17 @@ def _trainer_ref(rank: int, work: Path, dp: int) -> dict[str, Any]:
         "after": after,
         "reloaded": reloaded,
         "figures": figures,
+        "predicted": predicted,
     }
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 2), (1, 2, 2)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}")
-def test_trainer_matches_plain_transformers(tmp_path: Path, layout: tuple[int, int, int]) -> None:
-    dp, tp, pp = layout
-    ds_config = _write_ds_config(tmp_path / "ds.json", dp, tp, pp)
+# the last one: no pipeline, DeepSpeed's regular engine with ZeRO-3 partitions over dp and TP shards
+@pytest.mark.parametrize(
+    "layout", [(2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 1, 3)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}-zero{t[3]}"
+)
+def test_trainer_matches_plain_transformers(tmp_path: Path, layout: tuple[int, int, int, int]) -> None:
+    dp, tp, pp, zero_stage = layout
+    ds_config = _write_ds_config(tmp_path / "ds.json", dp, tp, pp, zero_stage)
     ours = run_ranks(_trainer_3d, dp * tp * pp, tmp_path, ds_config)
     ref = run_ranks(_trainer_ref, 1, tmp_path, dp)[0]
     for key, tol in (("loss", TOL), ("grad_norm", 1e-4), ("learning_rate", 1e-9)):
@@ -168,41 +132,21 @@ def test_trainer_matches_plain_transformers(tmp_path: Path, layout: tuple[int, i
     assert _steps(ref["history"], "loss")[0] != _steps(ref["history"], "loss")[-1]  # it trained
     # every rank logs the same figures
     assert all(_steps(r["history"], "loss") == _steps(ours[0]["history"], "loss") for r in ours)
-    assert abs(ours[0]["before"] - ref["before"]) <= TOL, (ours[0]["before"], ref["before"])
-    assert abs(ours[0]["after"] - ref["after"]) <= TOL, (ours[0]["after"], ref["after"])
-    assert abs(ref["reloaded"] - ours[0]["after"]) <= TOL, (ref["reloaded"], ours[0]["after"])
+    for when in ("before", "after"):  # evaluation in batches of EVAL_ROWS, with compute_metrics on argmax ids
+        a, b = ours[0][when], ref[when]
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= TOL, (when, a, b)
+        assert a["eval_scored"] == b["eval_scored"] == 10 * (SEQ - 1) and a["eval_accuracy"] == b["eval_accuracy"], (when, a, b)
+    keys = ("eval_loss", "eval_accuracy", "eval_scored")
+    assert all([r["after"][k] for k in keys] == [ours[0]["after"][k] for k in keys] for r in ours)  # on every rank
+    assert (ours[0]["predicted"] == ref["predicted"]).all() and ours[0]["predicted"].shape == (10, SEQ)
+    assert abs(ref["reloaded"] - ours[0]["after"]["eval_loss"]) <= TOL, (ref["reloaded"], ours[0]["after"])
+    assert all(abs(r["trained"] - ours[0]["after"]["eval_loss"]) <= TOL for r in ours), [r["trained"] for r in ours]
     # figures count each DP shard once: total batch 2 x 2 x dp, 4 steps of it, 16 tokens a sample
     mine, theirs = ours[0]["figures"], ref["figures"]
     assert mine["total_batch"] == theirs["total_batch"] == MICRO * ACCUM * dp
     assert mine["tokens"] == theirs["tokens"] == STEPS * MICRO * ACCUM * dp * SEQ
     assert mine["flos"] == theirs["flos"]
     assert mine["samples"] == pytest.approx(theirs["samples"], rel=0.01)
-
-
-def _resume_3d(rank: int, work: Path, ds_config: Path) -> dict[str, Any]:
-    import dsx3d
-
-    args = _args(work / "run", deepspeed=str(ds_config), save_strategy="steps", save_steps=2)
-    full = dsx3d.Trainer(model=_model(), args=args, train_dataset=_train_set())
-    full.train()
-    resumed = dsx3d.Trainer(
-        model=_model(), args=_args(work / "resumed", deepspeed=str(ds_config)), train_dataset=_train_set()
-    )
-    resumed.train(resume_from_checkpoint=str(work / "run" / "checkpoint-2"))
-    return {
-        "full": _steps(full.state.log_history, "loss"),
-        "resumed": _steps(resumed.state.log_history, "loss"),
-    }
-
-
-def test_resume_continues_with_the_same_losses(tmp_path: Path) -> None:
-    """A run resumed from its step-2 checkpoint (engine state, HF scheduler, data position) logs the same
-    losses for steps 3 and 4 as the uninterrupted run."""
-    ds_config = _write_ds_config(tmp_path / "ds.json", 2, 1, 2)
-    r = run_ranks(_resume_3d, 4, tmp_path, ds_config)[0]
-    assert len(r["full"]) == len(r["resumed"]) == STEPS, r
-    assert max(abs(a - b) for a, b in zip(r["full"], r["resumed"], strict=True)) <= 1e-6, r
-    assert (tmp_path / "run" / "checkpoint-2" / "config.json").is_file()  # checkpoints hold an HF export too
 
 
 def _mismatched(rank: int, work: Path, ds_config: Path) -> list[str]:
@@ -230,30 +174,14 @@ def test_training_arguments_that_contradict_the_layout_are_refused(tmp_path: Pat
     text = "\n".join(problems)
     assert (
         "TrainingArguments.per_device_train_batch_size = 4" in text
-        and "train_micro_batch_size_per_gpu = 2" in text
+        and "ds.json: train_micro_batch_size_per_gpu = 2" in text
     ), text
     assert (
         "TrainingArguments.gradient_accumulation_steps = 3" in text
-        and "gradient_accumulation_steps = 2" in text
+        and "ds.json: gradient_accumulation_steps = 2" in text
     ), text
-    assert "TrainingArguments.max_grad_norm = 0.5" in text and "gradient_clipping = 1.0" in text, text
+    assert "TrainingArguments.max_grad_norm = 0.5" in text and "ds.json: gradient_clipping = 1.0" in text, text
     assert "WORLD_SIZE = 1" in text, text  # a 4-rank layout on 1 process
-
-
-def test_a_dsx3d_config_json_turns_back_into_its_recipe(tmp_path: Path) -> None:
-    """The Trainer rebuilds the recipe from the JSON's "dsx3d" section and top level; regenerating from it gives
-    the same JSON, so the engine runs exactly the config the user passed."""
-    from dsx3d.integrations.layout_source import recipe_from_ds_config
-
-    original = json.loads(_write_ds_config(tmp_path / "ds.json", 2, 2, 2).read_text())
-    recipe = recipe_from_ds_config(original, "ds.json", {"config": {"model_type": "llama"}})
-    assert build_ds_config(recipe, 8) == original
-    with pytest.raises(UserError, match="dsx3d"):
-        recipe_from_ds_config(
-            {k: v for k, v in original.items() if k != "dsx3d"},
-            "plain.json",
-            {"config": {"model_type": "llama"}},
-        )
 
 
 def _meta_model_from_recipe(rank: int, work: Path, recipe: Path) -> dict[str, float]:
@@ -273,7 +201,12 @@ def _meta_model_from_recipe(rank: int, work: Path, recipe: Path) -> dict[str, fl
     trainer = Trainer(model=model, args=args, train_dataset=_train_set(), eval_dataset=data)
     got = trainer.evaluate()["eval_loss"]
     trainer.train()
-    return {"expected": expected, "got": got}
+    try:  # a meta model holds no weights, trained or not: saving it must not silently write an empty model
+        trainer.model.save_pretrained(str(work / "meta-save"))
+        refused = ""
+    except UserError as err:
+        refused = str(err)
+    return {"expected": expected, "got": got, "refused": refused}
 
 
 def test_meta_model_reads_its_checkpoint_and_a_recipe_path_is_a_layout(tmp_path: Path) -> None:
@@ -299,3 +232,90 @@ def test_meta_model_reads_its_checkpoint_and_a_recipe_path_is_a_layout(tmp_path:
     )
     r = run_ranks(_meta_model_from_recipe, 1, tmp_path, recipe)[0]
     assert abs(r["got"] - r["expected"]) <= TOL, r
+    assert "trainer.save_model" in r["refused"] and not (tmp_path / "meta-save").exists(), r
+
+
+def z_loss_cross_entropy(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+    """A compute_loss_func as HF documents it: cross-entropy plus a z-loss on the full-vocabulary logits,
+    summed over the scored tokens and divided by the step's token count."""
+    logits = outputs.logits.float()[:, :-1].reshape(-1, outputs.logits.shape[-1])
+    target = labels[:, 1:].reshape(-1)
+    scored = target != -100
+    ce = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+    z = (torch.logsumexp(logits, dim=-1)[scored] ** 2).sum()
+    return (ce + 1e-2 * z) / num_items_in_batch
+
+
+def confidence(logits: Any, labels: Any) -> Any:
+    """preprocess_logits_for_metrics that needs every column: the top softmax probability at each position."""
+    return logits.float().softmax(dim=-1).max(dim=-1).values
+
+
+def mean_confidence(prediction: Any) -> dict[str, float]:
+    scored = prediction.label_ids[:, 1:] != -100
+    return {"confidence": float(prediction.predictions[:, :-1][scored].mean())}
+
+
+def _custom_loss_run(rank: int, work: Path, deepspeed: str | None) -> dict[str, Any]:
+    """3D (deepspeed given) or plain HF on one process (None, the same global batch)."""
+    import transformers
+
+    import dsx3d
+
+    # gradient_checkpointing: the recipe does not say, so it takes TrainingArguments' value
+    args = _args(work / ("run3d" if deepspeed else "ref"), deepspeed=deepspeed, gradient_checkpointing=True)
+    cls = dsx3d.Trainer if deepspeed else transformers.Trainer
+    trainer = cls(
+        model=_model(),
+        args=args,
+        train_dataset=_train_set(),
+        eval_dataset=_eval_set(),
+        compute_loss_func=z_loss_cross_entropy,
+        compute_metrics=mean_confidence,
+        preprocess_logits_for_metrics=confidence,
+    )
+    trainer.train()
+    out = {"history": trainer.state.log_history, "eval": trainer.evaluate()}
+    if deepspeed:
+        out["checkpointing"] = trainer.engine3d.module.activation_checkpoint_interval
+    return out
+
+
+def test_compute_loss_func_and_full_logit_metrics_match_plain_transformers(tmp_path: Path) -> None:
+    """At dp 1 x tp 2 x pp 2 the user's loss, on the last stage's logits gathered over the TP group, trains
+    exactly as under plain HF, and a metric on full logits sees the same values. The layout comes from an
+    HF-style DeepSpeed JSON full of "auto" that names its recipe; gradient_checkpointing=True turns on the
+    recipe's activation checkpointing."""
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(layout_recipe(1, 2, 2)))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**HF_AUTO_CONFIG, "dsx3d": {"recipe": "r.yaml"}}))
+    ours = run_ranks(_custom_loss_run, 4, tmp_path, str(ds))[0]
+    ref = run_ranks(_custom_loss_run, 1, tmp_path, None)[0]
+    assert ours["checkpointing"] == 1
+    for key, tol in (("loss", TOL), ("grad_norm", 1e-4), ("learning_rate", 1e-9)):
+        a, b = _steps(ours["history"], key), _steps(ref["history"], key)
+        assert len(a) == len(b) == STEPS and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= tol, (key, a, b)
+    assert abs(ours["eval"]["eval_confidence"] - ref["eval"]["eval_confidence"]) <= TOL, (ours["eval"], ref["eval"])
+
+
+def test_transformers_leaves_zero3_partitioning_to_dsx3d(tmp_path: Path) -> None:
+    """With a dsx3d layout at zero.stage 3 registered (TrainingArguments(deepspeed=...)), transformers would wrap
+    every model built afterwards (the user's from_pretrained, dsx3d's meta skeletons) in deepspeed.zero.Init
+    over the whole world; it once failed there on DeepSpeed's world-size batch check. Other configs keep
+    transformers' own ZeRO-3 handling."""
+    from transformers.integrations.deepspeed import (
+        HfDeepSpeedConfig,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
+    from dsx3d import Trainer  # noqa: F401  (importing it installs the hook, as for recipe paths)
+
+    ours = json.loads(_write_ds_config(tmp_path / "ds.json", 2, 2, 1, zero_stage=3).read_text())
+    try:
+        held = HfDeepSpeedConfig(ours)
+        assert held.config["zero_optimization"]["stage"] == 3 and not is_deepspeed_zero3_enabled()
+        held = HfDeepSpeedConfig({k: v for k, v in ours.items() if k != "dsx3d"})
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()

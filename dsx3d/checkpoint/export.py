@@ -37,6 +37,7 @@ from dsx3d.checkpoint.writer import (
 )
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
+from dsx3d.models.shards import local_shape
 
 if TYPE_CHECKING:
     from dsx3d.engine import Engine3D
@@ -60,7 +61,7 @@ def describe_params(module: nn.Module) -> list[Described]:
         parts = pname.split(".")
         layer = ".".join(parts[:2]) if parts[0] == "tied_modules" else parts[0]
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
-        out.append((name, layer, tuple(p.shape), dim))
+        out.append((name, layer, local_shape(p), dim))
     return out
 
 
@@ -176,10 +177,11 @@ def _write_stage(
     staging: Path,
 ) -> str | None:
     """This rank's part: gather its stage's TP shards layer by layer (dp rank 0 only) and, on the stage's
-    writer, stream them to the stage's files. Returns an error message instead of raising, so that every
-    peer still takes part in every gather."""
+    writer, stream them to the stage's files. With ZeRO-3 every DP rank takes part in gathering each layer's
+    partitions first. Returns an error message instead of raising, so that every peer still takes part in
+    every gather."""
     place, layout = engine.placement, engine.layout
-    if place.dp != 0:
+    if place.dp != 0 and engine.zero_stage < 3:
         return None
     writer_rank = layout.rank_of(pp=place.pp, dp=0, tp=0)
     is_writer = place.rank == writer_rank
@@ -195,14 +197,18 @@ def _write_stage(
             except OSError as err:
                 error = error or f"rank {place.rank}: {err}"
         for _ in f.groups:
+            layer = next(layers)
             tensors = {}
-            for name, _, _, dim in next(layers):
-                t = params[name].detach().to(dtype)
-                if dim is not None and layout.tp > 1:
-                    parts = comm.gather_to(t, writer_rank, tp_group)
-                    if parts is not None:
-                        t = torch.cat(parts, dim=dim).narrow(dim, 0, full[name][dim])  # drops vocab padding
-                tensors[name] = t
+            with engine.gathered(params[name] for name, *_ in layer):
+                if place.dp != 0:
+                    continue
+                for name, _, _, dim in layer:
+                    t = params[name].detach().to(dtype)
+                    if dim is not None and layout.tp > 1:
+                        parts = comm.gather_to(t, writer_rank, tp_group)
+                        if parts is not None:
+                            t = torch.cat(parts, dim=dim).narrow(dim, 0, full[name][dim])  # drops vocab padding
+                    tensors[name] = t
             if writer is not None and error is None:
                 try:
                     for hub_name, tensor in to_hub_names(model, tensors).items():

@@ -1,8 +1,10 @@
-"""`dsx3d export`: a DeepSpeed pipeline checkpoint -> a standard Hugging Face checkpoint, in one process.
+"""`dsx3d export`: a dsx3d DeepSpeed checkpoint -> a standard Hugging Face checkpoint, in one process.
 
-A tag directory holds one file per (pipeline item, TP rank), `layer_XX-model_YY-model_states.pt`, written by
-the dp-rank-0 ranks, plus the run's resolved recipe (dsx3d_recipe.yaml). Pipeline items are [embedding,
-decoder 0 .. L-1, final norm, head]; with tied embeddings the head is the embedding and has no file.
+A tag directory holds the run's resolved recipe (dsx3d_recipe.yaml) and DeepSpeed's files. Pipeline items are
+[embedding, decoder 0 .. L-1, final norm, head]; with tied embeddings the head is the embedding and has no
+tensors of its own. A pipeline run (pp > 1) writes one file per (item, TP rank),
+`layer_XX-model_YY-model_states.pt`; a run without a pipeline writes one module per TP rank, or with ZeRO-3
+partitions over the dp ranks (dsx3d.checkpoint.item_files says where each item lies in each format).
 
 The map from a file's keys to HF names and TP dims is not a second hand-written table: each item's stage
 module is built on the meta device exactly as training builds it (the same LayerBuilder, at the
@@ -14,6 +16,7 @@ item at a time is loaded (torch.load(weights_only=True), memory-mapped), merged 
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -24,9 +27,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from dsx3d.checkpoint.files import load_bin
+from dsx3d.checkpoint.item_files import ItemFiles, locate
 from dsx3d.checkpoint.names import expected_params, meta_model, to_hub_names
-from dsx3d.checkpoint.training_format import LATEST, RECIPE_FILE, layer_files
+from dsx3d.checkpoint.training_format import LATEST, LAYOUT_FILE, RECIPE_FILE, is_tag_dir
 from dsx3d.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     Entry,
@@ -56,7 +59,7 @@ from dsx3d.recipe import Recipe, load_recipe
 
 log = logging.getLogger("dsx3d")
 
-_FIX_CKPT = "export a complete checkpoint of this run (every layer_XX-model_YY file of the tag, unmodified)"
+_FIX_CKPT = "export a complete checkpoint of this run (every model-states file of the tag, unmodified)"
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
             "not a directory",
             "pass OUTPUT_DIR/checkpoints or one of its tag directories",
         )
-    if tag is None and layer_files(path):
+    if tag is None and is_tag_dir(path):
         return path
     if tag is None:
         latest = path / LATEST
@@ -139,16 +142,16 @@ def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
             raise UserError.single(
                 "CHECKPOINT_DIR",
                 str(path),
-                "neither a tag directory (layer_XX-model_YY-model_states.pt) nor a checkpoints directory with a `latest` file",
+                "neither a tag directory (DeepSpeed *model_states.pt files) nor a checkpoints directory with a `latest` file",
                 "pass OUTPUT_DIR/checkpoints or one of its tag directories",
             )
         tag = latest.read_text().strip()
     tag_dir = path / tag
-    if not layer_files(tag_dir):
+    if not is_tag_dir(tag_dir):
         raise UserError.single(
             "CHECKPOINT_DIR",
             str(tag_dir),
-            "no layer_XX-model_YY-model_states.pt files there",
+            "no DeepSpeed model-states files there",
             "pick a complete tag (see the `latest` file)",
         )
     return tag_dir
@@ -174,15 +177,14 @@ def run_config(tag_dir: Path) -> tuple[Recipe, PretrainedConfig]:
     return recipe, load_hf_config(recipe.model)
 
 
-def check_files(
-    files: dict[int, dict[int, Path]], items: list[Item], tp: int
-) -> tuple[list[Problem], torch.dtype | None]:
-    """Every problem with the layer files at once (missing, unreadable, wrong keys or shapes), and the dtype
-    they hold. Files are memory-mapped: only their pickled index is read."""
+def check_files(located: ItemFiles, items: list[Item], tp: int) -> tuple[list[Problem], torch.dtype | None]:
+    """Every problem with the files at once (missing, unreadable, wrong keys or shapes), and the dtype they
+    hold. Files are memory-mapped: only their pickled index is read."""
     problems: list[Problem] = []
     dtype: torch.dtype | None = None
+    files = located.files
     ranks = sorted({t for per_tp in files.values() for t in per_tp})
-    if ranks != list(range(tp)):
+    if ranks and ranks != list(range(tp)):
         problems.append(
             Problem(
                 "parallel.tp", tp, f"the recipe's tp does not match the files' TP ranks {ranks}", _FIX_CKPT
@@ -202,16 +204,11 @@ def check_files(
             path = files.get(i, {}).get(t)
             if path is None:
                 problems.append(
-                    Problem(
-                        f"layer_{i:02d}-model_{t:02d}-model_states.pt",
-                        "(file)",
-                        "missing from the checkpoint",
-                        _FIX_CKPT,
-                    )
+                    Problem(located.file_name(i, t), "(file)", f"missing from the checkpoint ({located.kind})", _FIX_CKPT)
                 )
                 continue
             try:
-                sd = load_bin(path)
+                sd = located.read(path, i)
             except Exception as err:  # torch.load's errors for truncated zips and refused pickles vary
                 problems.append(
                     Problem(
@@ -241,7 +238,11 @@ def check_files(
                     dtype = sd[p.key].dtype
             for key in sorted(set(sd) - keys):
                 problems.append(Problem(str(path), key, "the model has no such parameter", _FIX_CKPT))
-    return problems, dtype
+    unique: list[Problem] = []  # without a pipeline one file holds every item of its TP rank: say it once
+    for problem in problems:
+        if problem not in unique:
+            unique.append(problem)
+    return unique, dtype
 
 
 def export_checkpoint(
@@ -259,8 +260,15 @@ def export_checkpoint(
     recipe, config = run_config(tag_dir)
     tp = recipe.parallel.tp
     items = pipeline_items(config, tp)
-    files = layer_files(tag_dir)
-    problems, found_dtype = check_files(files, items, tp)
+    located = locate(
+        tag_dir,
+        pp=recipe.parallel.pp,
+        zero_stage=recipe.zero.stage,
+        num_items=len(items),
+        tied=resolve_family(config).tied,
+        dp=_dp_of(tag_dir, recipe),
+    )
+    problems, found_dtype = check_files(located, items, tp)
     if problems:
         raise UserError(problems)
     dtype = dtype or found_dtype or torch.float32
@@ -280,21 +288,29 @@ def export_checkpoint(
     out = Path(out_dir).absolute()
     staging = staging_dir(out)
     try:
-        _write(shard_files, items, files, model, full, dtype, staging)
+        _write(shard_files, items, located, model, full, dtype, staging)
         write_index(staging, shard_files)
         write_configs(staging, config, dtype, type(model).__name__)
         _copy_tokenizer(staging, tokenizer, tag_dir, recipe)
         publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("exported %s (tp=%d, %d items) to %s (%s)", tag_dir, tp, len(items), out, dtype)
+    log.info("exported %s (%s, tp=%d, %d items) to %s (%s)", tag_dir, located.kind, tp, len(items), out, dtype)
     return out
+
+
+def _dp_of(tag_dir: Path, recipe: Recipe) -> int:
+    """The run's dp: from the layout file saved with the tag, else the recipe's (dp "auto" needs the former)."""
+    layout = tag_dir / LAYOUT_FILE
+    if layout.is_file():
+        return int(json.loads(layout.read_text())["dp"])
+    return recipe.resolved_dp(recipe.cluster_world_size) or 1
 
 
 def _write(
     shard_files: list[Any],
     items: list[Item],
-    files: dict[int, dict[int, Path]],
+    located: ItemFiles,
     model: Any,
     full: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
@@ -305,7 +321,7 @@ def _write(
         writer = SafetensorsWriter(staging / f.name, f.entries)
         for _ in f.groups:
             i, item = next(numbered)
-            shards = [load_bin(files[i][t]) for t in sorted(files[i])]
+            shards = [located.read(located.files[i][t], i) for t in sorted(located.files[i])]
             tensors = {}
             for p in item.params:
                 if p.dim is None:

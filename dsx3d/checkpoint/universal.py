@@ -36,8 +36,10 @@ from deepspeed.checkpoint.constants import (
 )
 
 from dsx3d import fsio
+from dsx3d.checkpoint.training_format import MODEL_STATES_FILE, ZERO3_MODEL_STATES_FILE, tp_rank_files
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
+from dsx3d.models.shards import local_shape
 
 if TYPE_CHECKING:
     from dsx3d.engine import Engine3D
@@ -55,8 +57,8 @@ def universal_checkpoint_info(engine: Engine3D) -> dict[str, Any]:
     }
     mine = []
     for name, p in engine.module.named_parameters():
-        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
-        mine.append((name, dim, getattr(p, "hf_name", None) in vocab_names and p.dim() == 2))
+        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined,union-attr]
+        mine.append((name, dim, getattr(p, "hf_name", None) in vocab_names and len(local_shape(p)) == 2))
     everyone = {entry for rank in comm.all_gather_object(mine) for entry in rank}  # type: ignore[attr-defined]
 
     def patterns(keep: Any) -> list[str]:
@@ -82,7 +84,9 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
     from deepspeed.checkpoint import ds_to_universal
 
     tag_dir, out = Path(tag_dir), Path(out_dir).absolute()
-    states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    # mp_rank_YY: pipelines and ZeRO-0/1/2; zero_pp_rank_0_mp_rank_YY: ZeRO-3 (every dp rank writes one)
+    per_tp = tp_rank_files(tag_dir, MODEL_STATES_FILE) or tp_rank_files(tag_dir, ZERO3_MODEL_STATES_FILE)
+    states = [per_tp[t] for t in sorted(per_tp)]
     if not states:
         raise UserError.single(
             "CHECKPOINT_DIR",

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,25 @@ def resolve_corpus(data: DataSection, cache_dir: Path | None = None) -> Corpus:
         corpus = _hub_corpus(data)
     # Tokenizer training and tokenization both read the text: load it at most once.
     return dataclasses.replace(corpus, load=functools.cache(corpus.load))
+
+
+def check_source(data: DataSection) -> None:
+    """What `dsx3d check` can say about `data.source` before any process starts, without reading the text:
+    a builtin's name, local files that exist, have a supported type and are readable. Raises `UserError`
+    naming the key. Hub datasets are only resolved at training time (that needs the network)."""
+    source = data.source
+    if source.startswith(BUILTIN_PREFIX):
+        name = source[len(BUILTIN_PREFIX) :]
+        if name not in BUILTINS:
+            known = ", ".join(BUILTIN_PREFIX + n for n in BUILTINS)
+            raise UserError.single("data.source", source, "unknown builtin corpus", f"use one of: {known}")
+        return
+    files = _local_files(source, None)
+    unreadable = [str(f) for f in files or [] if not os.access(f, os.R_OK)]
+    if unreadable:
+        raise UserError.single(
+            "data.source", source, f"cannot read {', '.join(unreadable[:3])}", "fix the files' permissions"
+        )
 
 
 # --- builtin -----------------------------------------------------------------------------------------

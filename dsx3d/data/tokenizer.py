@@ -30,6 +30,23 @@ EOS = "<|endoftext|>"
 # Files whose presence in a model directory means it ships a tokenizer.
 
 
+BPE_MIN_TOKENS = 257
+"""A byte-level BPE holds the 256 byte tokens and <|endoftext|> before any merge."""
+
+
+def trained_tokenizer_bound(recipe: Recipe) -> int | None:
+    """The most tokens of the BPE dsx3d trains for `recipe` (`resolve_tokenizer`'s last case), or None when
+    the recipe names a tokenizer or the model directory ships one. Pure: reads no corpus."""
+    if recipe.data.tokenizer is not None:
+        return None
+    model = recipe.model.name_or_path
+    if model is not None:
+        local = Path(model).expanduser()
+        if not local.is_dir() or any((local / f).is_file() for f in TOKENIZER_FILES):
+            return None
+    return max(recipe.data.tokenizer_vocab_size, BPE_MIN_TOKENS)
+
+
 def resolve_tokenizer(recipe: Recipe, corpus: Corpus, cache_dir: Path) -> tuple[PreTrainedTokenizerBase, str]:
     """The tokenizer for `recipe` and a few words on where it came from (for the log)."""
     trust = recipe.model.trust_remote_code

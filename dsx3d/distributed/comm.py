@@ -11,18 +11,6 @@ import torch.distributed as dist
 ProcessGroup = dist.ProcessGroup
 
 
-def _skip_cpu_shm_build() -> None:
-    """On CPU, DeepSpeed JIT-compiles a shared-memory all-reduce op (minutes; concurrent ranks race at link
-    time). It only serves inference all-reduce, which training never calls, so we do not build it."""
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        import importlib
-
-        # not `import deepspeed.comm.torch as m`: that resolves to the attribute deepspeed.comm.torch, i.e. torch
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # type: ignore[attr-defined]
-
-
 def init_distributed(
     backend: str | None = None,
     init_method: str | None = None,
@@ -34,7 +22,9 @@ def init_distributed(
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    _skip_cpu_shm_build()
+    from dsx3d.integrations.patches import skip_cpu_shm_build
+
+    skip_cpu_shm_build()  # DeepSpeed's CPU shared-memory op: minutes of JIT build that training never uses
     backend = backend or get_accelerator().communication_backend_name()
     if backend == "ccl":  # DeepSpeed's CPU default needs oneCCL; gloo is always there
         backend = "gloo"
@@ -129,9 +119,3 @@ def init_single_process(workdir: str, timeout_s: float = 600.0) -> None:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     init_distributed(init_method=f"file://{workdir}/store", rank=0, world_size=1, timeout_s=timeout_s)
-
-
-def skip_cpu_shm_build() -> None:
-    """Public form of `_skip_cpu_shm_build`, for code paths where accelerate (not dsx3d) calls
-    deepspeed.init_distributed, e.g. `TrainingArguments` under `accelerate launch`."""
-    _skip_cpu_shm_build()

@@ -1,10 +1,16 @@
-"""Where the Trainer drop-in finds its layout, and whether `TrainingArguments` agree with it.
+"""Where the Trainer drop-in finds its layout: a recipe, and what each source says about the values that
+TrainingArguments also name (the "claims" dsx3d.integrations.trainer_args reconciles).
 
-The layout comes from `TrainingArguments.deepspeed` (a JSON written by `dsx3d config`, the same as a dict, or
-a recipe YAML) or, under `accelerate launch`, from `ACCELERATE_DEEPSPEED_CONFIG_FILE`. A JSON carries the layout
-in its "dsx3d" section and the batch arithmetic at its top level; it is turned back into the recipe it came
-from, so the engine is built by the same `build_engine` as `dsx3d train`. Everything here is a pure function
-of values, except `install_recipe_paths`, which lets transformers accept a recipe path.
+`TrainingArguments.deepspeed` (or, under `accelerate launch`, ACCELERATE_DEEPSPEED_CONFIG_FILE) is one of:
+- a recipe YAML path;
+- a JSON written by `dsx3d config` (or the same as a dict): the layout in its "dsx3d" section, the batch arithmetic
+  at its top level; it turns back into the recipe it came from;
+- any DeepSpeed JSON, such as the "auto"-valued ones HF's examples ship, with a section `"dsx3d": {"recipe":
+  "my-recipe.yaml"}` naming the recipe that gives the layout (a relative path is relative to the JSON's folder).
+  Its "auto" values are resolved as HF resolves them: the batch arithmetic, clipping and precision from the
+  agreed values, the optimizer's from TrainingArguments, the ZeRO bucket sizes from the model's hidden size.
+  Its explicit values are claims like the recipe's; the rest of it (ZeRO options, ...) is a DeepSpeed override.
+Every form ends in a recipe, so the engine is built by the same `build_engine` as `dsx3d train`.
 """
 
 from __future__ import annotations
@@ -16,17 +22,16 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from dsx3d.ds_config import AUTO, auto_paths, deep_merge, resolve_auto
 from dsx3d.errors import Problem, UserError
+from dsx3d.integrations.patches import is_recipe_path
+from dsx3d.integrations.trainer_args import Claim
 from dsx3d.recipe import Recipe, load_recipe, recipe_from_dict
 
 ACCELERATE_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
-RECIPE_SUFFIXES = (".yaml", ".yml")
-SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
-SUPPORTED_SAMPLING = ("random", "sequential")
-
-
-def is_recipe_path(value: object) -> bool:
-    return isinstance(value, str | Path) and Path(value).suffix.lower() in RECIPE_SUFFIXES
+# DeepSpeed's scheduler types and the HF schedule of the same shape (dsx3d.Trainer runs HF's scheduler)
+DS_SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+Claims = dict[str, list[Claim]]
 
 
 def layout_source(deepspeed: str | dict[str, Any] | None) -> str | dict[str, Any]:
@@ -45,43 +50,39 @@ def layout_source(deepspeed: str | dict[str, Any] | None) -> str | dict[str, Any
     )
 
 
-def load_recipe_source(source: str | dict[str, Any], model: dict[str, Any]) -> Recipe:
-    """The recipe behind `source`, with its model section replaced by `model` (the Trainer's model rules)."""
-    if isinstance(source, dict):
-        recipe = recipe_from_ds_config(source, "TrainingArguments.deepspeed", model)
-    elif is_recipe_path(source):
-        recipe = load_recipe(source)
-        recipe = recipe_from_dict({**recipe.model_dump(mode="json"), "model": model}, source=str(source))
-    else:
-        recipe = recipe_from_ds_config(_read_json(source), str(source), model)
-    return recipe
+def load_layout(source: str | dict[str, Any], model: dict[str, Any], hidden_size: int | None) -> tuple[Recipe, Claims]:
+    """The recipe behind `source` with its model section replaced by `model` (the Trainer's model), and the
+    values it gives explicitly, by recipe train field."""
+    if is_recipe_path(source):
+        return _recipe_file(str(source), model)
+    name = "TrainingArguments.deepspeed" if isinstance(source, dict) else str(source)
+    config = source if isinstance(source, dict) else _read_json(str(source))
+    section = config.get("dsx3d")
+    if isinstance(section, dict) and "recipe" in section:
+        base = Path(".") if isinstance(source, dict) else Path(str(source)).parent
+        return _hf_config_with_recipe(config, name, base / str(section["recipe"]), model, hidden_size)
+    return recipe_from_ds_config(config, name, model), _dsx3d_json_claims(config, name)
+
+
+def _recipe_file(path: str, model: dict[str, Any]) -> tuple[Recipe, Claims]:
+    recipe = load_recipe(path)
+    explicit = recipe.model_dump(mode="json", exclude_unset=True)  # unset keys stay unset: they are not claims
+    recipe = recipe_from_dict({**explicit, "model": model}, source=path)
+    claims = {k: [(f"{Path(path).name}: train.{k}", getattr(recipe.train, k))] for k in recipe.train.model_fields_set}
+    return recipe, claims
 
 
 def _read_json(path: str) -> dict[str, Any]:
     p = Path(path)
+    fix = "pass the JSON written by `dsx3d config RECIPE`, or a DeepSpeed JSON with a \"dsx3d\": {\"recipe\": ...} section"
     if not p.is_file():
-        raise UserError.single(
-            "TrainingArguments.deepspeed",
-            path,
-            "file not found",
-            "pass the JSON written by `dsx3d config RECIPE`",
-        )
+        raise UserError.single("TrainingArguments.deepspeed", path, "file not found", fix)
     try:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as err:
-        raise UserError.single(
-            "TrainingArguments.deepspeed",
-            path,
-            f"not valid JSON ({err})",
-            "regenerate it with `dsx3d config RECIPE`",
-        ) from None
+        raise UserError.single("TrainingArguments.deepspeed", path, f"not valid JSON ({err})", fix) from None
     if not isinstance(data, dict):
-        raise UserError.single(
-            "TrainingArguments.deepspeed",
-            path,
-            "not a JSON object",
-            "regenerate it with `dsx3d config RECIPE`",
-        )
+        raise UserError.single("TrainingArguments.deepspeed", path, "not a JSON object", fix)
     return data
 
 
@@ -95,19 +96,13 @@ def recipe_from_ds_config(config: dict[str, Any], name: str, model: dict[str, An
             f"{name}: dsx3d",
             None,
             'this DeepSpeed config has no "dsx3d" section, so the 3D layout (dp, tp, pp) is unknown',
-            "generate the config with `dsx3d config RECIPE`, or pass the recipe path itself",
+            'generate the config with `dsx3d config RECIPE`, pass the recipe path itself, or add "dsx3d": '
+            '{"recipe": "RECIPE.yaml"} to this JSON (its "auto" values are then resolved from the recipe)',
         )
     missing = [k for k in ("dp", "tp", "pp", "gpus_per_node", "seq_len", "dtype") if k not in section]
-    missing += [
-        k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if k not in config
-    ]
+    missing += [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if k not in config]
     if missing:
-        raise UserError.single(
-            f"{name}",
-            missing,
-            "required keys are missing",
-            "regenerate the config with `dsx3d config RECIPE`",
-        )
+        raise UserError.single(f"{name}", missing, "required keys are missing", "regenerate the config with `dsx3d config RECIPE`")
     zero = config.get("zero_optimization", {})
     data = {
         "model": model,
@@ -133,6 +128,95 @@ def recipe_from_ds_config(config: dict[str, Any], name: str, model: dict[str, An
     return recipe_from_dict(data, source=name)
 
 
+def _dsx3d_json_claims(config: dict[str, Any], name: str) -> Claims:
+    section = config["dsx3d"]
+    found = {
+        "micro_batch_size": ("train_micro_batch_size_per_gpu", config.get("train_micro_batch_size_per_gpu")),
+        "gradient_accumulation_steps": ("gradient_accumulation_steps", config.get("gradient_accumulation_steps")),
+        "grad_clip": ("gradient_clipping", config.get("gradient_clipping", 0.0)),
+        "dtype": ("dsx3d.dtype", section.get("dtype")),
+        "activation_checkpointing": ("dsx3d.activation_checkpointing", section.get("activation_checkpointing", False)),
+    }
+    where = Path(name).name
+    return {field: [(f"{where}: {key}", value)] for field, (key, value) in found.items() if value is not None}
+
+
+# -- an HF-style DeepSpeed JSON ("auto" values) with the recipe named in its "dsx3d" section ----------------
+
+
+def _hf_config_with_recipe(
+    config: dict[str, Any], name: str, recipe_path: Path, model: dict[str, Any], hidden_size: int | None
+) -> tuple[Recipe, Claims]:
+    recipe, claims = _recipe_file(str(recipe_path), model)
+    problems: list[Problem] = []
+    overrides = {k: v for k, v in config.items() if k != "dsx3d"}
+
+    def claim(field: str, key: str, value: Any) -> None:
+        if value is not None and value != AUTO:
+            claims.setdefault(field, []).append((f"{Path(name).name}: {key}", value))
+
+    # the batch arithmetic, clipping and precision: explicit values are claims, "auto" is the agreed value;
+    # the generated config writes both, so the JSON's copies go
+    claim("micro_batch_size", "train_micro_batch_size_per_gpu", overrides.pop("train_micro_batch_size_per_gpu", None))
+    claim("gradient_accumulation_steps", "gradient_accumulation_steps", overrides.pop("gradient_accumulation_steps", None))
+    claim("grad_clip", "gradient_clipping", overrides.pop("gradient_clipping", None))
+    if overrides.get("train_batch_size") == AUTO:
+        del overrides["train_batch_size"]  # dsx3d writes micro x accumulation x dp (HF's "auto" would use the world)
+    for dtype in ("bf16", "fp16"):
+        sub = overrides.pop(dtype, None)
+        if isinstance(sub, dict) and sub.get("enabled") not in (None, AUTO, False):
+            claim("dtype", f"{dtype}.enabled", dtype)
+        if isinstance(sub, dict) and dtype == "fp16":
+            rest = {k: v for k, v in sub.items() if k != "enabled"}
+            if rest and claims.get("dtype", [("", None)])[-1][1] == "fp16":
+                overrides["fp16"] = rest  # loss-scaling options, kept for an fp16 run
+    # the optimizer and schedule are TrainingArguments' (HF's scheduler runs): explicit values are claims
+    optimizer = overrides.pop("optimizer", None)
+    if isinstance(optimizer, dict):
+        kind = str(optimizer.get("type", "AdamW"))
+        if kind.lower() not in ("adam", "adamw"):
+            problems.append(Problem(f"{name}: optimizer.type", kind, "dsx3d.Trainer trains with AdamW", "use AdamW, or drop the optimizer section"))
+        params = optimizer.get("params", {})
+        for field, key in (("lr", "lr"), ("betas", "betas"), ("eps", "eps"), ("weight_decay", "weight_decay")):
+            claim(field, f"optimizer.params.{key}", params.get(key))
+    scheduler = overrides.pop("scheduler", None)
+    if isinstance(scheduler, dict):
+        kind = str(scheduler.get("type", ""))
+        if kind not in DS_SCHEDULERS:
+            problems.append(
+                Problem(f"{name}: scheduler.type", kind, "dsx3d.Trainer runs HF's LR scheduler, and this one has no HF equivalent",
+                        f"use one of {sorted(DS_SCHEDULERS)} or drop the scheduler section and set TrainingArguments.lr_scheduler_type")
+            )  # fmt: skip
+        else:
+            claim("lr_schedule", "scheduler.type", DS_SCHEDULERS[kind])
+        params = scheduler.get("params", {})
+        claim("lr", "scheduler.params.warmup_max_lr", params.get("warmup_max_lr"))
+        claim("warmup_steps", "scheduler.params.warmup_num_steps", params.get("warmup_num_steps"))
+        claim("steps", "scheduler.params.total_num_steps", params.get("total_num_steps"))
+    zero = overrides.get("zero_optimization")
+    if isinstance(zero, dict):
+        stage = zero.get("stage")
+        if stage is not None and stage != AUTO:
+            if "stage" in recipe.zero.model_fields_set and recipe.zero.stage != stage:
+                problems.append(Problem(f"zero_optimization.stage ({name})", stage, f"disagrees with zero.stage = {recipe.zero.stage} ({recipe_path})",
+                                        "give the ZeRO stage in one place, or the same in each"))  # fmt: skip
+            recipe = recipe.model_copy(update={"zero": recipe.zero.model_copy(update={"stage": int(stage)})})
+        if zero.get("stage") == AUTO:
+            del zero["stage"]
+    # what is left: ZeRO's bucket sizes from the hidden size (HF's formulas), nothing else
+    overrides = resolve_auto(overrides, {}, recipe.train, hidden_size)
+    problems += [
+        Problem(f"{name}: {path}", AUTO, "dsx3d resolves \"auto\" only where HF's Trainer does", "give a number")
+        for path in auto_paths(overrides)
+    ]
+    if problems:
+        raise UserError(problems)
+    merged = deep_merge(recipe.deepspeed, overrides)
+    data = {**recipe.model_dump(mode="json", exclude_unset=True), "deepspeed": merged, "zero": recipe.zero.model_dump()}
+    recipe = recipe_from_dict(data, source=str(recipe_path))
+    return recipe, claims
+
+
 def model_config_mapping(config: PretrainedConfig) -> dict[str, Any]:
     """An HF config as a recipe's `model.config` mapping."""
     mapping = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
@@ -140,168 +224,13 @@ def model_config_mapping(config: PretrainedConfig) -> dict[str, Any]:
     return mapping
 
 
-# -- TrainingArguments against the layout -----------------------------------------------------------------
-
-
-def precision(args: Any) -> str:
-    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-
-
-def check_training_args(args: Any, recipe: Recipe, world_size: int) -> list[Problem]:
-    """Every disagreement between `TrainingArguments` and the layout, and every argument the pipeline cannot
-    honour. All of these would otherwise train something other than what one of the two files says."""
-    t = recipe.train
-    agree = [
-        (
-            "per_device_train_batch_size",
-            args.per_device_train_batch_size,
-            "train_micro_batch_size_per_gpu",
-            t.micro_batch_size,
-            "train.micro_batch_size",
-        ),
-        (
-            "gradient_accumulation_steps",
-            args.gradient_accumulation_steps,
-            "gradient_accumulation_steps",
-            t.gradient_accumulation_steps,
-            "train.gradient_accumulation_steps",
-        ),
-        (
-            "max_grad_norm",
-            float(args.max_grad_norm),
-            "gradient_clipping",
-            float(t.grad_clip),
-            "train.grad_clip",
-        ),
-        ("bf16/fp16", precision(args), "dsx3d.dtype", t.dtype, "train.dtype"),
-        (
-            "activation_checkpointing",
-            bool(args.activation_checkpointing),
-            "dsx3d.activation_checkpointing",
-            t.activation_checkpointing,
-            "train.activation_checkpointing",
-        ),
-    ]
-    problems = [
-        Problem(
-            f"TrainingArguments.{hf_key}",
-            hf_value,
-            f"disagrees with the layout's {ds_key} = {ds_value!r}",
-            f"set {hf_key} to {ds_value!r}, or change {recipe_key} in the recipe and regenerate the config (`dsx3d config`)",
-        )
-        for hf_key, hf_value, ds_key, ds_value, recipe_key in agree
-        if hf_value != ds_value
-    ]
-    layout = recipe.layout(world_size)
-    if layout.world_size != world_size:
-        problems.append(
-            Problem(
-                "WORLD_SIZE",
-                world_size,
-                f"the job has {world_size} processes but the layout's dp x tp x pp = {layout.dp} x {layout.tp} x {layout.pp} = {layout.world_size}",
-                f"launch {layout.world_size} processes, or regenerate the config for {world_size}",
-            )
-        )
-    problems += _unsupported_args(args)
-    return problems
-
-
-def _unsupported_args(args: Any) -> list[Problem]:
-    optim = str(getattr(args.optim, "value", args.optim))
-    unsupported = [
-        (
-            "optim",
-            optim,
-            optim not in SUPPORTED_OPTIMIZERS,
-            "the engine's optimizer is torch AdamW",
-            f"use one of {list(SUPPORTED_OPTIMIZERS)}",
-        ),
-        (
-            "label_smoothing_factor",
-            args.label_smoothing_factor,
-            args.label_smoothing_factor != 0,
-            "the pipeline's loss is plain cross-entropy",
-            "set it to 0",
-        ),
-        (
-            "neftune_noise_alpha",
-            args.neftune_noise_alpha,
-            args.neftune_noise_alpha is not None,
-            "NEFTune hooks the HF model's embedding, which the pipeline does not run",
-            "unset it",
-        ),
-        (
-            "use_liger_kernel",
-            args.use_liger_kernel,
-            bool(args.use_liger_kernel),
-            "Liger patches the HF model, which the pipeline does not run",
-            "set it to False",
-        ),
-        (
-            "torch_compile",
-            args.torch_compile,
-            bool(args.torch_compile),
-            "the pipeline stages are not compiled",
-            "set it to False",
-        ),
-        (
-            "auto_find_batch_size",
-            args.auto_find_batch_size,
-            bool(args.auto_find_batch_size),
-            "the micro-batch size is part of the layout",
-            "set it to False",
-        ),
-        (
-            "train_sampling_strategy",
-            args.train_sampling_strategy,
-            args.train_sampling_strategy not in SUPPORTED_SAMPLING,
-            "dsx3d shards data itself",
-            f"use one of {list(SUPPORTED_SAMPLING)}",
-        ),
-        (
-            "bf16_full_eval/fp16_full_eval",
-            True,
-            bool(args.bf16_full_eval or args.fp16_full_eval),
-            "evaluation runs in the training dtype",
-            "set both to False",
-        ),
-    ]
-    return [
-        Problem(f"TrainingArguments.{key}", value, f"not supported by dsx3d.Trainer: {why}", fix)
-        for key, value, bad, why, fix in unsupported
-        if bad
-    ]
-
-
-# -- TrainingArguments(deepspeed="recipe.yaml") -----------------------------------------------------------
-
-
 def ds_config_of_recipe(path: str | Path) -> dict[str, Any]:
-    """The DeepSpeed config a recipe generates for this job's world size (WORLD_SIZE, else the cluster's)."""
+    """The DeepSpeed config a recipe generates for this job's world size (WORLD_SIZE, else the cluster's): what
+    `TrainingArguments(deepspeed="recipe.yaml")` hands transformers (dsx3d.integrations.patches)."""
     from dsx3d.checker import check_recipe, raise_for_errors
     from dsx3d.ds_config import build_ds_config
 
     recipe = load_recipe(path)
     world = int(os.environ.get("WORLD_SIZE", recipe.cluster_world_size))
-    raise_for_errors(check_recipe(recipe, world_size=world))
+    raise_for_errors(check_recipe(recipe, world_size=world, data=False))
     return build_ds_config(recipe, world)
-
-
-def install_recipe_paths() -> None:
-    """Let `TrainingArguments(deepspeed="recipe.yaml")` through. transformers parses `deepspeed` as DeepSpeed
-    JSON while the arguments are built, before any Trainer exists, and fails on YAML; from here on a recipe
-    path is read as the config it generates. Only .yaml/.yml paths change behaviour."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    cls: Any = hf_deepspeed.HfTrainerDeepSpeedConfig
-    if getattr(cls, "_dsx3d_recipe_paths", False):
-        return
-    original = cls.__init__
-
-    def __init__(self: Any, config_file_or_dict: Any) -> None:
-        if is_recipe_path(config_file_or_dict):
-            config_file_or_dict = ds_config_of_recipe(config_file_or_dict)
-        original(self, config_file_or_dict)
-
-    cls.__init__ = __init__
-    cls._dsx3d_recipe_paths = True

@@ -1,15 +1,20 @@
 """`dsx3d.Trainer`: `transformers.Trainer` with the model trained by the 3D engine (dsx3d.engine.build_engine).
 
-Same constructor, train(), evaluate(), save_model(), callbacks, logging and resume_from_checkpoint. HF keeps
-its loop, LR scheduler, logging, callbacks and checkpoint bookkeeping; what touches the model is replaced:
+Same constructor, train(), evaluate(), predict(), save_model(), callbacks, logging and resume_from_checkpoint.
+HF keeps its loop, LR scheduler, logging, callbacks and checkpoint bookkeeping; what touches the model is
+replaced:
 
+- arguments: TrainingArguments and the layout agree on every value both name (trainer_args.reconcile);
 - data: loaders shard micro-batches by DP rank only (TP and PP peers read the same ones), not through
   accelerate, which would shard by world rank; batches become fixed-shape (input_ids, labels);
 - optimizer: DeepSpeed's AdamW over the stage's parameters, grouped like HF (no decay on biases and norms);
-  HF holds a view of its param groups, so HF's scheduler sets the learning rate the engine steps with;
-- training_step: buffers the micro-batches of one optimizer step, then one `train_batch`, with the loss
-  weighted by tokens over the whole step as HF's Trainer does (num_items_in_batch);
-- evaluation: `eval_batch` through the pipeline (HF's path would ask DeepSpeed for ZeRO-3 inference);
+  HF holds a live view of its param groups, so HF's scheduler sets the learning rate the engine steps with;
+- training_step: buffers the micro-batches of one optimizer step, then one engine step (Engine3D.train_step:
+  the pipeline's `train_batch`, or with pp = 1 the regular engine at any ZeRO stage), with the loss weighted
+  by tokens over the whole step as HF's Trainer does (num_items_in_batch), or the user's compute_loss_func;
+- evaluation and predict(): through the engine; the last stage keeps what compute_metrics needs
+  (dsx3d.integrations.last_stage) and every rank receives it in dataset order;
+- after train(), trainer.model holds the trained weights (a meta-device model refuses save_pretrained);
 - save_model: a Hugging Face checkpoint (dsx3d.checkpoint.export.export_hf); checkpoints for
   resume_from_checkpoint add the engine's own (DeepSpeed) checkpoint;
 - the figures HF reports (total batch size, samples/s, tokens/s, FLOPs) count every DP shard once.
@@ -22,6 +27,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -31,10 +37,12 @@ import torch
 import transformers
 from accelerate.data_loader import SeedableRandomSampler
 from torch.utils.data import IterableDataset, SequentialSampler
-from transformers.trainer_utils import EvalLoopOutput, speed_metrics
+from transformers.trainer_pt_utils import nested_concat, nested_numpify
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize, speed_metrics
 
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
+from dsx3d.integrations import patches
 from dsx3d.integrations.batches import (
     DataParallelBatchSampler,
     ShardedDataLoader,
@@ -42,13 +50,9 @@ from dsx3d.integrations.batches import (
     empty_micro_batch,
     to_micro_batch,
 )
-from dsx3d.integrations.layout_source import (
-    check_training_args,
-    install_recipe_paths,
-    layout_source,
-    load_recipe_source,
-    model_config_mapping,
-)
+from dsx3d.integrations.last_stage import LastStageLoss, VocabShard, capture_for
+from dsx3d.integrations.layout_source import layout_source, load_layout, model_config_mapping
+from dsx3d.integrations.trainer_args import reconcile, unsupported_args
 from dsx3d.layout import Layout, RankPlacement
 from dsx3d.recipe import Recipe
 
@@ -56,49 +60,41 @@ log = logging.getLogger("dsx3d")
 
 # At import, before the user builds TrainingArguments: transformers must accept a recipe path, and accelerate
 # (which calls deepspeed.init_distributed there under `accelerate launch`) must not build DeepSpeed's CPU op.
-install_recipe_paths()
-comm.skip_cpu_shm_build()
+patches.install()
 
-# Trainer arguments that act on the HF model's forward or outputs, which the pipeline does not run.
+# Trainer arguments the engine cannot honour.
 _UNSUPPORTED_INIT_ARGS = {
     "model_init": "build the model yourself and pass model=",
-    "compute_loss_func": "the pipeline computes the causal-LM loss itself",
-    "compute_metrics": "evaluation returns the loss only (logits stay vocab-sharded on the last stage)",
-    "preprocess_logits_for_metrics": "evaluation returns the loss only",
     "optimizers": "dsx3d builds the optimizer over each stage's shard; set TrainingArguments (learning_rate, ...)",
     "optimizer_cls_and_kwargs": "dsx3d builds the optimizer over each stage's shard",
 }
 
 
 class EngineOptimizer(torch.optim.Optimizer):
-    """What HF's Trainer holds as its optimizer: a view of the engine optimizer's param groups, so that HF's LR
-    scheduler sets the learning rate the engine steps with. step() and zero_grad() do nothing: `train_batch`
-    steps and clears the real optimizer."""
+    """What HF's Trainer holds as its optimizer: a live view of the engine optimizer's param groups, so that HF's
+    LR scheduler sets the learning rate the engine steps with. Live, not a copy of the list: loading a checkpoint
+    replaces the engine optimizer's groups (torch's load_state_dict builds new dicts), and a view of the old ones
+    would leave the engine at the loaded rate while HF's scheduler moved on. step() and zero_grad() do nothing:
+    the engine steps and clears the real optimizer."""
 
-    def __init__(self, param_groups: list[dict[str, Any]]):
-        super().__init__([torch.zeros(1, requires_grad=True)], {})
-        self.param_groups = param_groups
+    def __init__(self, live_groups: Callable[[], list[dict[str, Any]]]):
+        self._live: Callable[[], list[dict[str, Any]]] | None = None
+        super().__init__([torch.zeros(1, requires_grad=True)], {})  # torch's bookkeeping, on a placeholder
+        self._live = live_groups
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._live() if self._live is not None else self.__dict__["_own_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.__dict__["_own_groups"] = groups  # only torch's __init__ assigns, before the view is live
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
-
-
-class TokenWeightedLoss:
-    """The pipeline's loss for micro-batch k (a mean over its n_k scored tokens) times n_k * factor.
-
-    DeepSpeed averages the loss over the m micro-batches of a step and the dp ranks. With factor = m * dp / N
-    (N: scored tokens in the whole step) that average is sum_k(n_k * mean_k) / N, the token-weighted mean HF's
-    Trainer trains on; with factor = 1 each micro-batch returns its sum of token losses (evaluation)."""
-
-    def __init__(self, mean_loss: Any):
-        self.mean_loss = mean_loss
-        self.factor = 1.0
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.mean_loss(logits, labels) * (count_targets(labels) * self.factor)
 
 
 @dataclass
@@ -108,19 +104,22 @@ class _State:
     placement: RankPlacement
     source: Any
     engine: Any = None
-    loss: TokenWeightedLoss | None = None
+    loss: LastStageLoss | None = None
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     eval_steps: int = 0
+    rows: int = 0
+    """The micro-batch rows the pipeline last exchanged activations for (train and eval sizes may differ)."""
 
 
 class Trainer(transformers.Trainer):
     """A drop-in for `transformers.Trainer` that trains with dsx3d's dp x tp x pp engine.
 
-    The layout comes from `TrainingArguments.deepspeed` (a `dsx3d config` JSON or a recipe YAML) or from
-    accelerate's ACCELERATE_DEEPSPEED_CONFIG_FILE. `model` is an ordinary HF causal LM, or one on the meta
-    device (weights then come from its local checkpoint directory, `model.name_or_path`, read slice by slice,
-    or from a fresh initialisation seeded by TrainingArguments.seed). `trainer.model` is not updated in place:
-    the trained weights live in the engine; `save_model()` writes them as an HF checkpoint.
+    The layout comes from `TrainingArguments.deepspeed` (a recipe YAML, a `dsx3d config` JSON, or a DeepSpeed
+    JSON naming its recipe in a "dsx3d" section) or from accelerate's ACCELERATE_DEEPSPEED_CONFIG_FILE. `model`
+    is an ordinary HF causal LM, or one on the meta device (weights then come from its local checkpoint
+    directory, `model.name_or_path`, read slice by slice, or from a fresh initialisation seeded by
+    TrainingArguments.seed). After `train()`, `trainer.model` holds the trained weights (a meta-device model
+    stays meta, and its `save_pretrained` refuses: use `trainer.save_model()`).
     """
 
     def __init__(
@@ -141,54 +140,44 @@ class Trainer(transformers.Trainer):
     ):
         given = {
             "model_init": model_init,
-            "compute_loss_func": compute_loss_func,
-            "compute_metrics": compute_metrics,
-            "preprocess_logits_for_metrics": preprocess_logits_for_metrics,
             "optimizers": None if optimizers == (None, None) else optimizers,
             "optimizer_cls_and_kwargs": optimizer_cls_and_kwargs,
         }
         problems = [
-            Problem(
-                f"Trainer({key}=...)",
-                type(value).__name__,
-                "not supported by dsx3d.Trainer",
-                _UNSUPPORTED_INIT_ARGS[key],
-            )
+            Problem(f"Trainer({key}=...)", type(value).__name__, "not supported by dsx3d.Trainer", _UNSUPPORTED_INIT_ARGS[key])
             for key, value in given.items()
             if value is not None
         ]
         if model is None or args is None:
             missing = "model" if model is None else "args"
             problems.append(
-                Problem(
-                    f"Trainer({missing}=...)",
-                    None,
-                    "required by dsx3d.Trainer",
-                    f"pass {missing}= (args with deepspeed= set to the layout)",
-                )
+                Problem(f"Trainer({missing}=...)", None, "required by dsx3d.Trainer", f"pass {missing}= (args with deepspeed= set to the layout)")
             )
             raise UserError(problems)
+        patches.install()
         _ensure_process_group()
-        recipe = load_recipe_source(layout_source(args.deepspeed), _model_section(model))
+        hidden = getattr(model.config.get_text_config(), "hidden_size", None)
+        recipe, claims = load_layout(layout_source(args.deepspeed), _model_section(model), hidden)
+        recipe, disagreements = reconcile(args, recipe, claims)
+        problems += disagreements + unsupported_args(args)
         world = comm.get_world_size()
-        problems += check_training_args(args, recipe, world)
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        if frozen:
+        layout = recipe.layout(world)
+        if layout.world_size != world:
             problems.append(
                 Problem(
-                    "model parameters with requires_grad=False",
-                    frozen[:5],
-                    "dsx3d.Trainer trains every parameter",
-                    "unfreeze them",
+                    "WORLD_SIZE",
+                    world,
+                    f"the job has {world} processes but the layout's dp x tp x pp = {layout.dp} x {layout.tp} x {layout.pp} = {layout.world_size}",
+                    f"launch {layout.world_size} processes, or regenerate the config for {world}",
                 )
             )
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            problems.append(Problem("model parameters with requires_grad=False", frozen[:5], "dsx3d.Trainer trains every parameter", "unfreeze them"))
         if problems:
             raise UserError(problems)
         _align_accelerate_state(args)
-        layout = recipe.layout(world)
-        self._dsx3d = _State(
-            recipe, layout, layout.placement(comm.get_rank()), _weight_source(model, args.seed)
-        )
+        self._dsx3d = _State(recipe, layout, layout.placement(comm.get_rank()), _weight_source(model, args.seed))
         super().__init__(
             model=model,
             args=args,
@@ -196,8 +185,13 @@ class Trainer(transformers.Trainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
             callbacks=callbacks,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
+        if _is_meta(model):
+            _refuse_save_pretrained(model)
 
     # -- the engine ----------------------------------------------------------------------------------------
 
@@ -211,7 +205,7 @@ class Trainer(transformers.Trainer):
 
     @property
     def engine3d(self) -> Any:
-        """The `dsx3d.engine.Engine3D` (built at the first train(), evaluate() or save_model())."""
+        """The `dsx3d.engine.Engine3D` (built at the first train(), evaluate(), predict() or save_model())."""
         return self._engine()
 
     def _engine(self) -> Any:
@@ -244,9 +238,19 @@ class Trainer(transformers.Trainer):
             state.engine.ds_engine.lr_scheduler = None
             for group in state.engine.ds_engine.optimizer.param_groups:
                 group["lr"] = args.learning_rate
-            state.loss = TokenWeightedLoss(state.engine.module.loss_fn)
-            state.engine.module.loss_fn = state.loss
+            state.loss = _install_loss(state.engine, self.compute_loss_func)
+            state.rows = state.recipe.train.micro_batch_size
         return state.engine
+
+    def _shape_rows(self, rows: int) -> None:
+        """Before running micro-batches of `rows` rows: a pipeline exchanges activation shapes once and reuses
+        its buffers, so a change of micro-batch size (training <-> evaluation) must reset them."""
+        state = self._dsx3d
+        if rows != state.rows:
+            reset = getattr(state.engine.ds_engine, "reset_activation_shape", None)  # pipeline engines only
+            if reset is not None:
+                reset()
+            state.rows = rows
 
     def _param_groups(self, module: torch.nn.Module) -> list[dict[str, Any]]:
         """HF's grouping (create_optimizer): weight decay on every parameter but biases and norms."""
@@ -264,7 +268,8 @@ class Trainer(transformers.Trainer):
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            self.optimizer = EngineOptimizer(self._engine().ds_engine.optimizer.param_groups)
+            ds_engine = self._engine().ds_engine
+            self.optimizer = EngineOptimizer(lambda: ds_engine.optimizer.param_groups)
         return self.optimizer
 
     def _prepare_for_training(
@@ -288,6 +293,7 @@ class Trainer(transformers.Trainer):
                     weights_only=True,
                 )
             )
+            # the loaded optimizer groups carry the rate of the step that saved; the schedule's is the next one
             for group, lr in zip(self.create_optimizer().param_groups, scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -296,6 +302,12 @@ class Trainer(transformers.Trainer):
         self._dsx3d.pending = []
         # `model` is what HF counts parameters of and calls zero_grad() on: the HF model, never run.
         return self.model, train_dataloader
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().train(*args, **kwargs)
+        if not _is_meta(self.model):
+            _load_trained_weights(self._engine(), self.model)  # so that trainer.model.save_pretrained() saves them
+        return output
 
     # -- data ----------------------------------------------------------------------------------------------
 
@@ -392,9 +404,11 @@ class Trainer(transformers.Trainer):
             return torch.zeros((), device=self.args.device)
         micro, state.pending = state.pending, []
         engine = self._engine()
-        total = self._count_over_dp(sum(count_targets(labels) for _, labels in micro))
+        self._shape_rows(train.micro_batch_size)
         assert state.loss is not None
-        state.loss.factor = train.gradient_accumulation_steps * self.layout.dp / max(total, 1)
+        state.loss.training = True
+        state.loss.step_tokens = self._count_over_dp(sum(count_targets(labels) for _, labels in micro))
+        state.loss.scale = train.gradient_accumulation_steps * self.layout.dp
         loss = engine.train_step(iter(micro))
         return torch.tensor(loss, device=self.args.device)
 
@@ -410,6 +424,11 @@ class Trainer(transformers.Trainer):
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float:
         return self._engine().grad_norm
+
+    def _get_learning_rate(self) -> float:
+        # the rate the engine stepped with (HF asks between the optimizer step and the scheduler step), not the
+        # scheduler's belief: the log then shows what trained
+        return self._engine().lr
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         # every tp x pp rank of a DP rank sees the same batch; HF sums over all ranks
@@ -429,16 +448,17 @@ class Trainer(transformers.Trainer):
     ) -> dict[str, float]:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, dict):
-            return (
-                super().evaluate(eval_dataset, ignore_keys, metric_key_prefix) or {}
-            )  # recurses per dataset
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix) or {}  # recurses per dataset
         self._memory_tracker.start()
         dataloader = self.get_eval_dataloader(eval_dataset)
         start_time = time.time()
         output: Any = self.evaluation_loop(
-            dataloader, "Evaluation", prediction_loss_only=True, metric_key_prefix=metric_key_prefix
+            dataloader,
+            "Evaluation",
+            prediction_loss_only=True if self.compute_metrics is None else None,
+            metric_key_prefix=metric_key_prefix,
         )
-        steps = self._dsx3d.eval_steps  # eval_batch calls, each taking m micro-batches on every DP rank
+        steps = self._dsx3d.eval_steps  # engine evaluation calls, each taking m micro-batches on every DP rank
         output.metrics.update(
             speed_metrics(metric_key_prefix, start_time, num_samples=output.num_samples, num_steps=steps)
         )
@@ -455,32 +475,74 @@ class Trainer(transformers.Trainer):
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ) -> EvalLoopOutput:
-        """The token-weighted mean loss over the whole dataset, through the pipeline: each call of eval_batch
-        takes gradient_accumulation_steps micro-batches per DP rank; ranks that run out pad with empty ones."""
+        """The token-weighted mean loss over the whole dataset, through the engine: each evaluation call takes
+        gradient_accumulation_steps micro-batches of per_device_eval_batch_size rows per DP rank; ranks that run
+        out pad with empty ones. Unless `prediction_loss_only`, the last stage keeps what compute_metrics needs
+        (`preprocess_logits_for_metrics` of each micro-batch, or its logits) and every rank receives it, with the
+        labels (and inputs), in dataset order, as HF gathers them (padded across batches with -100)."""
         engine, train = self._engine(), self._dsx3d.recipe.train
-        m, mb, seq = train.gradient_accumulation_steps, train.micro_batch_size, train.seq_len
+        m, rows, seq = train.gradient_accumulation_steps, self.args.per_device_eval_batch_size, train.seq_len
+        self._shape_rows(rows)
         self.callback_handler.eval_dataloader = dataloader
-        assert self._dsx3d.loss is not None
-        self._dsx3d.loss.factor = 1.0  # each micro-batch returns its sum of token losses
+        loss = self._dsx3d.loss
+        assert loss is not None
+        only_loss = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
+        loss.training = False
+        loss.capture = None if only_loss else capture_for(self.preprocess_logits_for_metrics, _vocab_shard(engine))
+        loss.captured = []
         per_rank = -(-dataloader.batch_sampler.num_micro_batches // self.layout.dp)
         steps = -(-per_rank // m)
         batches = iter(dataloader)
         total_loss, local_tokens = 0.0, 0
+        kept: list[tuple[Any, Any]] = []  # this rank's real micro-batches: (labels, input_ids) as the collator made them
         for _ in range(steps):
-            micro = [to_micro_batch(b, mb, seq) for _, b in zip(range(m), batches, strict=False)]
-            micro += [empty_micro_batch(mb, seq)] * (m - len(micro))
+            real = [b for _, b in zip(range(m), batches, strict=False)]
+            micro = [to_micro_batch(b, rows, seq) for b in real]
+            micro += [empty_micro_batch(rows, seq)] * (m - len(micro))
+            kept += [(torch.as_tensor(b["labels"]), torch.as_tensor(b["input_ids"])) for b in real]
             local_tokens += sum(count_targets(labels) for _, labels in micro)
-            total_loss += (
-                engine.eval_loss(iter(micro)) * m * self.layout.dp
-            )  # eval_batch averages over micro x dp
+            total_loss += engine.eval_loss(iter(micro)) * m * self.layout.dp  # the engine averages over micro x dp
+            loss.captured = loss.captured[: len(kept)]  # the padding micro-batches' predictions go
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         tokens = self._count_over_dp(local_tokens)
-        metrics = {f"{metric_key_prefix}_loss": total_loss / max(tokens, 1)}
         self._dsx3d.eval_steps = steps
-        no_outputs: Any = None
-        return EvalLoopOutput(
-            predictions=no_outputs, label_ids=no_outputs, metrics=metrics, num_samples=len(dataloader.dataset)
-        )
+        metrics: dict[str, Any] = {}
+        preds: Any = None
+        labels: Any = None
+        if loss.capture is not None:
+            preds, labels, inputs = self._gather_predictions(loss.captured, kept)
+            loss.capture, loss.captured = None, []
+            if self.compute_metrics is not None:
+                include = [str(getattr(v, "value", v)) for v in (self.args.include_for_metrics or [])]
+                prediction = EvalPrediction(predictions=preds, label_ids=labels, inputs=inputs if "inputs" in include else None)
+                metrics = denumpify_detensorize(self.compute_metrics(prediction))
+        metrics[f"{metric_key_prefix}_loss"] = total_loss / max(tokens, 1)
+        for key in list(metrics):
+            if not key.startswith(f"{metric_key_prefix}_"):
+                metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)
+        return EvalLoopOutput(predictions=preds, label_ids=labels, metrics=metrics, num_samples=len(dataloader.dataset))
+
+    def _gather_predictions(self, captured: list[Any], kept: list[tuple[Any, Any]]) -> tuple[Any, Any, Any]:
+        """Every rank gets the predictions, labels and inputs of all micro-batches in dataset order (micro-batch
+        j came from DP rank j % dp, its (j // dp)-th), each cut back to the rows and columns the collator made,
+        then concatenated as HF does (nested_concat, padding -100), as numpy arrays (lists with
+        eval_do_concat_batches=False). Only the last stage's TP-rank-0 ranks send theirs."""
+        place, layout = self._dsx3d.placement, self.layout
+        mine = None
+        if place.pp == layout.pp - 1 and place.tp == 0:
+            mine = (place.dp, [(_trim(p, lab.shape), lab, ids) for p, (lab, ids) in zip(captured, kept, strict=True)])
+        per_dp: dict[int, list[Any]] = {}
+        for item in comm.all_gather_object(mine):
+            if item is not None:
+                sent: Any = item
+                per_dp[sent[0]] = sent[1]
+        ordered = [per_dp[j % layout.dp][j // layout.dp] for j in range(sum(len(b) for b in per_dp.values()))]
+        if not self.args.eval_do_concat_batches:
+            return tuple([nested_numpify(b[i]) for b in ordered] for i in range(3))  # type: ignore[return-value]
+        out: list[Any] = [None, None, None]
+        for batch in ordered:
+            out = [v if o is None else nested_concat(o, v, padding_index=-100) for o, v in zip(out, batch, strict=True)]
+        return tuple(nested_numpify(o) if o is not None else None for o in out)  # type: ignore[return-value]
 
     def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
         raise UserError.single(
@@ -614,3 +676,63 @@ def _weight_source(model: Any, seed: int) -> Any:
         "dsx3d.Trainer: the meta-device model has no local checkpoint (name_or_path); initialising fresh weights"
     )
     return InitSource(model.config, seed)
+
+
+def _install_loss(engine: Any, compute_loss_func: Any) -> LastStageLoss:
+    """Put dsx3d.Trainer's loss in the engine's place: it wraps the engine's own (vocab-parallel) loss."""
+    loss = LastStageLoss(engine.module.loss_fn, _vocab_shard(engine), compute_loss_func)
+    engine.module.loss_fn = loss
+    return loss
+
+
+def _vocab_shard(engine: Any) -> VocabShard:
+    builder = engine.module.dsx3d_builder
+    return VocabShard(builder.vocab_start, builder.vocab, builder.tp.group)
+
+
+def _trim(value: Any, shape: torch.Size) -> Any:
+    """A captured micro-batch output cut to the collator's (rows, columns): tensors of the padded micro-batch's
+    (rows, seq_len, ...) shape lose the padding rows and columns; others only the padding rows."""
+    rows, cols = shape[0], shape[1] if len(shape) > 1 else None
+    if isinstance(value, torch.Tensor):
+        value = value[:rows]
+        return value[:, :cols] if cols is not None and value.dim() > 1 else value
+    if isinstance(value, tuple | list):
+        return type(value)(_trim(v, shape) for v in value)
+    if isinstance(value, dict):
+        return {k: _trim(v, shape) for k, v in value.items()}
+    return value
+
+
+def _load_trained_weights(engine: Any, model: Any) -> None:
+    """Copy the engine's weights into the HF `model` on every rank (a collective). The DP-rank-0 ranks send
+    their TP shards; every rank merges them (TP shards concatenated, vocabulary padding trimmed)."""
+    from dsx3d.models.shards import merge_shards
+
+    shards = engine.hf_shards() if engine.placement.dp == 0 else {}
+    gathered: list[Any] = comm.all_gather_object(shards)
+    params = dict(model.named_parameters())
+    sizes = {name: params[name].shape[dim] for ranks in gathered for name, (_, dim, _) in ranks.items() if dim is not None and name in params}
+    merged = merge_shards(gathered, sizes)
+    missing = sorted(set(params) - set(merged))
+    if missing:
+        raise RuntimeError(f"dsx3d.Trainer: the engine holds no weights for {missing[:5]}")
+    with torch.no_grad():
+        for name, tensor in merged.items():
+            if name in params:
+                params[name].copy_(tensor.to(params[name].dtype))
+
+
+def _refuse_save_pretrained(model: Any) -> None:
+    """A meta-device model holds no weights, before or after training: its save_pretrained would write none."""
+
+    def save_pretrained(*args: Any, **kwargs: Any) -> None:
+        raise UserError.single(
+            "trainer.model.save_pretrained",
+            "a meta-device model",
+            "the model was built on the meta device; its trained weights live in dsx3d's engine, not in trainer.model",
+            "call trainer.save_model(DIR) (every rank), then AutoModelForCausalLM.from_pretrained(DIR)",
+        )
+
+    model.save_pretrained = save_pretrained
+

@@ -51,6 +51,17 @@ class InitSource:
         module_name, _, pname = self.alias[name].rpartition(".")
         return slice_along(getattr(self._module(module_name), pname).detach(), dim, start, stop)
 
+    def release(self) -> None:
+        """Forget every initialised module (back to the meta device). Loading one again initialises it again,
+        to the same values (its seed depends only on its name), so a builder may release after each item
+        and hold one item's tensors at a time instead of every tensor it has read."""
+        for module_name in self._ready:
+            module = self.lm.get_submodule(module_name)
+            for pname, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[pname] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        self._ready.clear()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor, for a single-process reference model of the same initialisation."""
         return {name: self.load(name) for name in sorted(self.alias)}

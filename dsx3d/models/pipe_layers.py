@@ -156,6 +156,13 @@ class LayerBuilder:
         materialize(holder, f"{self.plan.head_name}.", self.source, self.tp.rank)
         return holder._parameters["weight"], holder._parameters.get("bias")  # type: ignore[return-value]
 
+    def release_source(self) -> None:
+        """Let the weight source drop what it has read so far (a fresh initialisation keeps each module it
+        initialised until told); the parameters built from it are unaffected."""
+        release = getattr(self.source, "release", None)
+        if release is not None:
+            release()
+
     # -- running -------------------------------------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor, training: bool) -> torch.Tensor:

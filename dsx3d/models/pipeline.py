@@ -42,7 +42,7 @@ class StagedPipelineModule(PipelineModule):
 
     def _partition_layers(self, method: str = "") -> None:
         self.parts = list(self._dsx3d_bounds)
-        self._dsx3d_tp.bind(self._grid)
+        self._dsx3d_tp.bind(self._grid.get_slice_parallel_group())
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 

@@ -10,6 +10,12 @@ from torch import nn
 Shard = tuple[torch.Tensor, int | None, int]  # (tensor, partition dim or None, tp rank)
 
 
+def local_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """The shape of this rank's (TP shard of a) parameter, also while ZeRO-3 has partitioned it over DP (its
+    data then is an empty placeholder and `ds_shape` keeps the real shape)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
 def local_hf_shards(module: nn.Module, tp_rank: int) -> dict[str, Shard]:
     """{hf_name: (tensor, dim, tp_rank)} for every parameter this rank owns (materialize() names them)."""
     out: dict[str, Shard] = {}

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from dsx3d.data import prepare_data
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
-from dsx3d.hf_config import model_dim
+from dsx3d.models.shape import model_dim
 from dsx3d.recipe import Recipe
 
 

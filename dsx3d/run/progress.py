@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dsx3d.run.metrics import MetricsLog, Throughput
+from dsx3d.run.tracking import Tracker
 
 log = logging.getLogger("dsx3d")
 
@@ -88,11 +89,13 @@ class Reporter:
         log_interval: int,
         throughput: Throughput,
         enabled: bool,
+        tracker: Tracker | None = None,
     ):
         self.total_steps, self.start_step, self.log_interval = total_steps, start_step, log_interval
         self.throughput, self.enabled = throughput, enabled
         self.progress = Progress(total_steps, start_step, enabled)
         self.metrics = MetricsLog(metrics_path) if enabled else None
+        self.tracker = tracker  # train.report_to: the same records, to TensorBoard / W&B / CSV
         self.started = time.perf_counter()
         self._losses: list[float] = []
         self._seconds = 0.0
@@ -123,6 +126,8 @@ class Reporter:
                 "time": time.time(),
             }
             self.metrics.write(record)
+            if self.tracker is not None:
+                self.tracker.log(record)
             log.info("%s", format_log_line(record, self.total_steps))
             self._losses, self._seconds = [], 0.0
 
@@ -130,3 +135,5 @@ class Reporter:
         self.progress.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.tracker is not None:
+            self.tracker.close()

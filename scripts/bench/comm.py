@@ -86,7 +86,7 @@ def worker(
     for kind, d in per_kind.items():
         d["calls"] = d["calls"] // steps
         d["ops"] = {op: n // steps for op, n in ops[kind].items()}  # type: ignore[assignment]
-    layers = sum(1 for layer in engine.module.forward_funcs if type(layer).__name__ == "DecoderLayerPipe")
+    layers = sum(1 for m in engine.module.modules() if type(m).__name__ == "DecoderLayerPipe")
     return {"rank": rank, "stage": engine.placement.pp, "layers": layers, "per_kind": dict(per_kind)}
 
 

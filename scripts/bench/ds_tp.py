@@ -81,7 +81,7 @@ def deepspeed_tp_contender(
 ) -> bc.Contender:
     import deepspeed
     from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
     from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
     from dsx3d.distributed import comm

@@ -228,7 +228,7 @@ def _contender(point: Point, work: bc.Workload, state: dict[str, torch.Tensor]) 
 
 
 def _layers(contender: bc.Contender) -> int:
-    return sum(1 for m in contender.engine.module.forward_funcs if type(m).__name__ == "DecoderLayerPipe")
+    return sum(1 for m in contender.engine.module.modules() if type(m).__name__ == "DecoderLayerPipe")
 
 
 def allocated_worker(rank: int, point: Point, state: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:

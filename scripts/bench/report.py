@@ -258,9 +258,10 @@ METHODS = """### How the figures are measured
   shared machine move with other jobs' load. CPU seconds per step (`time.process_time`, summed over ranks)
   are given next to wall time: they leave out time lost to other jobs and time blocked on peers. Every
   contender starts from the same weights and sees the same batches; equal first-step losses show it.
-- **Overhead** (`scripts/bench/overhead.py`): dsx3d at dp=2 (its DeepSpeed PipelineEngine, one stage) and
-  `deepspeed.initialize` on the plain HF model with the same DeepSpeed JSON (ZeRO-1, AdamW, clipping, the
-  same micro-batch and accumulation).
+- **Overhead** (`scripts/bench/overhead.py`): dsx3d at dp=2 and `deepspeed.initialize` on the plain HF
+  model with the same DeepSpeed JSON (ZeRO-1, AdamW, clipping, the same micro-batch and accumulation). Since
+  pp = 1 runs on DeepSpeed's regular engine, both contenders use that engine; the figures above were
+  measured before, with dsx3d on a one-stage PipelineEngine, and have not been re-measured.
 - **Alternatives** (`scripts/bench/alternatives.py`): torch DDP (through `scripts.bench.ddp.wrap_ddp`, torch
   AdamW, `no_sync` accumulation, clipping) and HF-style ZeRO-3 (`deepspeed.initialize`, stage 3, the bucket
   and persistence sizes transformers fills in for "auto") on the plain HF model, and dsx3d under a few

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The scripts/examples/trainer.py job under `accelerate launch`: a tiny local Llama checkpoint fine-tuned with
-# dsx3d.Trainer on 4 processes, pp 2 x dp 2. Runs on a CPU-only machine (gloo) as on GPUs.
+# run_clm.py under `accelerate launch`: a tiny local Llama checkpoint fine-tuned with dsx3d.Trainer on 4
+# processes, pp 2 x dp 2. Runs on a CPU-only machine (gloo) as on GPUs.
 #
 #   bash scripts/examples/accelerate.sh [WORK_DIR]      # default WORK_DIR: runs/example-accelerate
 #
@@ -15,7 +15,7 @@ WORK=${1:-runs/example-accelerate}
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)  # absolute: the recipe and the accelerate config name files in it
 
-[ -f "$WORK/tiny-llama/.complete" ] || python scripts/examples/trainer.py --make-tiny "$WORK/tiny-llama"
+[ -f "$WORK/tiny-llama/config.json" ] || python scripts/examples/run_clm.py --make_tiny "$WORK/tiny-llama"
 
 cat > "$WORK/recipe.yaml" <<YAML
 model:
@@ -30,4 +30,5 @@ python -m dsx3d accelerate-config "$WORK/recipe.yaml" -o "$WORK/accelerate.yaml"
 
 # --main_process_port 0: a free port, so concurrent runs on one machine do not collide
 accelerate launch --config_file "$WORK/accelerate.yaml" --main_process_port 0 \
-    scripts/examples/trainer.py --model "$WORK/tiny-llama" --output-dir "$WORK" --steps 20
+    scripts/examples/run_clm.py --model_name_or_path "$WORK/tiny-llama" --output_dir "$WORK/clm" \
+    --block_size 64 --max_steps 20 --do_train --do_eval --logging_steps 5 --report_to none --save_strategy no

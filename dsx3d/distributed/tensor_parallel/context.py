@@ -1,4 +1,4 @@
-"""The tensor-parallel coordinates a stage needs, with the process group bound once DeepSpeed's grid exists,
+"""The tensor-parallel coordinates a stage needs, with the process group bound once the groups exist,
 and the region boundaries every TP layer goes through.
 
 Entering a TP region (Megatron's `f`: the input of column-parallel linears, experts, ...) and leaving it
@@ -46,8 +46,9 @@ from dsx3d.distributed.tensor_parallel.regions import RegionEntry, enter, region
 
 @dataclass
 class TPContext:
-    """rank/size are known from the layout before any process group exists; `group` is bound later from
-    DeepSpeed's grid (the TP "slice" group; None while size == 1)."""
+    """rank/size are known from the layout before any process group exists; `group` is bound later: with a
+    pipeline to DeepSpeed's grid's TP ("slice") group, without one to the TP group of
+    dsx3d.distributed.groups.DataTensorParallelGroups (None while size == 1)."""
 
     rank: int = 0
     size: int = 1
@@ -69,9 +70,9 @@ class TPContext:
     def __post_init__(self) -> None:
         self.random.tp_rank = self.rank
 
-    def bind(self, grid: Any) -> None:
+    def bind(self, group: Any) -> None:
         if self.size > 1:
-            self.group = grid.get_slice_parallel_group()
+            self.group = group
 
     def chunk_bounds(self, n: int) -> tuple[int, int]:
         """[start, stop) of this rank's even share of n (n % size == 0, checked by the caller)."""

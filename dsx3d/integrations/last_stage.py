@@ -1,0 +1,122 @@
+"""What the pipeline's last stage computes from each micro-batch's logits for dsx3d.Trainer: the training loss
+(HF's token weighting, or the user's `compute_loss_func`), the evaluation loss, and the predictions that
+`compute_metrics` / `predict()` receive.
+
+The last stage holds the logits vocab-sharded over its TP group: (b, s, V/tp) per rank, columns
+[vocab_start, vocab_start + V/tp) of a vocabulary padded to a multiple of tp. The default loss needs no gather
+(vocab-parallel cross-entropy), and neither do token predictions (`dsx3d.integrations.last_stage.argmax_logits`
+as `preprocess_logits_for_metrics`: each rank's best column, then the best over ranks). A `compute_loss_func`,
+any other `preprocess_logits_for_metrics`, or `compute_metrics` on raw logits see what they see under HF: the
+full-vocabulary logits (b, s, V) of the micro-batch, gathered over the TP group (for the loss with a backward
+that hands each rank the gradient of its own columns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from dsx3d.distributed import comm
+from dsx3d.distributed.tensor_parallel.mappings import gather_last_dim
+from dsx3d.integrations.batches import count_targets
+
+
+def argmax_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`preprocess_logits_for_metrics` for token-level metrics: the predicted token id at every position,
+    (b, s). Under dsx3d.Trainer it runs on the vocabulary shards without gathering them."""
+    return logits.argmax(dim=-1)
+
+
+@dataclass
+class VocabShard:
+    """Which columns of the vocabulary this rank's logits hold, and the TP group that holds the rest."""
+
+    start: int
+    vocab: int
+    """The real vocabulary size (columns past it are padding)."""
+    group: Any
+
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
+        """(b, s, V/tp) -> (b, s, V): all-gathered over the TP group, padding columns dropped."""
+        return gather_last_dim(logits, self.group)[..., : self.vocab]
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """(b, s, V/tp) -> (b, s) global ids of the largest logit, the lowest id among ties (as torch.argmax):
+        each rank's best value and column, the maximum value over ranks, then the lowest column holding it."""
+        z = logits.detach().float()
+        if self.group is None:  # one TP rank holds every column
+            return z[..., : self.vocab].argmax(dim=-1)
+        cols = torch.arange(self.start, self.start + z.shape[-1], device=z.device)
+        z = z.masked_fill(cols >= self.vocab, float("-inf"))
+        best, where = z.max(dim=-1)
+        top = comm.all_reduce_max(best.clone(), group=self.group)
+        ids = torch.where(best == top, where + self.start, torch.full_like(where, torch.iinfo(torch.int64).max))
+        return -comm.all_reduce_max(-ids, group=self.group)  # the minimum over ranks
+
+
+class LastStageLoss:
+    """The pipeline's loss function: called with each micro-batch's (logits shard, labels) on the last stage.
+
+    DeepSpeed averages what it returns over the m micro-batches of a step and the dp ranks, so training returns
+    the micro-batch's share of the step's loss times m * dp:
+    - default: mean_k * n_k * m * dp / N, with n_k scored tokens in the micro-batch and N in the whole step
+      (over DP ranks): the average is sum_k(n_k * mean_k) / N, the token-weighted mean HF trains on;
+    - `compute_loss_func(outputs, labels, num_items_in_batch=N) * m * dp`: the sum of the function's values,
+      as HF's Trainer trains with it (it multiplies by the number of processes, and DDP averages them).
+    Evaluation returns the micro-batch's sum of token losses (the function's value times n_k), so the
+    evaluation loss is a token-weighted mean either way; `capture` then keeps what compute_metrics needs."""
+
+    def __init__(self, mean_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shard: VocabShard,
+                 compute_loss_func: Callable[..., torch.Tensor] | None = None):  # fmt: skip
+        self.mean_loss, self.shard, self.compute_loss_func = mean_loss, shard, compute_loss_func
+        self.training = True
+        self.step_tokens = 1
+        """N: scored tokens in the current optimizer step over all DP ranks."""
+        self.scale = 1.0
+        """m * dp: DeepSpeed's divisor."""
+        self.capture: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
+        self.captured: list[Any] = []
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            if self.compute_loss_func is None:
+                return self.mean_loss(logits, labels) * (count_targets(labels) * self.scale / max(self.step_tokens, 1))
+            return self._user_loss(logits, labels, self.step_tokens) * self.scale
+        n = count_targets(labels)
+        loss = self.mean_loss(logits, labels) if self.compute_loss_func is None else self._user_loss(logits, labels, n)
+        if self.capture is not None:
+            self.captured.append(self.capture(logits, labels))
+        return loss * n
+
+    def _user_loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+        outputs = CausalLMOutputWithPast(logits=self.shard.full(logits))
+        items = torch.tensor(num_items, device=logits.device)
+        return self.compute_loss_func(outputs, labels, num_items_in_batch=items)  # type: ignore[misc]
+
+
+def capture_for(preprocess: Callable[..., Any] | None, shard: VocabShard) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """What evaluation keeps per micro-batch (on CPU): HF's `preprocess_logits_for_metrics(logits, labels)`, on
+    full logits, except `argmax_logits`, which runs on the shards; without one, the full logits themselves."""
+    if preprocess is argmax_logits:
+        return lambda logits, labels: shard.argmax(logits).cpu()
+
+    def keep(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+        full = shard.full(logits.detach())
+        out = preprocess(full, labels) if preprocess is not None else full
+        return _to_cpu(out)
+
+    return keep
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, tuple | list):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value

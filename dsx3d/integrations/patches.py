@@ -1,0 +1,175 @@
+"""Every change dsx3d makes to a third-party library, and every private third-party name it relies on.
+
+Patches, each applied by an explicit, idempotent call (`install()` applies them all):
+- transformers: `HfTrainerDeepSpeedConfig.__init__` reads a recipe path (.yaml/.yml) as the DeepSpeed config the
+  recipe generates. transformers parses `TrainingArguments.deepspeed` while the arguments are built, before any
+  Trainer exists, and fails on YAML. Needed before `TrainingArguments(deepspeed="recipe.yaml")`.
+- DeepSpeed: `deepspeed.comm.torch.build_shm_op` does nothing on CPU. DeepSpeed JIT-compiles a shared-memory
+  all-reduce op there (minutes; concurrent ranks race at link time) that only inference all-reduce uses.
+  Needed before anything calls `deepspeed.init_distributed` (dsx3d, or accelerate under `accelerate launch`).
+- accelerate: `Accelerator.prepare` refuses a dsx3d layout with tp > 1 or pp > 1 (a plain accelerate loop runs
+  one whole model replica per process, which such a layout is not), saying what to use instead.
+
+`dsx3d.integrations.trainer` calls `install()` when imported (a recipe path must work in the TrainingArguments
+built right after `from dsx3d import Trainer`); `dsx3d.distributed.comm.init_distributed` calls `skip_cpu_shm_build()`.
+
+PRIVATE_HOOKS lists the private (underscore) and undocumented names of transformers, DeepSpeed and accelerate
+that dsx3d overrides, calls or patches, with the parameters it expects; tests/test_compat.py checks each one
+against the installed versions, so an upgrade that changes one fails there, loudly, and not mid-training.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+# (module, attribute path, expected parameter names or None for "exists") of every private or undocumented
+# third-party name dsx3d depends on.
+PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
+    # transformers.Trainer methods dsx3d.Trainer overrides (HF calls them with these parameters)
+    ("transformers", "Trainer._prepare_for_training", ("self", "max_steps", "train_dataloader", "resume_from_checkpoint")),
+    ("transformers", "Trainer._get_num_items_in_batch", ("self", "batch_samples", "device")),
+    ("transformers", "Trainer._clip_grad_norm", ("self", "model")),
+    ("transformers", "Trainer._get_grad_norm", ("self", "model", "grad_norm")),
+    ("transformers", "Trainer._get_learning_rate", ("self",)),
+    ("transformers", "Trainer._track_num_input_tokens", ("self", "inputs")),
+    ("transformers", "Trainer._save_optimizer_and_scheduler", ("self", "output_dir")),
+    ("transformers", "Trainer._load_best_model", ("self",)),
+    # transformers.Trainer internals dsx3d.Trainer calls or reads
+    ("transformers", "Trainer._remove_unused_columns", ("self", "dataset", "description")),
+    ("transformers", "Trainer._get_collator_with_removed_columns", ("self", "data_collator", "description")),
+    ("transformers", "Trainer._inner_training_loop", None),
+    ("transformers", "trainer.SCHEDULER_NAME", None),
+    ("transformers", "trainer.TRAINING_ARGS_NAME", None),
+    ("transformers", "integrations.deepspeed.HfTrainerDeepSpeedConfig.__init__", ("self", "config_file_or_dict")),
+    # accelerate
+    ("accelerate", "state.AcceleratorState._reset_state", ("reset_partial_state",)),
+    ("accelerate", "Accelerator.prepare", ("self", "args", "device_placement")),
+    ("accelerate", "data_loader.SeedableRandomSampler", None),
+    # DeepSpeed: the pipeline module dsx3d subclasses, and the engine calls it makes
+    ("deepspeed", "pipe.PipelineModule._partition_layers", ("self", "method")),
+    ("deepspeed", "pipe.PipelineModule._set_bounds", ("self", "start", "stop")),
+    ("deepspeed", "runtime.pipe.engine.PipelineEngine.reset_activation_shape", ("self",)),
+    ("deepspeed", "runtime.pipe.engine.PipelineEngine.eval_batch", None),
+    ("deepspeed", "runtime.engine.DeepSpeedEngine.get_global_grad_norm", ("self",)),
+    ("deepspeed", "comm.torch.build_shm_op", None),
+    ("deepspeed", "monitor.monitor.MonitorMaster.write_events", ("self", "event_list")),
+]
+PRIVATE_ATTRIBUTES = {
+    # attributes PipelineModule.__init__ sets and dsx3d's _partition_layers reads (checked in its source)
+    "deepspeed.pipe.PipelineModule.__init__": ("self._grid", "self._topo", "self._partition_layers("),
+}
+
+
+def install() -> None:
+    """Apply every patch (idempotent)."""
+    install_recipe_paths()
+    keep_hf_out_of_zero3()
+    skip_cpu_shm_build()
+    install_accelerate_guard()
+
+
+def is_recipe_path(value: object) -> bool:
+    return isinstance(value, str | Path) and Path(value).suffix.lower() in RECIPE_SUFFIXES
+
+
+def install_recipe_paths() -> None:
+    """`TrainingArguments(deepspeed="recipe.yaml")` reads the recipe's generated DeepSpeed config. Only
+    .yaml/.yml paths change behaviour."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    cls: Any = hf_deepspeed.HfTrainerDeepSpeedConfig
+    if getattr(cls, "_dsx3d_recipe_paths", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)  # the original's signature stays visible (tests/test_compat.py checks it)
+    def __init__(self: Any, config_file_or_dict: Any) -> None:
+        if is_recipe_path(config_file_or_dict):
+            from dsx3d.integrations.layout_source import ds_config_of_recipe
+
+            config_file_or_dict = ds_config_of_recipe(config_file_or_dict)
+        original(self, config_file_or_dict)
+
+    cls.__init__ = __init__
+    cls._dsx3d_recipe_paths = True
+
+
+def keep_hf_out_of_zero3() -> None:
+    """Make transformers treat a dsx3d layout with zero.stage 3 as not ZeRO-3. While a DeepSpeed config with
+    stage 3 is registered (TrainingArguments(deepspeed=...), accelerate's plugin), transformers wraps every
+    model it builds in `deepspeed.zero.Init` over the whole world: the user's model would arrive partitioned
+    with DeepSpeed's world-size batch arithmetic (which fails for a layout with tp > 1), and so would the
+    meta-device skeletons dsx3d builds. dsx3d partitions the model itself, over the DP group only
+    (dsx3d.engine). Configs without a "dsx3d" section are left alone."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    cls: Any = hf_deepspeed.HfDeepSpeedConfig
+    if getattr(cls, "_dsx3d_zero3", False):
+        return
+    original = cls.is_zero3
+
+    @functools.wraps(original)
+    def is_zero3(self: Any) -> bool:
+        return False if "dsx3d" in getattr(self, "config", {}) else bool(original(self))
+
+    cls.is_zero3 = is_zero3
+    cls._dsx3d_zero3 = True
+
+
+def skip_cpu_shm_build() -> None:
+    """On a CPU accelerator, DeepSpeed's shared-memory op is not built (see the module docstring)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        # not `import deepspeed.comm.torch as m`: that resolves to the attribute deepspeed.comm.torch, i.e. torch
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # type: ignore[attr-defined]
+
+
+def install_accelerate_guard() -> None:
+    """`Accelerator.prepare` checks the DeepSpeed config it was given (see `refuse_model_parallel_prepare`)."""
+    from accelerate import Accelerator
+
+    cls: Any = Accelerator
+    if getattr(cls, "_dsx3d_guard", False):
+        return
+    original = cls.prepare
+
+    @functools.wraps(original)
+    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plugin = getattr(self.state, "deepspeed_plugin", None)
+        refuse_model_parallel_prepare(getattr(plugin, "deepspeed_config", None), os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))
+        return original(self, *args, **kwargs)
+
+    cls.prepare = prepare
+    cls._dsx3d_guard = True
+
+
+def refuse_model_parallel_prepare(ds_config: dict[str, Any] | None, source: str | None) -> None:
+    """Raise a UserError if `ds_config` carries a dsx3d layout with tp > 1 or pp > 1. accelerate's loop
+    (`prepare`, `backward`, `step`) hands DeepSpeed one whole model per process and feeds every process its own
+    batch; DeepSpeed would stop at its batch-size assertion, or, with the numbers made to fit, train something
+    other than the layout."""
+    section = (ds_config or {}).get("dsx3d")
+    if not isinstance(section, dict):
+        return
+    tp, pp = int(section.get("tp", 1)), int(section.get("pp", 1))
+    if tp == 1 and pp == 1:
+        return
+    from dsx3d.errors import UserError
+
+    raise UserError.single(
+        "Accelerator.prepare",
+        f"{source or 'DeepSpeed config'}: dsx3d layout tp {tp} x pp {pp}",
+        "accelerate's own loop (prepare, backward, step) runs one whole model replica per process; a layout "
+        "with tensor or pipeline parallelism needs dsx3d's engine, which runs the step itself",
+        "use dsx3d.Trainer in your script (`accelerate launch --config_file ... script.py`), or "
+        "`accelerate launch --config_file ... -m dsx3d.train RECIPE`, or write the loop on dsx3d's engine "
+        "(dsx3d.engine.build_engine(recipe).train_step(micro_batches), scripts/examples/accelerate_engine_loop.py); "
+        "a layout with tp 1 and pp 1 (dp and ZeRO only) works with the plain accelerate loop",
+    )

@@ -1,0 +1,207 @@
+"""One source of truth for what `TrainingArguments` and the layout (recipe, `dsx3d config` JSON or an HF-style
+DeepSpeed JSON) both name.
+
+Each shared value is given in one place and taken by the other: a TrainingArguments field left at its HF default
+counts as not given. When both sides give it and disagree, one problem names every key and value involved.
+When neither gives it, the layout's default decides the five values the layout fixes (micro-batch,
+accumulation, clipping, dtype, activation checkpointing) and HF's default decides the optimizer and schedule
+(dsx3d.Trainer runs HF's scheduler). After `reconcile`, TrainingArguments and the recipe hold the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dsx3d.errors import Problem
+from dsx3d.recipe import Recipe, TrainSection
+
+log = logging.getLogger("dsx3d")
+
+Claim = tuple[str, Any]
+"""(where a value is given, for messages: "r.yaml: train.micro_batch_size", the value)."""
+
+# the recipe's schedule names and HF's SchedulerType values for the same curve
+RECIPE_TO_HF_SCHEDULE = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
+HF_TO_RECIPE_SCHEDULE = {v: k for k, v in RECIPE_TO_HF_SCHEDULE.items()}
+SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+SUPPORTED_SAMPLING = ("random", "sequential")
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A value both TrainingArguments (as `hf_key`) and the recipe (as train.`field`) name."""
+
+    field: str
+    hf_key: str
+    layout_decides: bool
+    """Whether the layout's default applies when nobody gives the value (else HF's)."""
+    read: Callable[[Any], Any]
+    """The HF value in the recipe's terms, or None when left at HF's default."""
+    write: Callable[[Any, Any], None]
+    """Set the HF fields to a value in the recipe's terms."""
+
+
+def _hf_default(name: str) -> Any:
+    from transformers import TrainingArguments
+
+    f = TrainingArguments.__dataclass_fields__[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
+
+
+def _plain(name: str, cast: Callable[[Any], Any] = lambda v: v) -> tuple[Callable[[Any], Any], Callable[[Any, Any], None]]:
+    def read(args: Any) -> Any:
+        value = getattr(args, name)
+        return None if value == _hf_default(name) else cast(value)
+
+    def write(args: Any, value: Any) -> None:
+        setattr(args, name, value)
+
+    return read, write
+
+
+def _read_dtype(args: Any) -> str | None:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else None  # both False: HF's default (fp32), not given
+
+
+def _write_dtype(args: Any, value: str) -> None:
+    args.bf16, args.fp16 = value == "bf16", value == "fp16"
+
+
+def _read_checkpointing(args: Any) -> bool | None:
+    return True if args.activation_checkpointing else None
+
+
+def _write_checkpointing(args: Any, value: bool) -> None:
+    args.activation_checkpointing = args.gradient_checkpointing = value  # the second is HF's deprecated alias
+
+
+def _read_betas(args: Any) -> tuple[float, float] | None:
+    betas = (float(args.adam_beta1), float(args.adam_beta2))
+    return None if betas == (_hf_default("adam_beta1"), _hf_default("adam_beta2")) else betas
+
+
+def _write_betas(args: Any, value: Any) -> None:
+    args.adam_beta1, args.adam_beta2 = (float(v) for v in value)
+
+
+def _read_schedule(args: Any) -> str | None:
+    name = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    return None if name == _hf_default("lr_scheduler_type") else HF_TO_RECIPE_SCHEDULE.get(name, f"{name} (HF)")
+
+
+def _write_schedule(args: Any, value: str) -> None:
+    from transformers.trainer_utils import SchedulerType
+
+    args.lr_scheduler_type = SchedulerType(RECIPE_TO_HF_SCHEDULE[value])
+
+
+SHARED: list[Shared] = [
+    Shared("micro_batch_size", "per_device_train_batch_size", True, *_plain("per_device_train_batch_size", int)),
+    Shared("gradient_accumulation_steps", "gradient_accumulation_steps", True, *_plain("gradient_accumulation_steps", int)),
+    Shared("grad_clip", "max_grad_norm", True, *_plain("max_grad_norm", float)),
+    Shared("dtype", "bf16/fp16", True, _read_dtype, _write_dtype),
+    Shared("activation_checkpointing", "gradient_checkpointing", True, _read_checkpointing, _write_checkpointing),
+    Shared("lr", "learning_rate", False, *_plain("learning_rate", float)),
+    Shared("weight_decay", "weight_decay", False, *_plain("weight_decay", float)),
+    Shared("betas", "adam_beta1/adam_beta2", False, _read_betas, _write_betas),
+    Shared("eps", "adam_epsilon", False, *_plain("adam_epsilon", float)),
+    Shared("warmup_steps", "warmup_steps", False, *_plain("warmup_steps")),
+    Shared("steps", "max_steps", False, *_plain("max_steps", int)),
+    Shared("lr_schedule", "lr_scheduler_type", False, _read_schedule, _write_schedule),
+    Shared("seed", "seed", False, *_plain("seed", int)),
+]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return float(a) == float(b)
+    return bool(a == b)
+
+
+def reconcile(args: Any, recipe: Recipe, layout_claims: dict[str, list[Claim]]) -> tuple[Recipe, list[Problem]]:
+    """Agree TrainingArguments and the layout on every SHARED value; returns the recipe with the agreed values
+    and the disagreements. `args` is updated in place (only when there is no problem)."""
+    problems: list[Problem] = []
+    agreed: dict[str, Any] = {}
+    for shared in SHARED:
+        claims = list(layout_claims.get(shared.field, []))
+        hf_value = shared.read(args)
+        if hf_value is not None:
+            claims.insert(0, (f"TrainingArguments.{shared.hf_key}", hf_value))
+        if any(not _same(v, claims[0][1]) for _, v in claims[1:]):
+            (key, value), rest = claims[0], claims[1:]
+            problems.append(
+                Problem(
+                    key,
+                    value,
+                    "disagrees with " + ", ".join(f"{k} = {v!r}" for k, v in rest),
+                    "give the value in one place (the other takes it over) or the same value in each",
+                )
+            )
+        elif claims:
+            agreed[shared.field] = claims[0][1]
+        elif shared.layout_decides:
+            agreed[shared.field] = getattr(recipe.train, shared.field)
+    if "min_lr" in recipe.train.model_fields_set and recipe.train.min_lr != 0:
+        problems.append(
+            Problem(
+                "train.min_lr",
+                recipe.train.min_lr,
+                "dsx3d.Trainer runs HF's LR scheduler, which has no such setting for every schedule",
+                "remove train.min_lr, and use lr_scheduler_type='cosine_with_min_lr' with lr_scheduler_kwargs={'min_lr': ...}",
+            )
+        )
+    if problems:
+        return recipe, problems
+    for shared in SHARED:
+        if shared.field in agreed:
+            if shared.read(args) is None:  # not given in TrainingArguments: say where its value comes from
+                where = layout_claims[shared.field][0][0] if layout_claims.get(shared.field) else "the layout's default"
+                log.info("dsx3d.Trainer: TrainingArguments.%s = %r, from %s", shared.hf_key, agreed[shared.field], where)
+            shared.write(args, agreed[shared.field])
+    known = {k: v for k, v in agreed.items() if k != "lr_schedule" or v in RECIPE_TO_HF_SCHEDULE}
+    train = TrainSection.model_validate({**recipe.train.model_dump(), **known})
+    return recipe.model_copy(update={"train": train}), []
+
+
+def unsupported_args(args: Any) -> list[Problem]:
+    """TrainingArguments dsx3d.Trainer cannot honour; each would otherwise be ignored or train differently."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    include = [str(getattr(v, "value", v)) for v in (args.include_for_metrics or [])]
+    unsupported = [
+        ("optim", optim, optim not in SUPPORTED_OPTIMIZERS, "the engine's optimizer is torch AdamW", f"use one of {list(SUPPORTED_OPTIMIZERS)}"),
+        ("label_smoothing_factor", args.label_smoothing_factor, args.label_smoothing_factor != 0,
+         "the pipeline's own loss is plain cross-entropy", "set it to 0, or pass compute_loss_func= with the loss you want"),
+        ("neftune_noise_alpha", args.neftune_noise_alpha, args.neftune_noise_alpha is not None,
+         "NEFTune hooks the HF model's embedding, which the pipeline does not run", "unset it"),
+        ("use_liger_kernel", args.use_liger_kernel, bool(args.use_liger_kernel),
+         "Liger patches the HF model, which the pipeline does not run", "set it to False"),
+        ("torch_compile", args.torch_compile, bool(args.torch_compile), "the pipeline stages are not compiled", "set it to False"),
+        ("auto_find_batch_size", args.auto_find_batch_size, bool(args.auto_find_batch_size),
+         "the micro-batch size is part of the layout", "set it to False"),
+        ("train_sampling_strategy", args.train_sampling_strategy, args.train_sampling_strategy not in SUPPORTED_SAMPLING,
+         "dsx3d shards data itself", f"use one of {list(SUPPORTED_SAMPLING)}"),
+        ("bf16_full_eval/fp16_full_eval", True, bool(args.bf16_full_eval or args.fp16_full_eval),
+         "evaluation runs in the training dtype", "set both to False"),
+        ("activation_checkpointing_kwargs", args.activation_checkpointing_kwargs, bool(args.activation_checkpointing_kwargs),
+         "the layout's activation checkpointing recomputes every decoder layer, with no options", "unset it"),
+        ("average_tokens_across_devices", args.average_tokens_across_devices, not args.average_tokens_across_devices,
+         "dsx3d weights the loss by the tokens of the whole step over all data-parallel ranks", "set it to True (HF's default)"),
+        ("batch_eval_metrics", args.batch_eval_metrics, bool(args.batch_eval_metrics),
+         "dsx3d.Trainer gathers the predictions of the whole evaluation before compute_metrics", "set it to False"),
+        ("include_for_metrics", include, "loss" in include,
+         "per-batch losses are not gathered for compute_metrics (predictions, labels and inputs are)", "drop 'loss'"),
+    ]  # fmt: skip
+    return [
+        Problem(f"TrainingArguments.{key}", value, f"not supported by dsx3d.Trainer: {why}", fix)
+        for key, value, bad, why, fix in unsupported
+        if bad
+    ]

@@ -1,0 +1,40 @@
+"""The README's recipe-key table is the user's reference: it lists every key the schema accepts and no key
+it does not (a key added to dsx3d.recipe without a row, or a row left after a key was renamed, fails)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from dsx3d.recipe import Recipe
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _schema_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys |= _schema_keys(annotation, f"{prefix}{name}.")
+        else:
+            keys.add(f"{prefix}{name}")
+    return keys
+
+
+def _table_keys() -> set[str]:
+    text = README.read_text()
+    section = text[text.index("### Recipe keys") :]
+    section = section[: section.index("\n## ")]
+    keys: set[str] = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            first_cell = line.split("|")[1]
+            keys |= set(re.findall(r"`([a-z_.]+)`", first_cell))
+    return keys
+
+
+def test_recipe_key_table_matches_the_schema() -> None:
+    assert _table_keys() == _schema_keys(Recipe)
