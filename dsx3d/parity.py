@@ -239,7 +239,7 @@ def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tenso
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 v[n].mul_(beta2).add_(g * g, alpha=1 - beta2)
                 v_hat = v[n] / (1 - beta2**t)
-                delta = criteria.roundoff * float(g.abs().max()) if g.numel() else 0.0
+                delta: float | torch.Tensor = criteria.roundoff * float(g.abs().max()) if g.numel() else 0.0
                 if n in propagated:
                     delta = delta + 2 * clip * propagated[n]
                 step = 2 * case.lr * delta / (v_hat.sqrt() + case.adam_eps)

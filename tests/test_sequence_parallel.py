@@ -27,7 +27,7 @@ from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dsx3d.distributed.tensor_parallel.mappings import reduce_scatter_to_sequence, split_to_sequence
 from dsx3d.models.families import tiny_config
-from dsx3d.parity import PARAM_TOL_FP32, ParityCase, case_recipe, make_batches, micro_batch, run_parity
+from dsx3d.parity import ParityCase, case_recipe, make_batches, micro_batch, run_parity
 from dsx3d.testing.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
@@ -197,7 +197,7 @@ def test_parity_detects_unsummed_shard_gradients(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(pipe_layers.LayerBuilder, "_hook_replicated", only_grad_allreduce)
     r = run_parity(ParityCase(tiny_config("llama"), dp=1, tp=2, pp=1, steps=2))
-    assert not r.ok and r.max_abs_param_diff > PARAM_TOL_FP32
+    assert not r.ok and r.max_abs_param_diff > 1e-4, r.to_dict()
 
 
 def test_parity_embedding_prologue_on_the_whole_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,7 +205,7 @@ def test_parity_embedding_prologue_on_the_whole_sequence(monkeypatch: pytest.Mon
     from dsx3d.models.skeleton import Skeleton
 
     monkeypatch.setattr(Skeleton, "prologue_is_tokenwise", lambda self, seq_len, parts: False)
-    r = run_parity(ParityCase(tiny_config("gemma2"), dp=1, tp=2, pp=2, steps=2, adam_eps=1e-6))
+    r = run_parity(ParityCase(tiny_config("gemma2"), dp=1, tp=2, pp=2, steps=2))
     assert r.ok, r.to_dict()
 
 
@@ -243,11 +243,11 @@ def _recipe(family: str, **parallel: Any) -> Any:
 def test_checker_seq_len_must_split_over_tp() -> None:
     """An odd seq_len at tp 2 would fail in the first reduce-scatter, deep in the first step."""
     recipe, config = _recipe("llama", seq_len=15)
-    errors = [p for p in check_recipe(recipe, world_size=2, hf_config=config) if p.severity == "error"]
+    errors = [p for p in check_recipe(recipe, world_size=2, hf_config=config, data=False) if p.severity == "error"]
     assert [(p.key, p.value) for p in errors] == [("train.seq_len", 15)]
     assert "14 or 16" in errors[0].fix and "sequence_parallel: false" in errors[0].fix
     recipe, config = _recipe("llama", seq_len=15, sequence_parallel=False)
-    assert not [p for p in check_recipe(recipe, world_size=2, hf_config=config) if p.severity == "error"]
+    assert not [p for p in check_recipe(recipe, world_size=2, hf_config=config, data=False) if p.severity == "error"]
 
 
 def test_families_without_sequence_parallelism_are_named() -> None:
@@ -259,7 +259,7 @@ def test_families_without_sequence_parallelism_are_named() -> None:
     reason = sequence_parallel_blocker(tiny_config("mixtral"))
     assert reason is not None and "mlp" in reason
     recipe, config = _recipe("mixtral", seq_len=15)
-    problems = check_recipe(recipe, world_size=2, hf_config=config)
+    problems = check_recipe(recipe, world_size=2, hf_config=config, data=False)
     warnings = [p for p in problems if p.key == "parallel.sequence_parallel"]
     assert len(warnings) == 1 and warnings[0].severity == "warning" and reason in warnings[0].reason
     assert not [p for p in problems if p.key == "train.seq_len"]  # no split, no seq_len rule
