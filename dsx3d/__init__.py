@@ -1,8 +1,16 @@
 """dsx3d: 3D parallelism (data x tensor x pipeline) for Hugging Face causal LMs on DeepSpeed."""
 
+import os as _os
 from typing import Any
 
 __version__ = "0.1.0"
+
+if _os.environ.get("DSX3D_OWNER"):
+    # A process of a job `dsx3d train` started (a rank, or a worker a rank spawned): end with it however it
+    # ends. Here, before torch and DeepSpeed are imported (seconds), so a killed job does not linger that long.
+    from dsx3d.run.lifeline import watch_owner as _watch_owner
+
+    _watch_owner()
 
 
 def __getattr__(name: str) -> Any:

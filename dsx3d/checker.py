@@ -11,11 +11,12 @@ import importlib.util
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dsx3d.ds_config import AUTO, auto_paths, build_ds_config
 from dsx3d.errors import Problem, UserError
-from dsx3d.hf_config import load_hf_config
+from dsx3d.hf_config import dimension_problems, load_hf_config
 from dsx3d.layout import bubble_fraction
 from dsx3d.models.family import resolve_family  # noqa: E402
 from dsx3d.models.shape import model_dim
@@ -426,6 +427,111 @@ def _sequence_parallel_blocker(hf_config: Any) -> str | None:
         return None
 
 
+def _model_dimensions(c: _Context) -> Iterator[Problem]:
+    """Sizes are positive integers below bounds that keep every command's work bounded (the stage split is
+    cubic in the layer count); a negative or absurd size would otherwise reach training."""
+    if c.hf_config is not None:
+        key = "model.config" if c.recipe.model.config is not None else "model.name_or_path (config.json)"
+        yield from dimension_problems(c.hf_config, key)
+
+
+def _seq_len_vs_positions(c: _Context) -> Iterator[Problem]:
+    limit = c.dim("max_position_embeddings")
+    seq_len = c.recipe.train.seq_len
+    if limit is not None and limit > 0 and seq_len > limit:
+        yield Problem(
+            "train.seq_len",
+            seq_len,
+            f"longer than the model's max_position_embeddings = {limit}: positions past it are outside what the "
+            "model encodes (learned position tables have no row for them)",
+            f"set train.seq_len to at most {limit}, or raise the model's max_position_embeddings",
+        )
+
+
+def _output_dir(c: _Context) -> Iterator[Problem]:
+    from dsx3d.run.outputs import output_dir_problem
+
+    problem = output_dir_problem(c.recipe.output_dir)
+    if problem:
+        yield Problem(
+            "output_dir", c.recipe.output_dir, problem, "set output_dir to a directory of its own, such as runs/NAME"
+        )
+
+
+def _data_dirs(c: _Context) -> Iterator[Problem]:
+    """A local tokenizer directory and the cache directory are checked before any process starts (the data
+    source by _data_source)."""
+    data = c.recipe.data
+    tokenizer = data.tokenizer
+    if tokenizer is not None and tokenizer.startswith(("/", "./", "../", "~")) and not Path(tokenizer).expanduser().is_dir():
+        yield Problem("data.tokenizer", tokenizer, "not a directory", "point it at a directory of tokenizer files")
+    cache = data.cache_dir
+    if cache is not None and Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir():
+        yield Problem("data.cache_dir", cache, "exists and is not a directory", "name a directory")
+
+
+# Where each generated DeepSpeed value comes from, for reporting an override that replaces it. Longest
+# matching prefix wins; keys with their own rule above (batch sizes, ZeRO stage, precision) are not repeated.
+_OVERRIDE_SOURCES = {
+    "gradient_clipping": "train.grad_clip",
+    "optimizer.params.lr": "train.lr",
+    "optimizer.params.betas": "train.betas",
+    "optimizer.params.eps": "train.eps",
+    "optimizer.params.weight_decay": "train.weight_decay",
+    "optimizer": "dsx3d's AdamW settings from train",
+    "scheduler": "train.lr_schedule, train.warmup_steps, train.steps and train.min_lr",
+    "pipeline.activation_checkpoint_interval": "train.activation_checkpointing",
+    "pipeline": "dsx3d's pipeline settings",
+    "dsx3d": "the layout dsx3d records (parallel, cluster, train)",
+    "steps_per_print": "dsx3d's own logging",
+    "data_types.grad_accum_dtype": "train.dtype (fp32 accumulation for bf16)",
+}
+_OWN_RULES = {
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization.stage",
+    "bf16.enabled",
+    "fp16.enabled",
+    "pipeline_parallel",
+    "tensor_parallel",
+}
+
+
+def _shadowed(base: dict[str, Any], overrides: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    for key, value in overrides.items():
+        path = f"{prefix}{key}"
+        if key not in base:
+            continue
+        if isinstance(value, dict) and isinstance(base[key], dict):
+            yield from _shadowed(base[key], value, f"{path}.")
+        elif value != base[key] and value != AUTO:  # "auto" takes dsx3d's value
+            yield path, value, base[key]
+
+
+def _shadowing_overrides(c: _Context) -> Iterator[Problem]:
+    """Every `deepspeed:` value that replaces one dsx3d generates from the recipe is reported: the recipe
+    would otherwise say one thing while DeepSpeed does another."""
+    if not c.overrides or not c.dp:
+        return
+    if c.world_size % (c.tp * c.pp):
+        return
+    base = build_ds_config(c.recipe.model_copy(update={"deepspeed": {}}), c.world_size, hidden_size=c.dim("hidden_size"))
+    for path, value, generated in _shadowed(base, c.overrides):
+        if path in _OWN_RULES:
+            continue
+        source = next(
+            (s for prefix, s in sorted(_OVERRIDE_SOURCES.items(), key=lambda kv: -len(kv[0])) if path == prefix or path.startswith(prefix + ".")),
+            "a value dsx3d generates",
+        )
+        yield _warning(
+            f"deepspeed.{path}",
+            value,
+            f"replaces {generated!r}, which dsx3d derives from {source}; DeepSpeed will use the override",
+            f"remove deepspeed.{path} and set {source} instead, if that is what you meant",
+        )
+
+
 def _tracking_packages(c: _Context) -> Iterator[Problem]:
     """train.report_to backends drive the same DeepSpeed monitors (dsx3d.run.tracking); csv needs no package."""
     for backend in c.recipe.train.report_to:
@@ -440,6 +546,11 @@ def _tracking_packages(c: _Context) -> Iterator[Problem]:
 
 
 RULES: list[Rule] = [
+    _model_dimensions,
+    _seq_len_vs_positions,
+    _output_dir,
+    _data_dirs,
+    _shadowing_overrides,
     _world_size_matches,
     _zero_with_pipeline,
     _low_precision_without_zero_under_tp,

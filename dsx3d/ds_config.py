@@ -187,7 +187,7 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
 
 def render_ds_config(config: dict[str, Any]) -> str:
     """The canonical text of a config: stable key order, so regenerated files diff cleanly."""
-    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+    return json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 def write_ds_config(recipe: Recipe, path: str | Path, world_size: int | None = None) -> Path:

@@ -33,3 +33,12 @@ class UserError(Exception):
     @classmethod
     def single(cls, key: str, value: Any, reason: str, fix: str) -> UserError:
         return cls(Problem(key, value, reason, fix))
+
+
+class RunFailure(Exception):
+    """A run stopped for a reason outside its inputs (a full disk, a diverged loss): one clear message, no
+    traceback. Ranks exit with code 1. `everywhere`: every rank raises the same one (then rank 0 says it)."""
+
+    def __init__(self, message: str, *, everywhere: bool = False):
+        super().__init__(message)
+        self.everywhere = everywhere

@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from dsx3d.errors import UserError
+from dsx3d.errors import Problem, UserError
 from dsx3d.recipe import ModelSection
 
 
@@ -21,7 +21,7 @@ def load_hf_config(model: ModelSection) -> PretrainedConfig:
     path = str(model.name_or_path)  # the schema guarantees one of config and name_or_path
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # OSError, ValueError, and transformers' own validation errors
         raise UserError.single(
             "model.name_or_path",
             path,
@@ -57,3 +57,40 @@ def _invalid_config(err: Exception) -> UserError:
 def _summary(err: Exception) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[-1][:300] if lines else type(err).__name__
+
+
+# Bounds on the dimensions dsx3d reads. Work such as the stage split grows with the layer count (a dynamic
+# programme over layers x stages), so absurd values are refused before anything uses them.
+DIM_BOUNDS = {
+    "num_hidden_layers": 512,
+    "hidden_size": 1 << 20,
+    "num_attention_heads": 1 << 16,
+    "num_key_value_heads": 1 << 16,
+    "intermediate_size": 1 << 24,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 26,
+    "head_dim": 1 << 16,
+}
+
+
+def dimension_problems(hf_config: PretrainedConfig, key: str = "model.config") -> list[Problem]:
+    """Every dimension of DIM_BOUNDS the config has that is not an integer in [1, bound]."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    problems = []
+    for name, bound in DIM_BOUNDS.items():
+        try:
+            value = getattr(text, name, None)
+        except Exception:  # heterogeneous configs refuse global access to per-layer dims
+            continue
+        if value is None or (name == "head_dim" and value == 0):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            problems.append(
+                Problem(
+                    f"{key}.{name}",
+                    value,
+                    f"must be an integer in [1, {bound}]",
+                    f"fix {name} in the model's config",
+                )
+            )
+    return problems

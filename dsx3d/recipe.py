@@ -1,49 +1,135 @@
 """The recipe: one YAML file that describes a training job, validated by a typed schema.
 
 Unknown keys are errors naming their path (`train.lrr`), so a typo never silently falls back to a default.
+The schema is strict: a boolean is `true`/`false` (not 1 or "yes"), a count is an integer (not `true`, not
+"8"), every number is finite and inside a range that makes sense, and sizes are bounded so that no command
+does unbounded work for an absurd value. The YAML itself is read strictly too: a key given twice is an
+error (PyYAML would keep the last one silently), and YAML 1.2 floats such as `1e-3` are numbers (YAML 1.1
+reads them as strings).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dsx3d.errors import Problem, UserError
 from dsx3d.layout import Layout
 
+# Bounds on sizes. Above them no real job exists, and some commands would do work proportional to the
+# value (a placement table per rank, a stage split over every layer), so they are refused up front.
+MAX_WORLD_SIZE = 1 << 17
+"""Ranks of one job (131,072: above the largest clusters built)."""
+MAX_GPUS_PER_NODE = 1024
+MAX_SEQ_LEN = 1 << 22
+MAX_BATCH = 1 << 16
+"""Largest micro-batch size and gradient-accumulation count."""
+MAX_STEPS = 1 << 40
+MAX_SEED = (1 << 32) - 1
+"""numpy's generators take 32-bit seeds."""
+MAX_RECIPE_BYTES = 1 << 20
+MAX_MAPPING_VALUES = 100_000
+"""Values in model.config or deepspeed, counted through YAML aliases (a YAML "billion laughs" stays small
+on disk and in memory, but not when walked or written out as JSON)."""
+
+Path_ = Annotated[StrictStr, Field(min_length=1)]
+
+
+def _json_problem(value: Any, where: str, budget: list[int], depth: int = 0) -> str | None:
+    """Why `value` cannot be written as strict JSON (None when it can): keys must be strings, numbers
+    finite, values JSON types; walks at most MAX_MAPPING_VALUES values and 64 levels."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return f"holds more than {MAX_MAPPING_VALUES} values (YAML aliases expand when written out)"
+    if depth > 64:
+        return f"{where} is nested more than 64 levels deep"
+    if value is None or isinstance(value, (bool, int, str)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where} = {value}: not a finite number"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{where} has a key {key!r} that is not a string"
+            problem = _json_problem(item, f"{where}.{key}", budget, depth + 1)
+            if problem:
+                return problem
+        return None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            problem = _json_problem(item, f"{where}[{i}]", budget, depth + 1)
+            if problem:
+                return problem
+        return None
+    return f"{where} is a {type(value).__name__}, which JSON cannot hold (quote it as a string?)"
+
+
+def _check_json(value: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    if value is not None:
+        problem = _json_problem(value, where, [MAX_MAPPING_VALUES])
+        if problem:
+            raise ValueError(problem)
+    return value
+
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        """Paths and names go to the OS; a NUL byte there fails with a ValueError far from the recipe."""
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("contains a NUL character")
+        return value
 
 
 class ModelSection(_Section):
-    name_or_path: str | None = None
+    name_or_path: Path_ | None = None
     """A local HF checkpoint directory (or a hub id where the network allows)."""
     config: dict[str, Any] | None = None
     """An HF config as a mapping with `model_type`, for training from scratch."""
-    trust_remote_code: bool = False
+    trust_remote_code: StrictBool = False
     """Allow code shipped with a checkpoint to run. Off unless the recipe says so."""
+
+    @field_validator("config")
+    @classmethod
+    def _json_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _check_json(value, "model.config")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         if (self.name_or_path is None) == (self.config is None):
             raise ValueError("give exactly one of model.name_or_path and model.config")
-        if self.config is not None and "model_type" not in self.config:
-            raise ValueError("model.config needs a model_type (for example llama)")
+        if self.config is not None and not isinstance(self.config.get("model_type"), str):
+            raise ValueError("model.config needs a model_type string (for example llama)")
         return self
 
 
 class ParallelSection(_Section):
-    dp: int | Literal["auto"] = "auto"
+    dp: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)] | Literal["auto"] = "auto"
     """Data-parallel degree; "auto" = world size / (tp * pp)."""
-    tp: int = Field(1, ge=1)
+    tp: Annotated[StrictInt, Field(ge=1, le=MAX_GPUS_PER_NODE)] = 1
     """Tensor-parallel degree; TP groups stay inside a node."""
-    pp: int = Field(1, ge=1)
+    pp: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
     """Pipeline stages."""
-    stage_layers: list[int] | None = None
+    stage_layers: Annotated[list[Annotated[StrictInt, Field(le=1 << 20)]], Field(min_length=1, max_length=MAX_WORLD_SIZE)] | None = None
     """Explicit decoder layers per stage (overrides the cost-balanced split); sums to num_hidden_layers."""
     sequence_parallel: bool = True
     """With tp > 1, keep activations outside the TP regions (norms, dropout, residuals, pipeline messages)
@@ -52,33 +138,44 @@ class ParallelSection(_Section):
 
 
 class ClusterSection(_Section):
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(8, ge=1)
+    nodes: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    gpus_per_node: Annotated[StrictInt, Field(ge=1, le=MAX_GPUS_PER_NODE)] = 8
     """Processes per node (GPUs on a cluster, CPU processes on a CPU box)."""
+
+    @model_validator(mode="after")
+    def _bounded_world(self) -> ClusterSection:
+        if self.nodes * self.gpus_per_node > MAX_WORLD_SIZE:
+            raise ValueError(
+                f"cluster.nodes x cluster.gpus_per_node = {self.nodes * self.gpus_per_node} ranks, more than "
+                f"the {MAX_WORLD_SIZE} dsx3d plans for"
+            )
+        return self
 
 
 class TrainSection(_Section):
-    micro_batch_size: int = Field(1, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
+    micro_batch_size: Annotated[StrictInt, Field(ge=1, le=MAX_BATCH)] = 1
+    gradient_accumulation_steps: Annotated[StrictInt, Field(ge=1, le=MAX_BATCH)] = 1
     """Micro-batches per optimizer step and DP rank (the pipeline's m)."""
-    steps: int = Field(100, ge=0)
-    seq_len: int = Field(128, ge=2)
-    lr: float = Field(3.0e-4, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
+    steps: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 100
+    seq_len: Annotated[StrictInt, Field(ge=2, le=MAX_SEQ_LEN)] = 128
+    lr: Annotated[StrictFloat, Field(gt=0, le=1)] = 3.0e-4
+    min_lr: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.0
+    """The rate the schedule decays to; at most train.lr."""
+    warmup_steps: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1.0e-8
-    grad_clip: float = Field(1.0, ge=0)
+    weight_decay: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.0
+    betas: tuple[Annotated[StrictFloat, Field(ge=0, lt=1)], Annotated[StrictFloat, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    """Adam's moment decay rates, each in [0, 1)."""
+    eps: Annotated[StrictFloat, Field(gt=0, le=1)] = 1.0e-8
+    grad_clip: Annotated[StrictFloat, Field(ge=0)] = 1.0
     """Global gradient-norm clipping (0 disables)."""
-    seed: int = 1234
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] = 1234
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
-    activation_checkpointing: bool = False
-    log_interval: int = Field(1, ge=1)
-    save_interval: int = Field(0, ge=0)
+    activation_checkpointing: StrictBool = False
+    log_interval: Annotated[StrictInt, Field(ge=1, le=MAX_STEPS)] = 1
+    save_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Save a checkpoint every N steps (0: only at the end)."""
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: Annotated[StrictInt, Field(ge=1, le=10_000)] = 2
     report_to: list[Literal["tensorboard", "wandb", "csv"]] = Field(default_factory=list)
     """Experiment tracking: any of tensorboard, wandb, csv (a name or a list); "none" or [] for none."""
 
@@ -89,21 +186,27 @@ class TrainSection(_Section):
             value = [value]
         return [v for v in value if v != "none"] if isinstance(value, list) else value
 
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> TrainSection:
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr = {self.min_lr} is above train.lr = {self.lr}")
+        return self
+
 
 class ZeroSection(_Section):
-    stage: int = Field(1, ge=0, le=3)
+    stage: Annotated[StrictInt, Field(ge=0, le=3)] = 1
 
 
 class DataSection(_Section):
-    source: str = "builtin:python-docs"
+    source: Path_ = "builtin:python-docs"
     """Local text/jsonl/parquet file(s) or directory, a hub dataset name, or a builtin corpus."""
-    text_field: str = "text"
-    split: str = "train"
-    tokenizer: str | None = None
+    text_field: Annotated[StrictStr, Field(min_length=1)] = "text"
+    split: Annotated[StrictStr, Field(min_length=1)] = "train"
+    tokenizer: Path_ | None = None
     """Tokenizer directory or hub id; default: the model's, else a byte-level BPE trained on the corpus."""
-    tokenizer_vocab_size: int = Field(2048, ge=256)
+    tokenizer_vocab_size: Annotated[StrictInt, Field(ge=256, le=1 << 20)] = 2048
     """Vocabulary of the tokenizer dsx3d trains when none is given."""
-    cache_dir: str | None = None
+    cache_dir: Path_ | None = None
     """Where trained tokenizers and tokenized corpora are cached; default $DSX3D_CACHE_DIR, else ~/.cache/dsx3d."""
 
 
@@ -114,9 +217,16 @@ class Recipe(_Section):
     train: TrainSection = TrainSection()
     zero: ZeroSection = ZeroSection()
     data: DataSection = DataSection()
-    output_dir: str = "runs/default"
+    output_dir: Path_ = "runs/default"
+    """The run directory (dsx3d.run.outputs): a dedicated directory, never /, ~ or an ancestor of the
+    working directory."""
     deepspeed: dict[str, Any] = Field(default_factory=dict)
     """Raw DeepSpeed overrides, merged into the generated config and checked."""
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _json_overrides(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_json(value, "deepspeed") or {}
 
     @property
     def cluster_world_size(self) -> int:
@@ -140,17 +250,41 @@ class Recipe(_Section):
         )
 
 
+# The fix for each kind of bad value pydantic reports, by its error type.
+_FIXES = {
+    "int_type": "write a whole number, unquoted (not true/false, not a string)",
+    "bool_type": "write true or false",
+    "float_type": "write a number such as 3.0e-4, unquoted",
+    "finite_number": "write a finite number",
+    "string_type": "write a string (quote it)",
+    "literal_error": "use one of the values listed",
+    "tuple_type": "write a list such as [0.9, 0.95]",
+    "list_type": "write a list",
+    "dict_type": "write a mapping",
+}
+
+
 def _problems_from(err: ValidationError) -> list[Problem]:
-    problems = []
+    by_key: dict[str, Problem] = {}
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(recipe)"
+        # Drop pydantic's union-branch markers from the path: parallel.dp, not parallel.dp.constrained-int.
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or "constrained" in p or "function-" in p))]
+        key = ".".join(str(p) for p in loc) or "(recipe)"
         if e["type"] == "extra_forbidden":
-            problems.append(Problem(key, e.get("input"), "unknown key", "remove it or fix its spelling (see README: recipe keys)"))
+            problem = Problem(key, e.get("input"), "unknown key", "remove it or fix its spelling (see README: recipe keys)")
         elif e["type"] == "missing":
-            problems.append(Problem(key, None, "required key is missing", f"add {key}"))
+            problem = Problem(key, None, "required key is missing", f"add {key}")
         else:
-            problems.append(Problem(key, e.get("input"), e["msg"], "see README: recipe keys"))
-    return problems
+            value = e.get("input")
+            shown = "(section)" if isinstance(value, dict) else value
+            reason = e["msg"].removeprefix("Value error, ")
+            fix = _FIXES.get(e["type"], "use a value in the range given (see README: recipe keys)")
+            problem = Problem(key, shown, reason, fix)
+        if key in by_key and by_key[key].value == problem.value:  # the branches of a union (int or "auto")
+            first = by_key[key]
+            problem = Problem(key, first.value, f"{first.reason}, or {problem.reason[0].lower()}{problem.reason[1:]}", first.fix)
+        by_key[key] = problem
+    return list(by_key.values())
 
 
 def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
@@ -162,15 +296,78 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
         raise UserError(_problems_from(err)) from None
 
 
+# YAML 1.2's float syntax (1e-3, 2E5, -1.5e+3, .5): YAML 1.1, which PyYAML implements, requires a dot and
+# a signed exponent, so `lr: 1e-3` would be the string "1e-3".
+_FLOAT_12 = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?$")
+
+
+class StrictYamlLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader that refuses a key given twice in one mapping and reads 1e-3 as a float."""
+
+
+def _construct_mapping(loader: StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` keys may be overridden
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.setdefault(key, key_node.start_mark.line + 1)
+        except TypeError:  # unhashable: the base constructor reports it
+            continue
+        if first != key_node.start_mark.line + 1:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first given on line {first})", key_node.start_mark
+            )
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+def _construct_scalar(loader: StrictYamlLoader, node: yaml.ScalarNode) -> Any:
+    text = loader.construct_scalar(node)
+    return float(text.replace("_", "")) if "." in text or "e" in text.lower() else int(text.replace("_", ""))
+
+
+StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+StrictYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float12", _FLOAT_12, list("-+0123456789."))
+StrictYamlLoader.add_constructor("tag:yaml.org,2002:float12", _construct_scalar)
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text through StrictYamlLoader."""
+    return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def load_recipe(path: str | Path) -> Recipe:
     p = Path(path)
-    if not p.is_file():
-        raise UserError.single("recipe", str(p), "file not found", "pass the path of a recipe YAML (see recipes/)")
+    fix = "pass the path of a recipe YAML (see recipes/)"
     try:
-        data = yaml.safe_load(p.read_text())
+        if not p.is_file():
+            raise UserError.single("recipe", str(p), "not a file" if p.exists() else "file not found", fix)
+        with p.open("rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as err:
+        raise UserError.single("recipe", str(p), f"cannot be read ({err.strerror})", fix) from None
+    except ValueError as err:  # a NUL byte in the path
+        raise UserError.single("recipe", repr(str(p)), f"not a usable path ({err})", fix) from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise UserError.single("recipe", str(p), f"larger than {MAX_RECIPE_BYTES} bytes: not a recipe", fix)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError.single(
+            "recipe", str(p), f"not UTF-8 text (byte {err.start}: {raw[err.start:err.start + 1]!r})", "save the recipe as UTF-8"
+        ) from None
+    try:
+        data = parse_yaml(text)
     except yaml.YAMLError as err:
-        raise UserError.single("recipe", str(p), f"not valid YAML ({err})", "fix the YAML syntax") from None
+        raise UserError.single("recipe", str(p), f"not valid YAML ({_one_line(err)})", "fix the YAML syntax") from None
+    except RecursionError:
+        raise UserError.single("recipe", str(p), "nested too deeply", "fix the YAML") from None
     return recipe_from_dict(data, source=str(p))
+
+
+def _one_line(err: yaml.YAMLError) -> str:
+    return " ".join(str(err).split())[:300]
 
 
 def dump_recipe(recipe: Recipe) -> str:

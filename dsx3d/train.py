@@ -14,6 +14,7 @@ import contextlib
 import functools
 import io
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -30,19 +31,20 @@ from dsx3d.checkpoint.export import export_hf
 from dsx3d.data import MicroBatchStream, build_train_data
 from dsx3d.distributed import comm
 from dsx3d.engine import Engine3D, build_engine
-from dsx3d.errors import UserError
-from dsx3d.fsio import share_tree
+from dsx3d.errors import RunFailure, UserError
 from dsx3d.models.shape import shape_from_hf_config
 from dsx3d.recipe import Recipe, dump_recipe, load_recipe
 from dsx3d.run.checkpointing import Checkpointer
 from dsx3d.run.data import check_vocab, prepare_once_per_node
+from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S, heartbeat, watch_owner
 from dsx3d.run.metrics import Throughput
 from dsx3d.run.outputs import (
     RunPaths,
     add_start_mode,
     check_start,
-    clear_previous_run,
     save_run_files,
+    save_tokenizer,
+    start_run_directory,
 )
 from dsx3d.run.plot import plot_loss
 from dsx3d.run.progress import Reporter, TqdmHandler
@@ -53,6 +55,7 @@ from dsx3d.run.ranks import (
     failure_message,
     gather_rank_infos,
     is_peer_lost,
+    job_dir,
     naming_dead_peers,
 )
 from dsx3d.run.tracking import Tracker
@@ -72,24 +75,37 @@ class TrainResult:
 
 
 def train(
-    recipe: Recipe, *, resume: bool = False, overwrite: bool = False, stop_at: int | None = None
+    recipe: Recipe,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop_at: int | None = None,
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
 ) -> TrainResult:
     """Train `recipe` on the ranks of the current process group (a collective: every rank calls it).
 
     `stop_at` ends the call after that step, with a checkpoint, as if the job had been preempted; the LR
-    schedule still spans train.steps.
+    schedule still spans train.steps. A peer on this host whose heartbeat is silent for `hang_timeout_s`
+    is named as hung and ends the job (0: no heartbeats).
     """
     info = RankInfo.from_env(comm.get_rank(), comm.get_world_size())
     peers = gather_rank_infos(info)
-    with naming_dead_peers(info, peers):
+    with naming_dead_peers(info, peers), heartbeat(job_dir(peers), info, peers, hang_timeout_s):
         paths = RunPaths.of(recipe)
-        check_start(paths, resume=resume, overwrite=overwrite)
+        removed = check_start(paths, resume=resume, overwrite=overwrite)
         engine = _quietly(functools.partial(build_engine, recipe, check_data=True))
         stream, tokenizer = _rank_data(recipe, engine, info)
-        ckpt = Checkpointer(engine, paths.checkpoints, dump_recipe(recipe), recipe.train.keep_checkpoints)
+        ckpt = Checkpointer(engine, paths.checkpoints, recipe, recipe.train.keep_checkpoints)
         start = _resume(ckpt, stream) if resume else 0
         _save_beside_run(
-            paths, recipe, engine, tokenizer, check_placement(peers, engine.layout, info), info, fresh=start == 0
+            paths,
+            recipe,
+            engine,
+            tokenizer,
+            check_placement(peers, engine.layout, info),
+            info,
+            removed=removed if start == 0 else None,
+            resume=resume,
         )
         end = max(start, min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps))
         losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info)
@@ -132,14 +148,15 @@ def _save_beside_run(
     tokenizer: Any,
     rows: list[dict[str, Any]],
     info: RankInfo,
-    fresh: bool,
+    removed: list[str] | None,
+    resume: bool,
 ) -> None:
+    """Rank 0: a fresh start removes what check_start allowed (`removed`; None on a resume), then the run
+    files are (re)written and named in the run's manifest."""
     if info.rank == 0:
-        if fresh:
-            clear_previous_run(paths)
+        start_run_directory(paths, removed or [], resume=resume)
         save_run_files(paths, dump_recipe(recipe), engine.ds_config, rows)
-        tokenizer.save_pretrained(str(paths.tokenizer))
-        share_tree(paths.tokenizer)
+        save_tokenizer(paths, tokenizer)
         log.info("%s; run files in %s", _describe(engine), paths.root)
     comm.barrier()  # nobody writes into the run directory before a fresh start cleared it
 
@@ -173,6 +190,12 @@ def _train_steps(
             micro_batches = [next(stream) for _ in range(train.gradient_accumulation_steps)]
             lr, began = engine.lr, time.perf_counter()
             loss = engine.train_step(iter(micro_batches))
+            if not math.isfinite(loss):
+                raise RunFailure(
+                    f"the loss is {loss} at step {step}: training diverged (lower train.lr, raise "
+                    f"train.warmup_steps, or check the data); the last checkpoint is kept",
+                    everywhere=True,
+                )
             reporter.step(step, loss, lr, engine.grad_norm, time.perf_counter() - began)
             losses.append(loss)
             if train.save_interval and step % train.save_interval == 0:
@@ -248,6 +271,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="process-group timeout: the longest a collective may wait",
     )
     p.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=DEFAULT_HANG_TIMEOUT_S,
+        help="a peer on this host silent this long is named as hung and ends the job (0: off)",
+    )
+    p.add_argument(
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
     )  # appended by the deepspeed launcher; LOCAL_RANK wins
     return p.parse_args(argv)
@@ -273,6 +302,7 @@ def setup_logging(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    watch_owner()  # started by `dsx3d train`: end with it, whatever ends it
     if "OMP_NUM_THREADS" not in os.environ:  # the deepspeed launcher leaves it unset; torchrun sets 1
         torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -281,13 +311,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = load_recipe(args.recipe)
         _init_process_group(args.pg_timeout_s)
-        train(recipe, resume=args.resume, overwrite=args.overwrite)
+        train(recipe, resume=args.resume, overwrite=args.overwrite, hang_timeout_s=args.hang_timeout_s)
         comm.barrier()  # every rank is done with every collective and file
         return _exit_now(0)
     except UserError as err:
         for problem in err.problems:
             log.error("%s", problem)
         return _exit_now(2)
+    except RunFailure as err:
+        if rank == 0 or not err.everywhere:  # the same message on every rank is said once
+            log.error("%s", err)
+        return _exit_now(1)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group: say it once
         if rank == 0:
             log.error("interrupted")

@@ -238,8 +238,27 @@ def test_files_are_packed_by_size_and_never_span_segments() -> None:
 
 def test_export_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("precious")
-    with pytest.raises(UserError, match="not a model checkpoint"):
+    with pytest.raises(UserError, match="not a previous dsx3d export.*notes.txt"):
         staging_dir(tmp_path)
+
+
+def test_export_never_replaces_a_source_model_but_replaces_its_own_export(tmp_path: Path) -> None:
+    """A directory holding config.json is not thereby an export: a source model must never be replaced.
+    A previous export (its dsx3d_export.json names every file) is, unless somebody added a file to it."""
+    from dsx3d.checkpoint.writer import publish
+
+    _save(tmp_path / "source")
+    with pytest.raises(UserError, match="not a previous dsx3d export"):
+        staging_dir(tmp_path / "source")
+    out = tmp_path / "export"
+    for _ in range(2):  # the second publish replaces the first export
+        staging = staging_dir(out)
+        (staging / "config.json").write_text("{}")
+        publish(staging, out)
+    assert json.loads((out / "dsx3d_export.json").read_text())["files"] == ["config.json"]
+    (out / "weights.bin").write_text("mine")
+    with pytest.raises(UserError, match="weights.bin"):
+        staging_dir(out)
 
 
 def test_export_command_is_registered() -> None:

@@ -22,6 +22,7 @@ LLAMA3_8B = {
     "num_key_value_heads": 8,
     "intermediate_size": 14336,
     "vocab_size": 128256,
+    "max_position_embeddings": 8192,
     "tie_word_embeddings": False,
 }
 LLAMA3_70B = {

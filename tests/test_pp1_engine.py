@@ -185,6 +185,7 @@ def _resume_rank(
 
 
 def test_zero3_export_offline_export_resume_and_universal(tmp_path: Path) -> None:
+    from dsx3d.checkpoint.training_format import foreign_files
     from dsx3d.checkpoint.universal import to_universal
     from dsx3d.cli import main
 
@@ -208,6 +209,9 @@ def test_zero3_export_offline_export_resume_and_universal(tmp_path: Path) -> Non
             for ids in [micro_batch(case, batches[4], k, d)]
         ]
     assert abs(sum(hf) / len(hf) - eval_loss) < 1e-5, (hf, eval_loss)
+
+    # every file the ZeRO-3 save wrote is one dsx3d knows as its own (a later --overwrite may remove it)
+    assert foreign_files(tmp_path / "checkpoints") == []
 
     # the offline converter reads the ZeRO-3 partitions: bit for bit the collective export
     tag = tmp_path / "checkpoints" / "step-000002"

@@ -6,6 +6,7 @@ Each launch costs about 10 s of CPU per rank in imports, so these are few, tiny 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -205,3 +206,65 @@ def test_killed_rank_stops_the_whole_job_and_is_named(tmp_path: Path, cache_dir:
     assert f"rank 2 (node 0, local_rank 2, host {socket.gethostname()}, pid {victim.pid}) died" in log, log[
         -4000:
     ]
+
+
+# --- the job dies with its owner -------------------------------------------------------------------------
+
+
+def _job_processes(owner: psutil.Process, ranks: int, log: Path) -> list[psutil.Process]:
+    """The launcher, its agent and the ranks under `dsx3d train`, once all ranks have started."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while True:
+        tree = owner.children(recursive=True)
+        if sum("dsx3d.train" in " ".join(p.cmdline()) for p in tree if p.is_running()) >= ranks:
+            return tree
+        assert owner.is_running() and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
+
+
+def _still_running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of `procs` still running after `timeout` s (a zombie has ended: only its reaping is left,
+    and an orphan's reaper here may never reap it)."""
+
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return [p for p in procs if running(p)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_every_process_of_the_job_ends_with_dsx3d_train(tmp_path: Path, cache_dir: Path, sig: int) -> None:
+    """`dsx3d train` killed (SIGKILL: nothing can be forwarded) or hung up on (a closed terminal): the
+    deepspeed launcher, its per-node agent and every rank end too. Two ranks, a run far too long to finish."""
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", cache_dir, steps=100_000)
+    data = yaml.safe_load(recipe.read_text())
+    data["parallel"], data["cluster"] = {"dp": 1, "tp": 1, "pp": 2}, {"nodes": 1, "gpus_per_node": 2}
+    recipe.write_text(yaml.safe_dump(data))
+    log = tmp_path / "out.log"
+    proc = start(
+        [sys.executable, "-m", "dsx3d", "train", str(recipe), "--master_port", str(free_port())],
+        environment(tmp_path),
+        log,
+    )
+    try:
+        job = _job_processes(psutil.Process(proc.pid), 2, log)
+        os.kill(proc.pid, sig)
+        killed = time.monotonic()
+        code = proc.wait(30)
+        alive = _still_running(job, timeout=90)
+        assert not alive, ([p.cmdline() for p in alive], log.read_text()[-4000:])
+        print(f"{signal.Signals(sig).name}: every process of the job ended {time.monotonic() - killed:.1f} s later")
+        assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGHUP)
+    finally:  # whatever the outcome, nothing of this job may outlive the test
+        if proc.poll() is None:
+            proc.kill()
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if str(recipe) in " ".join(p.cmdline()):
+                    p.kill()

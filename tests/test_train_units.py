@@ -143,8 +143,13 @@ def test_earlier_run_needs_resume_or_overwrite(tmp_path: Path, capsys: pytest.Ca
     (tmp_path / "run" / "checkpoints" / LATEST).write_text(tag_for(20))
     assert main(["train", str(recipe)]) == 2
     assert "--resume" in capsys.readouterr().err
-    assert main(["train", str(recipe), "--resume", "--dry-run"]) == 0
-    assert capsys.readouterr().out.strip().endswith("--module dsx3d.train " + str(recipe) + " --resume")
+    # `latest` names a tag that is not there: a resume says so before any process starts
+    assert main(["train", str(recipe), "--resume", "--dry-run"]) == 2
+    assert f"{tag_for(20)}: missing" in capsys.readouterr().err
+    assert main(["train", str(recipe), "--overwrite", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip().endswith("--module dsx3d.train " + str(recipe) + " --overwrite")
+    assert "--overwrite: removing the earlier run's files" in captured.err and "checkpoints/" in captured.err
 
 
 def test_own_options_are_found_among_launcher_args(
@@ -218,11 +223,23 @@ def test_tags_to_delete_keeps_the_newest_and_leaves_later_partial_ones() -> None
 
 def test_prune_deletes_only_behind_latest(tmp_path: Path) -> None:
     for step in (10, 20, 30):
-        (tmp_path / tag_for(step)).mkdir()
-        (tmp_path / tag_for(step) / "file.pt").write_text("x")
+        (tmp_path / tag_for(step) / "rng").mkdir(parents=True)
+        (tmp_path / tag_for(step) / "mp_rank_00_model_states.pt").write_text("x")
+        (tmp_path / tag_for(step) / "rng" / "rank-00000.pt").write_text("x")
     write_atomic(tmp_path / LATEST, tag_for(20))
     assert prune(tmp_path, keep=1) == [tag_for(10)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, tag_for(20), tag_for(30)]
+
+
+def test_prune_keeps_files_dsx3d_did_not_write(tmp_path: Path) -> None:
+    """A user's file inside an old tag survives pruning (and so does its directory)."""
+    for step in (10, 20):
+        (tmp_path / tag_for(step)).mkdir()
+        (tmp_path / tag_for(step) / "mp_rank_00_model_states.pt").write_text("x")
+    (tmp_path / tag_for(10) / "notes.txt").write_text("mine")
+    write_atomic(tmp_path / LATEST, tag_for(20))
+    prune(tmp_path, keep=1)
+    assert sorted(p.name for p in (tmp_path / tag_for(10)).iterdir()) == ["notes.txt"]
 
 
 def test_latest_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,18 +361,3 @@ def test_a_rank_that_stopped_after_losing_a_peer_is_not_named_as_the_cause() -> 
 def test_misplaced_ranks_are_those_the_launcher_put_elsewhere() -> None:
     rows = [{"rank": 0, "launcher_node": 0, "node": 0}, {"rank": 1, "launcher_node": 0, "node": 1}]
     assert misplaced_ranks(rows) == [1]
-
-
-def test_resume_with_another_layout_is_refused_before_deepspeed_loads(tmp_path: Path) -> None:
-    from types import SimpleNamespace
-
-    from dsx3d.checkpoint.training_format import LAYOUT_FILE
-    from dsx3d.layout import Layout
-    from dsx3d.run.checkpointing import Checkpointer
-
-    saved = Checkpointer(SimpleNamespace(layout=Layout(dp=2, tp=2, pp=2, gpus_per_node=8)), tmp_path, "", 2)  # type: ignore[arg-type]
-    write_atomic(tmp_path / tag_for(10) / LAYOUT_FILE, json.dumps(saved._layout()))
-    saved._check_layout(tag_for(10))
-    other = Checkpointer(SimpleNamespace(layout=Layout(dp=1, tp=2, pp=4, gpus_per_node=8)), tmp_path, "", 2)  # type: ignore[arg-type]
-    with pytest.raises(UserError, match="dp 2 x tp 2 x pp 2"):
-        other._check_layout(tag_for(10))

@@ -28,8 +28,9 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from dsx3d.checkpoint.item_files import ItemFiles, locate
+from dsx3d.checkpoint.manifest import check_replaceable
 from dsx3d.checkpoint.names import expected_params, meta_model, to_hub_names
-from dsx3d.checkpoint.training_format import LATEST, LAYOUT_FILE, RECIPE_FILE, is_tag_dir
+from dsx3d.checkpoint.training_format import LAYOUT_FILE, RECIPE_FILE, check_tag, is_tag_dir, read_latest
 from dsx3d.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     Entry,
@@ -44,7 +45,7 @@ from dsx3d.checkpoint.writer import (
 )
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.errors import Problem, UserError
-from dsx3d.hf_config import load_hf_config
+from dsx3d.hf_config import dimension_problems, load_hf_config
 from dsx3d.models.family import resolve_family
 from dsx3d.models.pipe_layers import (
     DecoderLayerPipe,
@@ -137,16 +138,15 @@ def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
     if tag is None and is_tag_dir(path):
         return path
     if tag is None:
-        latest = path / LATEST
-        if not latest.is_file():
+        tag = read_latest(path)
+        if tag is None:
             raise UserError.single(
                 "CHECKPOINT_DIR",
                 str(path),
                 "neither a tag directory (DeepSpeed *model_states.pt files) nor a checkpoints directory with a `latest` file",
                 "pass OUTPUT_DIR/checkpoints or one of its tag directories",
             )
-        tag = latest.read_text().strip()
-    tag_dir = path / tag
+    tag_dir = path / check_tag(tag, "--tag")
     if not is_tag_dir(tag_dir):
         raise UserError.single(
             "CHECKPOINT_DIR",
@@ -157,8 +157,9 @@ def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
     return tag_dir
 
 
-def run_config(tag_dir: Path) -> tuple[Recipe, PretrainedConfig]:
-    """The run's recipe (saved next to its checkpoint) and model config."""
+def run_config(tag_dir: Path, trust_remote_code: bool = False) -> tuple[Recipe, PretrainedConfig]:
+    """The run's recipe (saved next to its checkpoint) and model config. A checkpoint is data: the
+    trust_remote_code of its saved recipe is ignored; only the caller's (the user's command line) counts."""
     recipe_path = next(
         (d / RECIPE_FILE for d in (tag_dir, tag_dir.parent) if (d / RECIPE_FILE).is_file()), None
     )
@@ -170,11 +171,18 @@ def run_config(tag_dir: Path) -> tuple[Recipe, PretrainedConfig]:
             "pass a tag directory written by `dsx3d train`",
         )
     recipe = load_recipe(recipe_path)
+    if recipe.model.trust_remote_code and not trust_remote_code:
+        log.info("ignoring trust_remote_code from %s: a checkpoint cannot grant it (pass --trust-remote-code)", recipe_path)
+    model = recipe.model.model_copy(update={"trust_remote_code": trust_remote_code})
+    recipe = recipe.model_copy(update={"model": model})
     if (tag_dir / "config.json").is_file():
-        return recipe, AutoConfig.from_pretrained(
-            str(tag_dir), trust_remote_code=recipe.model.trust_remote_code
-        )
-    return recipe, load_hf_config(recipe.model)
+        try:
+            return recipe, AutoConfig.from_pretrained(str(tag_dir), trust_remote_code=trust_remote_code)
+        except Exception as err:  # OSError, ValueError, transformers' validation errors
+            raise UserError.single(
+                str(tag_dir / "config.json"), "(file)", f"unreadable ({_first_line(err)})", _FIX_CKPT
+            ) from None
+    return recipe, load_hf_config(model)
 
 
 def check_files(located: ItemFiles, items: list[Item], tp: int) -> tuple[list[Problem], torch.dtype | None]:
@@ -214,7 +222,7 @@ def check_files(located: ItemFiles, items: list[Item], tp: int) -> tuple[list[Pr
                     Problem(
                         str(path),
                         "(file)",
-                        f"unreadable ({type(err).__name__}: {str(err).splitlines()[0][:160]})",
+                        f"unreadable ({type(err).__name__}: {_first_line(err)})",
                         _FIX_CKPT,
                     )
                 )
@@ -253,11 +261,17 @@ def export_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     tokenizer: str | Path | None = None,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Convert a dsx3d DeepSpeed checkpoint (a checkpoints directory or one of its tags) into a Hugging Face
-    checkpoint in `out_dir` (replaced atomically). `dtype` defaults to the dtype the checkpoint holds."""
+    checkpoint in `out_dir` (replaced atomically, and only if it is empty or a previous export). `dtype`
+    defaults to the dtype the checkpoint holds."""
     tag_dir = resolve_tag_dir(Path(checkpoint_dir), tag)
-    recipe, config = run_config(tag_dir)
+    check_replaceable(Path(out_dir).absolute(), "export", "OUT_DIR")
+    recipe, config = run_config(tag_dir, trust_remote_code)
+    problems = dimension_problems(config, "model.config")
+    if problems:
+        raise UserError(problems)
     tp = recipe.parallel.tp
     items = pipeline_items(config, tp)
     located = locate(
@@ -345,3 +359,9 @@ def _copy_tokenizer(out: Path, explicit: str | Path | None, tag_dir: Path, recip
         if c is not None and Path(c).is_dir() and copy_tokenizer_files(Path(c), out):
             return
     log.info("no tokenizer files found to include in the export (pass --tokenizer DIR to add them)")
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an error's message (some, such as EOFError, have none)."""
+    lines = str(err).strip().splitlines()
+    return lines[0][:160] if lines else "no message"

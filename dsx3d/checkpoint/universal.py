@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from deepspeed.checkpoint.constants import (
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
     TP_REPLICATED_PARAMETER_PATTERNS,
@@ -36,6 +35,9 @@ from deepspeed.checkpoint.constants import (
 )
 
 from dsx3d import fsio
+from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
+from dsx3d.checkpoint.safe_load import file_problem, weights_only_loads
+from dsx3d.checkpoint.safe_load import load as safe_load
 from dsx3d.checkpoint.training_format import MODEL_STATES_FILE, ZERO3_MODEL_STATES_FILE, tp_rank_files
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
@@ -80,10 +82,17 @@ def universal_client_state(engine: Engine3D) -> dict[str, Any]:
 
 def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) -> Path:
     """Rewrite a saved tag directory as a universal checkpoint in `out_dir` (one process; deepspeed's own
-    converter). `out_dir` is replaced; load it with engine.load_checkpoint(out_dir.parent, tag=out_dir.name)."""
+    converter, its loads made weights-only). `out_dir` is replaced only if it is empty or an earlier
+    conversion (its dsx3d_universal.json names every file); load it with
+    engine.load_checkpoint(out_dir.parent, tag=out_dir.name)."""
     from deepspeed.checkpoint import ds_to_universal
 
     tag_dir, out = Path(tag_dir), Path(out_dir).absolute()
+    problems = [f"{p.name}: {why}" for p in sorted(tag_dir.glob("*.pt")) if (why := file_problem(p))]
+    if problems:
+        raise UserError.single(
+            "CHECKPOINT_DIR", str(tag_dir), f"holds damaged or unsafe files ({'; '.join(problems[:3])})", "convert a complete tag"
+        )
     # mp_rank_YY: pipelines and ZeRO-0/1/2; zero_pp_rank_0_mp_rank_YY: ZeRO-3 (every dp rank writes one)
     per_tp = tp_rank_files(tag_dir, MODEL_STATES_FILE) or tp_rank_files(tag_dir, ZERO3_MODEL_STATES_FILE)
     states = [per_tp[t] for t in sorted(per_tp)]
@@ -94,9 +103,7 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
             "no mp_rank_XX_model_states.pt: not a DeepSpeed checkpoint tag",
             "pass a tag directory",
         )
-    if UNIVERSAL_CHECKPOINT_INFO not in torch.load(
-        states[0], map_location="cpu", weights_only=True, mmap=True
-    ):
+    if UNIVERSAL_CHECKPOINT_INFO not in safe_load(states[0], map_location="cpu", mmap=True):
         raise UserError.single(
             "CHECKPOINT_DIR",
             str(tag_dir),
@@ -104,13 +111,7 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
             "save with dsx3d.checkpoint.universal.universal_client_state(run) in the client state; or export "
             "to Hugging Face format (weights only) and resume from that",
         )
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "zero").is_dir())):
-        raise UserError.single(
-            "OUT_DIR",
-            str(out),
-            "exists and is not a universal checkpoint, so it will not be replaced",
-            "choose a new or empty directory",
-        )
+    check_replaceable(out, "universal", "OUT_DIR")
     staging = fsio.staging_dir(out)
     args = argparse.Namespace(
         input_folder=str(tag_dir),
@@ -122,8 +123,13 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
         inject_missing_state=False,
     )
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # the converter prints progress on stdout
+        with contextlib.redirect_stdout(sys.stderr), weights_only_loads():  # it prints progress on stdout
             ds_to_universal.main(args)
-        return fsio.publish_dir(staging, out)
+        write_manifest(staging, "universal")
+        check_replaceable(out, "universal", "OUT_DIR")  # nothing may have appeared there meanwhile
+        fsio.publish_dir(staging, out)
+        # the converter names its output folder (our staging name) in latest_universal beside it
+        fsio.write_atomic(out.parent / "latest_universal", out.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return out

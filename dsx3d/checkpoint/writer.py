@@ -24,6 +24,7 @@ from transformers import GenerationConfig, PretrainedConfig
 
 from dsx3d import fsio
 from dsx3d.checkpoint.files import DTYPE_NAMES, SAFETENSORS_INDEX
+from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
 from dsx3d.errors import UserError
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -79,9 +80,9 @@ def parse_size(text: str | int) -> int:
     """'5GB' -> 5 * 10**9 bytes (HF's convention: decimal units; 'GiB' binary)."""
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", text.upper())
+    m = re.fullmatch(r"\s*(\d{1,15}(?:\.\d{1,15})?)\s*([KMGT]?)(I?)B?\s*", text.upper())
     if not m:
-        raise UserError.single("max_shard_size", text, "not a size", "write it like 5GB, 500MB or 2GiB")
+        raise UserError.single("--max-shard-size", text, "not a size", "write it like 5GB, 500MB or 2GiB")
     base = 1024 if m.group(3) else 1000
     return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
 
@@ -189,19 +190,17 @@ def copy_tokenizer_files(source: Path, out: Path) -> bool:
 
 
 def staging_dir(out: Path) -> Path:
-    """A fresh directory next to `out` (same filesystem, so publishing is a rename). Refuses to replace a
-    non-empty directory that is not a model checkpoint."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
-        raise UserError.single(
-            "OUT_DIR",
-            str(out),
-            "exists and is not a model checkpoint directory, so export will not replace it",
-            "choose a new or empty directory",
-        )
+    """A fresh directory next to `out` (same filesystem, so publishing is a rename). Refuses to replace
+    anything but a previous dsx3d export (its dsx3d_export.json names every file there) or an empty
+    directory: a source model or any other directory is never replaced."""
+    check_replaceable(out, "export", "OUT_DIR")
     return fsio.staging_dir(out)
 
 
 def publish(staging: Path, out: Path) -> None:
-    """Move the finished staging directory to `out` (files 0644, directories 0755), replacing an older
-    export there."""
+    """Name every file of the finished staging directory in its manifest, then move it to `out` (files
+    0644, directories 0755), replacing the previous export there (checked again: nothing may have
+    appeared in it meanwhile)."""
+    write_manifest(staging, "export")
+    check_replaceable(out, "export", "OUT_DIR")
     fsio.publish_dir(staging, out)

@@ -31,7 +31,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[dsx3d] %(message)s", stream=sys.stderr)
+    # force: each call writes to the sys.stderr of the moment (main runs in-process, several times, in tests)
+    logging.basicConfig(level=logging.INFO, format="[dsx3d] %(message)s", stream=sys.stderr, force=True)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:

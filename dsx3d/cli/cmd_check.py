@@ -8,19 +8,9 @@ from __future__ import annotations
 import argparse
 
 from dsx3d.checker import check_recipe
+from dsx3d.cli.args import positive_int, world_size  # noqa: F401 (positive_int: for older imports)
 from dsx3d.cli.registry import summary
 from dsx3d.recipe import load_recipe
-
-
-def positive_int(text: str) -> int:
-    """argparse type for sizes: a bad value is a usage error naming the option, not a traceback."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("recipe", help="recipe YAML (see recipes/)")
     p.add_argument(
         "--world-size",
-        type=positive_int,
+        type=world_size,
         help="number of ranks (default: cluster.nodes x cluster.gpus_per_node)",
     )
     p.set_defaults(func=run)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from dsx3d.checker import check_recipe, raise_for_errors
-from dsx3d.cli.cmd_check import positive_int
+from dsx3d.cli.args import output_file, world_size
 from dsx3d.cli.registry import summary
 from dsx3d.ds_config import write_ds_config
 from dsx3d.recipe import load_recipe
@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", help="output file (default: ds_configs/<recipe name>.json)")
     p.add_argument(
         "--world-size",
-        type=positive_int,
+        type=world_size,
         help="number of ranks (default: cluster.nodes x cluster.gpus_per_node)",
     )
     p.set_defaults(func=run)
@@ -30,8 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
-    raise_for_errors(check_recipe(recipe, world_size=args.world_size))
     output = Path(args.output) if args.output else Path("ds_configs") / f"{Path(args.recipe).stem}.json"
+    output_file("--output", str(output))
+    raise_for_errors(check_recipe(recipe, world_size=args.world_size))
     path = write_ds_config(recipe, output, world_size=args.world_size)
     print(path)  # on stdout, for scripts
     return 0

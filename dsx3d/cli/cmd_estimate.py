@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from dsx3d.cli.args import MAX_COUNT, MAX_HIDDEN, MAX_LAYERS, bounded_float, bounded_int
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
 from dsx3d.estimate import (
@@ -27,10 +28,21 @@ from dsx3d.estimate import (
     shape_from_hf_config,
     shape_from_params,
 )
-from dsx3d.recipe import ModelSection, Recipe, load_recipe
+from dsx3d.recipe import (
+    MAX_BATCH,
+    MAX_GPUS_PER_NODE,
+    MAX_SEQ_LEN,
+    MAX_WORLD_SIZE,
+    ModelSection,
+    Recipe,
+    load_recipe,
+    recipe_from_dict,
+)
 
 log = logging.getLogger("dsx3d")
 
+MAX_PARAMS = 1e15
+MAX_JSON_BYTES = 1 << 20
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 
@@ -42,22 +54,16 @@ def count(text: str) -> float:
         number = float(value[:-1] if value[-1:] in _SUFFIX else value) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a count such as 7.5e9 or 7.5B, got {text!r}") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
+    if not 0 < number <= MAX_PARAMS:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected a positive count up to {MAX_PARAMS:.0e}, got {text!r}")
     return number
 
 
-def positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
-        return value
-
-    return parse
+def positive(kind: type, high: float | None = None) -> Any:
+    """argparse type: a positive int, or a positive finite float, at most `high`."""
+    if kind is int:
+        return bounded_int(1, int(high) if high is not None else MAX_COUNT)
+    return bounded_float(0.0, high if high is not None else 1e30)
 
 
 def add_option(parser: argparse._ActionsContainer, *flags: str, **kwargs: Any) -> None:
@@ -74,7 +80,7 @@ def add_hardware_arguments(parser: argparse._ActionsContainer) -> None:
     add_option(
         parser,
         "--memory-headroom",
-        type=float,
+        type=bounded_float(0.0, 1.0, low_open=False, high_open=True),
         default=d.memory_headroom,
         help=f"fraction of device memory kept free (default {d.memory_headroom})",
     )
@@ -88,7 +94,7 @@ def add_hardware_arguments(parser: argparse._ActionsContainer) -> None:
     add_option(
         parser,
         "--efficiency",
-        type=positive(float),
+        type=positive(float, 1.0),
         default=d.efficiency,
         help=f"fraction of peak the matmuls reach (default {d.efficiency})",
     )
@@ -129,7 +135,17 @@ def hardware_from(args: argparse.Namespace, gpus_per_node: int) -> Hardware:
 
 def load_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
     """A model from a recipe YAML, an HF config.json or a checkpoint directory: (model section, HF config,
-    the recipe if one was given)."""
+    the recipe if one was given). Its sizes are checked (dsx3d.hf_config.dimension_problems)."""
+    model, hf_config, recipe = _read_model(path)
+    from dsx3d.hf_config import dimension_problems
+
+    problems = dimension_problems(hf_config, "--model")
+    if problems:
+        raise UserError(problems)
+    return model, hf_config, recipe
+
+
+def _read_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
     from dsx3d.hf_config import load_hf_config  # transformers: a few seconds of import, only when needed
 
     p = Path(path)
@@ -137,15 +153,10 @@ def load_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
         recipe = load_recipe(p)
         return recipe.model, load_hf_config(recipe.model), recipe
     if p.is_file():
-        try:
-            data = json.loads(p.read_text())
-        except ValueError as err:
-            raise UserError.single(
-                "--model", path, f"not valid JSON ({err})", "pass an HF config.json"
-            ) from None
-        if not isinstance(data, dict) or "model_type" not in data:
+        data = _read_json("--model", p)
+        if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
             raise UserError.single("--model", path, "an HF config.json needs a model_type", "add model_type")
-        section = ModelSection(config=data)
+        section = recipe_from_dict({"model": {"config": data}}, source=path).model
         return section, load_hf_config(section), None
     if p.is_dir():
         section = ModelSection(name_or_path=str(p))
@@ -158,6 +169,24 @@ def load_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
     )
 
 
+def _read_json(option: str, p: Path) -> Any:
+    fix = "pass an HF config.json"
+    try:
+        with p.open("rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+        if len(raw) > MAX_JSON_BYTES:
+            raise UserError.single(option, str(p), f"larger than {MAX_JSON_BYTES} bytes: not a config", fix)
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except OSError as err:
+        raise UserError.single(option, str(p), f"cannot be read ({err.strerror})", fix) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise UserError.single(option, str(p), f"not valid JSON ({' '.join(str(err).split())[:200]})", fix) from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "estimate",
@@ -167,19 +196,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("recipe", nargs="?", help="recipe YAML (or give --params and the layout)")
     p.add_argument("--params", type=count, help="parameter count without a recipe (7.5e9, 7.5B)")
-    p.add_argument("--layers", type=positive(int), help="decoder layers (with --params: per-stage split)")
+    p.add_argument("--layers", type=positive(int, MAX_LAYERS), help="decoder layers (with --params: per-stage split)")
     p.add_argument(
-        "--hidden", type=positive(int), help="hidden size (with --params: activations and traffic)"
+        "--hidden", type=positive(int, MAX_HIDDEN), help="hidden size (with --params: activations and traffic)"
     )
-    p.add_argument("--heads", type=positive(int), help="attention heads (with --params; default hidden/128)")
+    p.add_argument("--heads", type=positive(int, MAX_HIDDEN), help="attention heads (with --params; default hidden/128)")
     for name in ("dp", "tp", "pp"):
-        p.add_argument(f"--{name}", type=positive(int), help=f"{name} degree")
+        p.add_argument(f"--{name}", type=positive(int, MAX_WORLD_SIZE), help=f"{name} degree")
     p.add_argument("--zero-stage", type=int, choices=range(4), help="ZeRO stage (default: recipe's, else 1)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="training dtype (default bf16)")
-    p.add_argument("--micro-batch", type=positive(int), help="sequences per micro-batch (default 1)")
-    p.add_argument("--seq-len", type=positive(int), help="tokens per sequence (default 2048)")
+    p.add_argument("--micro-batch", type=positive(int, MAX_BATCH), help="sequences per micro-batch (default 1)")
+    p.add_argument("--seq-len", type=bounded_int(2, MAX_SEQ_LEN), help="tokens per sequence (default 2048)")
     p.add_argument(
-        "--grad-accum", type=positive(int), help="micro-batches per step and DP rank, m (default 1)"
+        "--grad-accum", type=positive(int, MAX_BATCH), help="micro-batches per step and DP rank, m (default 1)"
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -187,7 +216,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="full activation checkpointing (default off)",
     )
-    p.add_argument("--gpus-per-node", type=positive(int), help="devices per node (default: recipe's, else 8)")
+    p.add_argument("--gpus-per-node", type=positive(int, MAX_GPUS_PER_NODE), help="devices per node (default: recipe's, else 8)")
     p.add_argument(
         "--fp32-grad-accum",
         action=argparse.BooleanOptionalAction,
@@ -249,6 +278,10 @@ def _from_flags(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
     if args.pp and args.pp > 1 and not args.layers:
         raise UserError.single(
             "--layers", None, "the per-stage split with --pp > 1 needs the layer count", "add --layers"
+        )
+    if args.params < (args.layers or 1):
+        raise UserError.single(
+            "--params", args.params, f"fewer parameters than the {args.layers or 1} layer(s)", "pass the model's parameter count, e.g. 7.5B"
         )
     shape = shape_from_params(args.params, args.layers, args.hidden, args.heads)
     return shape, Setup(seq_len=2048), 8

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
+from dsx3d.cli.args import input_dir, output_dir
 from dsx3d.cli.registry import summary
+from dsx3d.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,12 +61,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="write a DeepSpeed universal checkpoint (with optimizer state) instead",
     )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow code shipped with the model's config to run (never taken from the checkpoint itself)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from dsx3d.checkpoint.offline import export_checkpoint, resolve_tag_dir
+    from dsx3d.checkpoint.training_format import check_tag
+    from dsx3d.checkpoint.writer import parse_size
 
+    input_dir("CHECKPOINT_DIR", args.checkpoint_dir, "checkpoints directory or tag directory")
+    out = output_dir("OUT_DIR", args.out_dir)
+    if args.tag is not None:
+        check_tag(args.tag, "--tag")
+    if args.tokenizer is not None:
+        input_dir("--tokenizer", args.tokenizer, "directory of tokenizer files")
+    parse_size(args.max_shard_size)
+    if out.absolute().resolve() == Path(args.checkpoint_dir).absolute().resolve() or Path(
+        args.checkpoint_dir
+    ).absolute().resolve().is_relative_to(out.absolute().resolve()):
+        raise UserError.single("OUT_DIR", args.out_dir, "is the checkpoint or contains it", "write the export elsewhere")
     if args.universal:
         from dsx3d.checkpoint.universal import to_universal
 
@@ -77,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=DTYPES[args.dtype] if args.dtype else None,
         max_shard_size=args.max_shard_size,
         tokenizer=args.tokenizer,
+        trust_remote_code=args.trust_remote_code,
     )
     print(out)  # on stdout, for scripts
     return 0

@@ -16,15 +16,20 @@ from typing import Any
 
 from dsx3d.checker import check_recipe
 from dsx3d.cli import plan_auto
-from dsx3d.cli.cmd_check import positive_int
+from dsx3d.cli.args import degree, gpus_per_node, output_file, world_size
 from dsx3d.cli.registry import summary
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, bubble_fraction
 from dsx3d.partition import stage_layers_for
-from dsx3d.recipe import load_recipe
+from dsx3d.recipe import MAX_WORLD_SIZE, load_recipe, recipe_from_dict
 
 log = logging.getLogger("dsx3d")
+
+SVG_SUFFIXES = (".svg", ".png", ".pdf")
+"""Formats `--svg` writes (matplotlib picks it from the suffix)."""
+MAX_DRAWN_RANKS = 512
+"""Beyond this the picture is unreadable (dsx3d.plan_svg refuses it too)."""
 
 
 @dataclass
@@ -65,13 +70,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe", nargs="?", help="recipe YAML; without it give the degrees as options")
-    p.add_argument("--world-size", type=positive_int, help="number of ranks (default: the recipe's cluster)")
+    p.add_argument("--world-size", type=world_size, help="number of ranks (default: the recipe's cluster)")
     p.add_argument(
-        "--gpus-per-node", type=positive_int, help="ranks per node (default: the recipe's, else 8)"
+        "--gpus-per-node", type=gpus_per_node, help="ranks per node (default: the recipe's, else 8)"
     )
-    p.add_argument("--tp", type=positive_int, help="tensor-parallel degree")
-    p.add_argument("--pp", type=positive_int, help="pipeline stages")
-    p.add_argument("--dp", type=positive_int, help="data-parallel degree (default: world size / (tp x pp))")
+    p.add_argument("--tp", type=degree, help="tensor-parallel degree")
+    p.add_argument("--pp", type=degree, help="pipeline stages")
+    p.add_argument("--dp", type=degree, help="data-parallel degree (default: world size / (tp x pp))")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--svg", metavar="FILE", help="also draw the placement to FILE (SVG)")
     plan_auto.add_arguments(p)
@@ -81,7 +86,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "auto", False):
         return plan_auto.run(args)
+    if args.svg:
+        output_file("--svg", args.svg, SVG_SUFFIXES)
     plan = _plan_from_recipe(args) if args.recipe else _plan_from_flags(args)
+    if args.svg and plan.layout.world_size > MAX_DRAWN_RANKS:
+        raise UserError.single(
+            "--svg", args.svg, f"a world of {plan.layout.world_size} ranks is too large to draw", f"draw at most {MAX_DRAWN_RANKS}"
+        )
     if args.json:
         print(json.dumps(plan.describe()))
     else:
@@ -95,15 +106,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan_from_recipe(args: argparse.Namespace) -> Plan:
-    recipe = load_recipe(args.recipe)
+    data = load_recipe(args.recipe).model_dump()
     for name, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp")):
         if getattr(args, name) is not None:
-            setattr(recipe.parallel, name, getattr(args, name))
+            data["parallel"][name] = getattr(args, name)
             log.info("%s = %s (from --%s)", key, getattr(args, name), name)
     if args.gpus_per_node is not None:
-        recipe.cluster.gpus_per_node = args.gpus_per_node
+        data["cluster"]["gpus_per_node"] = args.gpus_per_node
     if getattr(args, "nodes", None) is not None:  # --nodes comes with the --auto options
-        recipe.cluster.nodes = args.nodes
+        data["cluster"]["nodes"] = args.nodes
+    recipe = recipe_from_dict(data, source=args.recipe)  # the flags obey the recipe's bounds too
     hf_config = load_hf_config(recipe.model)
     problems = check_recipe(recipe, world_size=args.world_size, hf_config=hf_config)
     errors = [p for p in problems if p.severity == "error"]
@@ -125,6 +137,10 @@ def _plan_from_flags(args: argparse.Namespace) -> Plan:
     nodes = getattr(args, "nodes", None)  # --nodes comes with the --auto options
     if args.world_size is None and nodes is not None:
         args.world_size = nodes * (args.gpus_per_node or 8)
+        if args.world_size > MAX_WORLD_SIZE:
+            raise UserError.single(
+                "--nodes x --gpus-per-node", args.world_size, f"more than the {MAX_WORLD_SIZE} ranks dsx3d plans for", "give a smaller cluster"
+            )
     if args.world_size is None and args.dp is None:
         missing.append("--world-size (or --nodes, or --dp)")
     if missing:
@@ -136,6 +152,10 @@ def _plan_from_flags(args: argparse.Namespace) -> Plan:
         )
     per_replica = args.tp * args.pp
     world = args.world_size if args.world_size is not None else args.dp * per_replica
+    if world > MAX_WORLD_SIZE:
+        raise UserError.single(
+            "--dp x --tp x --pp", world, f"more than the {MAX_WORLD_SIZE} ranks dsx3d plans for", "choose smaller degrees"
+        )
     if world % per_replica or (args.dp is not None and args.dp * per_replica != world):
         raise UserError.single(
             "--world-size",

@@ -17,10 +17,13 @@ import subprocess
 import sys
 
 from dsx3d.checker import check_recipe, raise_for_errors
+from dsx3d.cli.args import bounded_float
 from dsx3d.cli.registry import summary
-from dsx3d.recipe import load_recipe
+from dsx3d.errors import UserError
+from dsx3d.recipe import Recipe, load_recipe
 from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, read_hostfile
-from dsx3d.run.outputs import RunPaths, add_start_mode, check_start
+from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S, OWNER_ENV, Owner, set_parent_death_signal
+from dsx3d.run.outputs import RunPaths, add_start_mode, check_start, describe_removal
 
 log = logging.getLogger("dsx3d")
 
@@ -28,7 +31,15 @@ log = logging.getLogger("dsx3d")
 def _own_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostfile", help="DeepSpeed hostfile ('hostname slots=N' per node) for a multi-node job")
     add_start_mode(p)
-    p.add_argument("--pg-timeout-s", type=float, help="process-group timeout of the ranks (default 600)")
+    p.add_argument(
+        "--pg-timeout-s", type=bounded_float(0.0, 7 * 86400.0), help="process-group timeout of the ranks (default 600)"
+    )
+    p.add_argument(
+        "--hang-timeout-s",
+        type=bounded_float(0.0, 7 * 86400.0, low_open=False),
+        help=f"name a rank whose heartbeat is silent this long as hung and end the job (default "
+        f"{DEFAULT_HANG_TIMEOUT_S:g}; 0: off)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
 
 
@@ -51,10 +62,11 @@ def split_args(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     _own_options(own)
     later, launcher_args = own.parse_known_args(args.launcher_args)
-    for name in ("hostfile", "resume", "overwrite", "pg_timeout_s", "dry_run"):
-        setattr(later, name, getattr(later, name) or getattr(args, name))
+    for name in ("hostfile", "resume", "overwrite", "pg_timeout_s", "hang_timeout_s", "dry_run"):
+        if getattr(later, name) in (None, False):
+            setattr(later, name, getattr(args, name))
     if later.resume and later.overwrite:
-        raise SystemExit("dsx3d train: --resume and --overwrite exclude each other")
+        raise UserError.single("--resume --overwrite", None, "they exclude each other", "pass one of them")
     return later, launcher_args
 
 
@@ -62,12 +74,19 @@ def run(args: argparse.Namespace) -> int:
     opts, launcher_args = split_args(args)
     recipe = load_recipe(args.recipe)
     raise_for_errors(check_recipe(recipe))
-    check_start(RunPaths.of(recipe), resume=opts.resume, overwrite=opts.overwrite)
+    paths = RunPaths.of(recipe)
+    removed = check_start(paths, resume=opts.resume, overwrite=opts.overwrite)
     if opts.hostfile is not None:
         check_hosts(read_hostfile(opts.hostfile), recipe)
+    if opts.resume:
+        _preview_resume(recipe, paths)
+    if removed:
+        log.info("%s (when the ranks start)", describe_removal(paths, removed, resume=opts.resume))
     rank_args = ["--resume"] if opts.resume else ["--overwrite"] if opts.overwrite else []
     if opts.pg_timeout_s is not None:
         rank_args += ["--pg-timeout-s", str(opts.pg_timeout_s)]
+    if opts.hang_timeout_s is not None:
+        rank_args += ["--hang-timeout-s", str(opts.hang_timeout_s)]
     cmd = launcher_command(
         args.recipe, recipe, hostfile=opts.hostfile, launcher_args=launcher_args, rank_args=rank_args
     )
@@ -78,11 +97,36 @@ def run(args: argparse.Namespace) -> int:
     return _run_launcher(cmd)
 
 
+def _preview_resume(recipe: Recipe, paths: RunPaths) -> None:
+    """Say before any rank starts what the resume will do, and refuse one that cannot be exact (the ranks
+    decide again, the same way, from the same files)."""
+    from dsx3d.hf_config import load_hf_config
+    from dsx3d.models.pipeline import stage_bounds
+    from dsx3d.run.checkpointing import choose_tag
+    from dsx3d.run.resume import plan_resume, read_saved
+
+    tag, notes = choose_tag(paths.checkpoints)
+    if tag is None:
+        log.info("--resume: no checkpoint in %s yet: the run starts at step 0", paths.checkpoints)
+        return
+    layout = recipe.layout()
+    bounds = stage_bounds(load_hf_config(recipe.model), layout.pp, recipe.train.seq_len, recipe.parallel.stage_layers)
+    plan = plan_resume(tag, *read_saved(paths.checkpoints / tag), recipe, layout, bounds)
+    for note in [*notes, *plan.notes]:
+        log.warning("--resume: %s", note)
+    log.info("--resume: continuing from %s", paths.checkpoints / tag)
+
+
 def _run_launcher(cmd: list[str]) -> int:
-    # The launcher, its per-node agent and the ranks form their own process group, and Ctrl-C or a SIGTERM
-    # sent to us stops all of them with a SIGTERM: the deepspeed runner itself dies of a SIGTERM without
-    # passing it on (leaving the ranks running) and prints a traceback on SIGINT.
-    proc = subprocess.Popen(cmd, env=rank_environment(), start_new_session=True)
+    # The launcher, its per-node agent and the ranks form their own process group, and Ctrl-C, SIGTERM or
+    # SIGHUP (a closed terminal) sent to us stops all of them with a SIGTERM: the deepspeed runner itself
+    # dies of a SIGTERM without passing it on (leaving the ranks running) and prints a traceback on SIGINT.
+    # A SIGKILL cannot be caught: the launcher gets a parent-death signal, and the ranks watch this process
+    # (dsx3d.run.lifeline), so nothing outlives us.
+    env = {**rank_environment(), OWNER_ENV: Owner.me().token()}
+    proc = subprocess.Popen(
+        cmd, env=env, start_new_session=True, preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL)
+    )
     stopped_by: list[int] = []
 
     def stop(signum: int, frame: object) -> None:
@@ -90,8 +134,8 @@ def _run_launcher(cmd: list[str]) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
     code = proc.wait()
     if stopped_by:
         print(f"dsx3d train: stopped ({signal.Signals(stopped_by[0]).name})", file=sys.stderr)

@@ -9,11 +9,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsx3d.cli.cmd_check import positive_int
+from dsx3d.cli.args import bounded_float, bounded_int
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
+from dsx3d.recipe import MAX_SEED
 
 log = logging.getLogger("dsx3d")
+
+MAX_VERIFY_WORLD = 64
+"""Ranks verify forks on this machine."""
+MAX_VERIFY_PARAMS = 2e9
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,9 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--arch", default=None, help="model family with a built-in tiny config (default: llama)")
     src.add_argument("--config", default=None, help="path to an HF config.json (or its directory)")
     src.add_argument("--model", default=None, help="an HF checkpoint directory (small models only)")
-    p.add_argument("--dp", type=positive_int, default=2)
-    p.add_argument("--tp", type=positive_int, default=2)
-    p.add_argument("--pp", type=positive_int, default=2)
+    small = bounded_int(1, MAX_VERIFY_WORLD)
+    p.add_argument("--dp", type=small, default=2)
+    p.add_argument("--tp", type=small, default=2)
+    p.add_argument("--pp", type=small, default=2)
     p.add_argument(
         "--zero-stage",
         type=int,
@@ -40,15 +46,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="ZeRO stage (default 1); 2 and 3 need --pp 1",
     )
-    p.add_argument("--steps", type=positive_int, default=3)
-    p.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches per step and DP rank")
-    p.add_argument("--micro-batch-size", type=positive_int, default=2)
-    p.add_argument("--seq-len", type=positive_int, default=16)
+    p.add_argument("--steps", type=bounded_int(1, 10_000), default=3)
+    p.add_argument("--micro-batches", type=bounded_int(1, 1024), default=2, help="micro-batches per step and DP rank")
+    p.add_argument("--micro-batch-size", type=bounded_int(1, 1024), default=2)
+    p.add_argument("--seq-len", type=bounded_int(2, 1 << 16), default=16)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=bounded_float(0.0, 1.0), default=1e-3)
+    p.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=0)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before hung ranks are killed")
+    p.add_argument(
+        "--timeout", type=bounded_float(0.0, 86400.0), default=300.0, help="seconds before hung ranks are killed"
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.set_defaults(func=run)
 
@@ -68,9 +76,15 @@ def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, flo
             config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
         except Exception as err:  # transformers raises OSError, ValueError, JSONDecodeError, its own types
             raise UserError.single(key, value, f"transformers cannot read this config ({_summary(err)})", "pass a valid HF config") from None
+        _check_size(key, value, config)
         dropped = _without_dropout(config)
         if not args.model:
             return config, None, dropped
+        from dsx3d.checkpoint.source import checkpoint_source
+
+        # Every file, tensor name and shape is checked before from_pretrained reads anything: a truncated or
+        # mismatched checkpoint is one UserError naming the files, never a loader traceback.
+        checkpoint_source(str(path), config).release()
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype="float32")
         except Exception as err:
@@ -79,9 +93,25 @@ def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, flo
     arch = args.arch or "llama"
     try:
         config = tiny_config(arch)
-    except (KeyError, ValueError):
+    except Exception:  # KeyError, ValueError, transformers' own validation errors
         raise UserError.single("--arch", arch, "unknown model family", "use a transformers model_type such as llama, qwen3, mistral") from None
     return config, None, _without_dropout(config)
+
+
+def _check_size(option: str, value: str, config: Any) -> None:
+    """verify trains copies of the model on this machine: sizes in bounds, small models only."""
+    from dsx3d.hf_config import dimension_problems
+    from dsx3d.models.shape import shape_from_hf_config
+
+    problems = dimension_problems(config, option)
+    if problems:
+        raise UserError(problems)
+    params = shape_from_hf_config(config).total_params
+    if params > MAX_VERIFY_PARAMS:
+        raise UserError.single(
+            option, value, f"{params / 1e9:.1f}B parameters; verify trains copies of the model on this machine",
+            f"use a model of at most {MAX_VERIFY_PARAMS / 1e9:g}B parameters (or a smaller config of the family)",
+        )
 
 
 def _summary(err: Exception) -> str:
@@ -105,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
     from dsx3d.parity import ParityCase, case_recipe, run_verify
     from dsx3d.testing.harness import RankFailure, warm_up
 
+    if args.dp * args.tp * args.pp > MAX_VERIFY_WORLD:
+        raise UserError.single(
+            "--dp x --tp x --pp", args.dp * args.tp * args.pp, f"more than the {MAX_VERIFY_WORLD} ranks verify forks on this machine",
+            "choose smaller degrees",
+        )
     config, model, dropped = _config_and_model(args)
     case = ParityCase(
         config, dp=args.dp, tp=args.tp, pp=args.pp, steps=args.steps, micro_batch_size=args.micro_batch_size,
@@ -123,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         results = run_verify(case, model=model, timeout_s=args.timeout)
     except RankFailure as err:
         print(f"error: rank {err.root_rank} failed: {err.root_error}", file=sys.stderr)
-        return 1
+        # bad input a rank found (a UserError's last traceback line) is exit 2 like any other
+        return 2 if err.root_error.startswith(f"{UserError.__module__}.{UserError.__name__}") else 1
     ok = all(r.ok for r in results)
     if args.json:
         print(json.dumps({"ok": ok, "dropout_disabled": dropped, "runs": [r.to_dict() for r in results]}))

@@ -16,11 +16,24 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
+import yaml
+
+from dsx3d.cli.args import bounded_int, output_file
 from dsx3d.cli.cmd_estimate import add_hardware_arguments, add_option, hardware_from, load_model, positive
 from dsx3d.errors import UserError
 from dsx3d.estimate import Setup, shape_from_hf_config
+from dsx3d.fsio import write_atomic
 from dsx3d.planner import Candidate, Cluster, PlanResult, plan_layouts, recipe_for
-from dsx3d.recipe import ModelSection, Recipe, dump_recipe, load_recipe
+from dsx3d.recipe import (
+    MAX_BATCH,
+    MAX_GPUS_PER_NODE,
+    MAX_SEQ_LEN,
+    MAX_WORLD_SIZE,
+    ModelSection,
+    Recipe,
+    dump_recipe,
+    recipe_from_dict,
+)
 
 log = logging.getLogger("dsx3d")
 
@@ -30,18 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, "--auto", action="store_true", help="search layouts for --model on the cluster")
     group = parser.add_argument_group("--auto search")
     add_option(group, "--model", metavar="CONFIG", help="recipe YAML, HF config.json or checkpoint directory")
-    add_option(group, "--nodes", type=positive(int), help="nodes of the cluster (default: recipe's, else 1)")
+    add_option(group, "--nodes", type=positive(int, MAX_WORLD_SIZE), help="nodes of the cluster (default: recipe's, else 1)")
     add_option(
-        group, "--gpus-per-node", type=positive(int), help="devices per node (default: recipe's, else 8)"
+        group, "--gpus-per-node", type=positive(int, MAX_GPUS_PER_NODE), help="devices per node (default: recipe's, else 8)"
     )
     add_option(
-        group, "--global-batch", type=positive(int), default=256, help="sequences per step (default 256)"
+        group, "--global-batch", type=positive(int, MAX_BATCH), default=256, help="sequences per step (default 256)"
     )
     add_option(
-        group, "--seq-len", type=positive(int), help="tokens per sequence (default: recipe's, else 4096)"
+        group, "--seq-len", type=bounded_int(2, MAX_SEQ_LEN), help="tokens per sequence (default: recipe's, else 4096)"
     )
     add_option(group, "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training dtype")
-    add_option(group, "--max-micro-batch", type=positive(int), default=16, help="largest micro-batch tried")
+    add_option(group, "--max-micro-batch", type=positive(int, 1024), default=16, help="largest micro-batch tried")
     add_option(
         group,
         "--fp32-grad-accum",
@@ -49,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="count DeepSpeed's unsharded fp32 gradient buffer (default: as dsx3d's config, bf16 with ZeRO >= 1)",
     )
-    add_option(group, "--top", type=positive(int), default=5, help="candidates to show (default 5)")
+    add_option(group, "--top", type=positive(int, 10_000), default=5, help="candidates to show (default 5)")
     add_option(group, "--write-recipe", metavar="FILE", help="write the chosen layout as a recipe YAML")
     add_hardware_arguments(group)
 
@@ -62,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError.single(
             "--gpu-memory-gb", None, "the search needs the device memory", "add --gpu-memory-gb 80"
         )
+    if args.write_recipe:
+        output_file("--write-recipe", args.write_recipe, (".yaml", ".yml"))
     model, hf_config, recipe = load_model(source)
     given = recipe.cluster if recipe else None  # a recipe's cluster is the default; the flags override it
     cluster = Cluster(
@@ -69,6 +84,13 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node or (given.gpus_per_node if given else 8),
         gpu_memory_gb=args.gpu_memory_gb,
     )
+    if cluster.nodes * cluster.gpus_per_node > MAX_WORLD_SIZE:
+        raise UserError.single(
+            "--nodes x --gpus-per-node",
+            cluster.nodes * cluster.gpus_per_node,
+            f"more than the {MAX_WORLD_SIZE} ranks dsx3d plans for",
+            "give a smaller cluster",
+        )
     seq_len = args.seq_len or (recipe.train.seq_len if recipe else 4096)
     shape = shape_from_hf_config(hf_config)
     hw = hardware_from(args, cluster.gpus_per_node)
@@ -126,8 +148,8 @@ def _write_recipe(
                 "zero": chosen.zero,
             }
         )
-    Path(path).write_text(dump_recipe(chosen))
-    load_recipe(path)  # what we write must load
+    recipe_from_dict(yaml.safe_load(dump_recipe(chosen)))  # what we write must load
+    write_atomic(Path(path), dump_recipe(chosen))
     log.info("wrote %s (%s)", path, best.label())
 
 

@@ -709,7 +709,9 @@ def _load_trained_weights(engine: Any, model: Any) -> None:
     their TP shards; every rank merges them (TP shards concatenated, vocabulary padding trimmed)."""
     from dsx3d.models.shards import merge_shards
 
-    shards = engine.hf_shards() if engine.placement.dp == 0 else {}
+    shards = engine.hf_shards()  # every rank: with ZeRO-3 it is a collective over the DP group
+    if engine.placement.dp != 0:
+        shards = {}
     gathered: list[Any] = comm.all_gather_object(shards)
     params = dict(model.named_parameters())
     sizes = {name: params[name].shape[dim] for ranks in gathered for name, (_, dim, _) in ranks.items() if dim is not None and name in params}

@@ -24,7 +24,8 @@ RESOURCE_OPTIONS = ("--num_gpus", "--num_nodes", "--include", "--exclude")
 # The environment every rank gets unless the user set it: one intra-op thread per rank (the deepspeed
 # launcher, unlike torchrun, leaves OMP_NUM_THREADS unset, and N ranks x all cores oversubscribe a node).
 RANK_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-_SLOTS = re.compile(r"^slots=(\d+)$")
+_SLOTS = re.compile(r"^slots=(\d{1,6})$")
+MAX_HOSTFILE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,21 @@ class Host:
 def read_hostfile(path: str | Path) -> list[Host]:
     """DeepSpeed's hostfile format: one `hostname slots=N` per line; # comments and blank lines skipped."""
     p = Path(path)
+    fix = "pass a hostfile with one 'hostname slots=N' line per node"
     if not p.is_file():
-        raise UserError.single(
-            "--hostfile",
-            str(p),
-            "file not found",
-            "pass a hostfile with one 'hostname slots=N' line per node",
-        )
+        raise UserError.single("--hostfile", str(p), "not a file" if p.exists() else "file not found", fix)
+    try:
+        with p.open("rb") as f:
+            raw_bytes = f.read(MAX_HOSTFILE_BYTES + 1)
+        text = raw_bytes.decode("utf-8")
+    except OSError as err:
+        raise UserError.single("--hostfile", str(p), f"cannot be read ({err.strerror})", fix) from None
+    except UnicodeDecodeError as err:
+        raise UserError.single("--hostfile", str(p), f"not UTF-8 text (byte {err.start})", fix) from None
+    if len(raw_bytes) > MAX_HOSTFILE_BYTES:
+        raise UserError.single("--hostfile", str(p), f"larger than {MAX_HOSTFILE_BYTES} bytes", fix)
     hosts = []
-    for number, raw in enumerate(p.read_text().splitlines(), start=1):
+    for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

@@ -23,6 +23,7 @@ import psutil
 
 from dsx3d.distributed import comm
 from dsx3d.layout import Layout
+from dsx3d.run.lifeline import hung_reports
 
 log = logging.getLogger("dsx3d")
 
@@ -103,6 +104,12 @@ def is_peer_lost(err: BaseException) -> bool:
     return any(marker in str(err) for marker in PEER_LOST_MARKERS)
 
 
+def is_timeout(err: BaseException) -> bool:
+    """gloo's words when a collective waited longer than the process-group timeout."""
+    text = str(err)
+    return "Timed out" in text or ("timed out" in text.lower() and "gloo" in text.lower())
+
+
 def is_dead(pid: int) -> bool:
     """The process is gone, or a zombie its parent (the launcher) has not reaped yet."""
     try:
@@ -125,10 +132,13 @@ def dead_peers(me: RankInfo, peers: list[RankInfo]) -> list[RankInfo]:
     ]
 
 
-def _stopped_dir(peers: list[RankInfo]) -> Path:
-    """A host-local directory of this job (named by its ranks' hosts and pids) for the markers."""
+def job_dir(peers: list[RankInfo]) -> Path:
+    """A host-local directory of this job (named by its ranks' hosts and pids) for markers and heartbeats."""
     job = hashlib.sha256(repr(sorted((p.rank, p.host, p.pid) for p in peers)).encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / f"dsx3d-job-{job}"
+
+
+_stopped_dir = job_dir
 
 
 class PeerDied(RuntimeError):
@@ -145,8 +155,16 @@ def naming_dead_peers(me: RankInfo, peers: list[RankInfo]) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if not is_peer_lost(err):
+        if not is_peer_lost(err) and not is_timeout(err):
             raise
+        hung = hung_reports(job_dir(peers))
+        if hung:  # a peer found a hung rank and stopped; that is the cause, not the peer that stopped
+            raise PeerDied(f"{me.where()} stopped: {'; '.join(hung)}") from err
+        if is_timeout(err):
+            raise PeerDied(
+                f"{me.where()} stopped: a collective timed out (--pg-timeout-s): another rank is hung or far "
+                f"slower, on a host whose heartbeats this rank cannot see [{_first_line(err)}]"
+            ) from err
         dead = dead_peers(me, peers)
         with contextlib.suppress(OSError):
             stopped = _stopped_dir(peers)

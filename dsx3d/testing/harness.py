@@ -8,9 +8,11 @@ reported first: that is the root cause.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -55,6 +57,8 @@ def _child(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], arg
     os.dup2(2, 1)  # libraries print to stdout; a rank's stdout must not mix into the parent's (--json)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     out = Path(workdir)
+    stacks = open(out / f"stack-{rank}.txt", "w")  # noqa: SIM115 (open for the process's lifetime)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=False)  # the parent asks a hung rank where it is
     try:
         from dsx3d.distributed import comm
 
@@ -81,17 +85,24 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    out = Path(workdir)
+    for r in hung:
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    if hung:
+        time.sleep(1.0)
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join()
-    out = Path(workdir)
     errors = {r: (out / f"error-{r}.txt").read_text() for r in range(world_size) if (out / f"error-{r}.txt").exists()}
     if errors or hung or any(p.exitcode != 0 for p in procs):
         roots = [r for r, e in errors.items() if not any(m in e for m in _ECHO_MARKERS)] or list(errors)
         lines = [f"ranks failed: {sorted(errors)}; hung: {hung}; exit codes: {[p.exitcode for p in procs]}"]
         for r in roots[:1] + [r for r in errors if r not in roots[:1]][:1]:
             lines.append(f"--- rank {r}{' (root cause)' if r in roots[:1] else ''} ---\n{errors[r]}")
+        for r in hung:  # where each hung rank was when the deadline passed
+            stack = (out / f"stack-{r}.txt").read_text() if (out / f"stack-{r}.txt").exists() else ""
+            lines.append(f"--- rank {r} hung at ---\n{stack.strip() or '(no stack)'}")
         root = roots[0] if roots else None
         last = errors[root].strip().splitlines()[-1] if root is not None else f"ranks hung: {hung}"
         raise RankFailure("\n".join(lines), root, last)
