@@ -467,6 +467,44 @@ def _family_supported(c: _Context) -> Iterator[Problem]:
         yield from err.problems
 
 
+def _sequence_parallel(c: _Context) -> Iterator[Problem]:
+    """With sequence parallelism each TP rank holds seq_len / tp positions of every activation outside the TP
+    regions: seq_len % tp != 0 would fail in the first reduce-scatter. A family whose decoder layers have
+    parameters outside the TP regions (MoE routers and experts, unsharded attention) runs without it."""
+    if not c.recipe.parallel.sequence_parallel or c.tp == 1:
+        return
+    reason = _sequence_parallel_blocker(c.hf_config)
+    if reason is not None:
+        yield _warning(
+            "parallel.sequence_parallel",
+            True,
+            f"this model cannot run sequence parallelism ({reason}); the engine runs plain tensor parallelism "
+            "(activations outside the TP regions replicated on every TP rank)",
+            "nothing to do, or set parallel.sequence_parallel: false to silence this",
+        )
+        return
+    seq = c.recipe.train.seq_len
+    if seq % c.tp:
+        fits = [n for n in (seq - seq % c.tp, seq + c.tp - seq % c.tp) if n >= 2]
+        yield Problem(
+            "train.seq_len",
+            seq,
+            f"sequence parallelism splits every sequence over the tp = {c.tp} ranks, so it must be a multiple of tp",
+            f"set train.seq_len to {' or '.join(map(str, fits))}, or parallel.sequence_parallel: false",
+        )
+
+
+def _sequence_parallel_blocker(hf_config: Any) -> str | None:
+    if hf_config is None:
+        return None
+    from dsx3d.models.shape import sequence_parallel_blocker
+
+    try:
+        return sequence_parallel_blocker(hf_config)
+    except Exception:  # a family the engine cannot resolve is reported by _family_supported
+        return None
+
+
 def _model_dimensions(c: _Context) -> Iterator[Problem]:
     """Sizes are positive integers below bounds that keep every command's work bounded (the stage split is
     cubic in the layer count); a negative or absurd size would otherwise reach training."""
@@ -609,6 +647,7 @@ RULES: list[Rule] = [
     _deepspeed_timers,
     _monitor_packages,
     _family_supported,
+    _sequence_parallel,
     _model_builds,
     _tracking_packages,
 ]

@@ -53,6 +53,7 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
             "gpus_per_node": layout.gpus_per_node,
             "world_size": layout.world_size,
             "stage_layers": recipe.parallel.stage_layers,
+            "sequence_parallel": recipe.parallel.sequence_parallel,
             "seq_len": train.seq_len,
             "activation_checkpointing": train.activation_checkpointing,
             "dtype": train.dtype,

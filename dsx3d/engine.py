@@ -29,7 +29,7 @@ from dsx3d.errors import UserError
 from dsx3d.grad_clip import install_fp32_clipping
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, RankPlacement
-from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline
+from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline, release_last_stage_outputs
 from dsx3d.models.sequential import SequentialLM, build_sequential
 from dsx3d.models.shape import model_dim
 from dsx3d.models.shards import Shard, local_hf_shards
@@ -214,10 +214,13 @@ def build_engine(
             seq_len=recipe.train.seq_len,
             stage_layers=recipe.parallel.stage_layers,
             activation_checkpointing=recipe.train.activation_checkpointing,
+            sequence_parallel=recipe.parallel.sequence_parallel,
         )
     else:
         mpu = DataTensorParallelGroups(layout.tp_groups(), layout.dp_groups())
-        tp = TPContext(rank=placement.tp, size=layout.tp)
+        tp = TPContext(
+            rank=placement.tp, size=layout.tp, sequence_parallel=recipe.parallel.sequence_parallel and layout.tp > 1
+        )
         tp.bind(mpu.get_tensor_model_parallel_group())
         module = build_sequential(
             hf_config,
@@ -234,6 +237,8 @@ def build_engine(
     if moe:
         params = _expert_param_groups(module, params)  # type: ignore[arg-type]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
+    if layout.pp > 1:
+        release_last_stage_outputs(engine)
     if moe:
         keep_pipeline_checkpoints(engine)
     module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go

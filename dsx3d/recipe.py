@@ -134,6 +134,10 @@ class ParallelSection(_Section):
     ep: int = Field(1, ge=1)
     """Expert parallelism: the experts of every MoE layer are split over ep data-parallel ranks, which
     exchange tokens all-to-all; divides dp. 1: every DP rank holds all experts (split over TP only)."""
+    sequence_parallel: bool = True
+    """With tp > 1, keep activations outside the TP regions (norms, dropout, residuals, pipeline messages)
+    split along the sequence over the TP ranks (Megatron's sequence parallelism); train.seq_len must be a
+    multiple of tp. Families that cannot run it fall back to plain TP with a warning."""
 
 
 class ClusterSection(_Section):

@@ -1,10 +1,12 @@
 """Dropout under tensor parallelism (dsx3d.distributed.tensor_parallel.random), on forked gloo ranks with a
 seed_oss model (attention dropout inside each rank's heads, residual dropout on the replicated stream):
 
-- replicated activations get identical masks on every TP rank: the hidden states after every decoder layer
-  are equal across the TP group, and so is every mask drawn outside a TP region;
-- sharded activations (a rank's own attention heads) get independent masks: the attention-weight masks of
-  the two TP ranks differ;
+- without sequence parallelism, replicated activations get identical masks on every TP rank: the hidden
+  states after every decoder layer are equal across the TP group, and so is every mask drawn outside a TP
+  region; sharded activations (a rank's own attention heads) get independent masks: the attention-weight
+  masks of the two TP ranks differ;
+- with sequence parallelism every activation of a decoder layer is per-rank (a rank's slice of the sequence,
+  or its heads): every mask is drawn from the rank's own stream and the two ranks' masks differ;
 - activation-checkpoint recomputation redraws the same masks (losses and gradient norms equal with and
   without checkpointing), and a resumed run continues every stream exactly (restoring each rank's RNG
   state, as `dsx3d train --resume` does, gives the uninterrupted run's next losses).
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("warm")
 P = 0.1
 
 
-def _case(**kw: Any) -> ParityCase:
+def _case(**kw: Any) -> ParityCase:  # sequence parallelism on unless kw says otherwise
     config = tiny_config("seed_oss", attention_dropout=P, residual_dropout=P, attn_implementation="eager")
     return ParityCase(config, dp=1, tp=2, pp=2, steps=3, **kw)
 
@@ -66,7 +68,7 @@ def _masks_worker(rank: int, case: ParityCase, batches: torch.Tensor) -> dict[st
 
 
 def test_replicated_masks_equal_and_head_masks_independent_across_tp() -> None:
-    case = _case()
+    case = _case(sequence_parallel=False)
     results = run_ranks(_masks_worker, case.world_size, case, make_batches(case))
     for stage in (0, 1):
         a, b = [r for r in results if r["pp"] == stage]  # the two TP ranks of this stage
@@ -85,6 +87,21 @@ def test_replicated_masks_equal_and_head_masks_independent_across_tp() -> None:
         for r in (a, b):
             dropped = sum(int(m[1].sum()) for m in r["masks"]) / sum(int(m[2]) for m in r["masks"])
             assert 0.07 < dropped < 0.13  # dropout at p = 0.1
+
+
+def test_sequence_parallel_masks_are_per_rank() -> None:
+    case = _case()
+    results = run_ranks(_masks_worker, case.world_size, case, make_batches(case))
+    for stage in (0, 1):
+        a, b = [r for r in results if r["pp"] == stage]
+        assert a["hidden"][0].shape[1] == case.seq_len // 2  # the layers ran on sequence shards
+        pairs = list(zip(a["masks"], b["masks"], strict=True))
+        assert pairs and all(ra[0] and rb[0] for ra, rb in pairs)  # every mask from the rank's own stream
+        for ra, rb in pairs:
+            assert not torch.equal(ra[1], rb[1])
+        for r in (a, b):
+            dropped = sum(int(m[1].sum()) for m in r["masks"]) / sum(int(m[2]) for m in r["masks"])
+            assert 0.07 < dropped < 0.13
 
 
 def _train_worker(rank: int, case: ParityCase, batches: torch.Tensor, ckpt_dir: str | None) -> dict[str, Any]:

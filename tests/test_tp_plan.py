@@ -21,19 +21,28 @@ FAMILIES = [f for f in families_with_plans() if refusal(f, 2) is None]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_estimator_counts_what_the_engine_shards(family: str) -> None:
     """Per-layer TP collectives the estimator predicts (mean over layers) equal the engine's own TP layers
-    in a tp=2 stage built on the meta device: row-parallel linears (forward all-reduce), column-parallel
-    ones (backward all-reduce), replicated parameters with a gradient all-reduce, and MoE experts regions
-    (output all-reduced forward, input and top-k routing weights backward)."""
+    in a tp=2 stage built on the meta device: row-parallel linears (forward all-reduce), modules holding
+    column-parallel linears (one entry each: backward all-reduce), replicated parameters with a gradient
+    all-reduce, MoE experts regions (output all-reduced forward, input and top-k routing weights backward),
+    and with sequence parallelism those the engine marks as running on sequence shards."""
     config = tiny_config(family)
-    builder = LayerBuilder(config, resolve_family(config), TPContext(rank=0, size=2), source=None)  # type: ignore[arg-type]
-    rows = cols = grads = experts = 0
+    tp = TPContext(rank=0, size=2, sequence_parallel=True)
+    builder = LayerBuilder(config, resolve_family(config), tp, source=None)  # type: ignore[arg-type]
+    rows = regions = grads = on_shards = experts = 0
     layers = builder.skeleton.layers
     for i, layer in enumerate(layers):
         builder._shard(layer, f"{builder.plan.layers_name}.{i}")
         rows += sum(isinstance(m, RowParallelLinear) for m in layer.modules())
-        cols += sum(isinstance(m, ColumnParallelLinear) for m in layer.modules())
+        regions += len({name.rpartition(".")[0] for name, m in layer.named_modules() if isinstance(m, ColumnParallelLinear)})
         grads += sum(
             p.numel() for m in layer.modules() if getattr(m, "_dsx3d_grad_allreduce", False) for p in m.parameters()
+        )
+        on_shards += sum(
+            p.numel()
+            for m in layer.modules()
+            if getattr(m, "_dsx3d_on_shards", False)
+            for p in m.parameters(recurse=False)
+            if not getattr(p, "tensor_model_parallel", False)
         )
         experts += sum(isinstance(vars(m).get("forward"), _ExpertsRegion) for m in layer.modules())
     shape = shape_from_hf_config(config)
@@ -44,7 +53,10 @@ def test_estimator_counts_what_the_engine_shards(family: str) -> None:
         shape.tp_backward_allreduces,
         shape.tp_grad_allreduce_params,
         shape.tp_routing_allreduce_width,
-    ) == pytest.approx(((rows + experts) / n, (cols + experts) / n, grads / n, experts * top_k / n))
+    ) == pytest.approx(((rows + experts) / n, (regions + experts) / n, grads / n, experts * top_k / n))
+    assert (shape.sequence_parallel_blocker is None) == tp.sequence_parallel
+    if tp.sequence_parallel:
+        assert shape.tp_sequence_params == pytest.approx(on_shards / n)
 
 
 def test_plan_patterns_and_whole_subtrees() -> None:

@@ -220,8 +220,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=positive(int, MAX_GPUS_PER_NODE), help="devices per node (default: recipe's, else 8)")
     p.add_argument(
         "--fp32-grad-accum",
-        action="store_true",
-        help="count DeepSpeed's unsharded fp32 gradient buffer (bf16 + ZeRO-1 pipelines)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="count DeepSpeed's unsharded fp32 gradient buffer (default: as dsx3d's config, bf16 with ZeRO >= 1)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallelism with tp > 1 (default: the recipe's, else on)",
+    )
+    p.add_argument(
+        "--reduce-bucket-size",
+        type=positive(float),
+        help="ZeRO's zero_optimization.reduce_bucket_size in elements (default: the recipe's, else 5e8)",
     )
     add_hardware_arguments(p)
     p.set_defaults(func=run)
@@ -249,8 +261,17 @@ def _from_recipe(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
         grad_accum=t.gradient_accumulation_steps,
         activation_checkpointing=t.activation_checkpointing,
         stage_layers=tuple(par.stage_layers) if par.stage_layers else None,
+        sequence_parallel=par.sequence_parallel,
+        reduce_bucket_size=_reduce_bucket_size(recipe.deepspeed),
     )
     return shape_from_hf_config(hf_config), setup, recipe.cluster.gpus_per_node
+
+
+def _reduce_bucket_size(overrides: dict[str, Any]) -> float:
+    """The recipe's `deepspeed.zero_optimization.reduce_bucket_size`, else DeepSpeed's default."""
+    zero = overrides.get("zero_optimization")
+    size = zero.get("reduce_bucket_size") if isinstance(zero, dict) else None
+    return float(size) if isinstance(size, int | float) else Setup.reduce_bucket_size
 
 
 def _from_flags(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
@@ -283,11 +304,15 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Setup, Hardware]:
         "grad_accum": args.grad_accum,
         "activation_checkpointing": args.activation_checkpointing,
     }
+    overrides.update(
+        fp32_grad_accum=args.fp32_grad_accum,
+        sequence_parallel=args.sequence_parallel,
+        reduce_bucket_size=args.reduce_bucket_size,
+    )
     setup = replace(
         setup,
         **{k: v for k, v in overrides.items() if v is not None},
         flash_attention=args.flash_attention,
-        fp32_grad_accum=args.fp32_grad_accum,
     )
     if setup.dp < 1:
         raise UserError.single(
@@ -319,7 +344,7 @@ def render(est: Estimate, setup: Setup) -> str:
         f"{est.total_params / 1e9:.2f}B parameters",
         "",
         f"{'stage':>5} {'layers':>6} {'params':>9}{'per rank (experts)'.rjust(24) if experts else ''} "
-        f"{'weights':>8} {'grads':>8} {'optim':>8} {'states':>8} {'activ':>8} {'total GB':>9}",
+        f"{'weights':>8} {'grads':>8} {'optim':>8} {'states':>8} {'activ':>8} {'transient':>9} {'peak GB':>8}  phase",
     ]
     for st in est.stages:
         per_rank = (
@@ -327,7 +352,8 @@ def render(est: Estimate, setup: Setup) -> str:
         )
         lines.append(
             f"{st.stage:>5} {st.layers:>6} {st.params / 1e9:>8.2f}B{per_rank} {st.params_gb:>8.2f} {st.grads_gb:>8.2f} "
-            f"{st.optimizer_gb:>8.2f} {st.model_states_gb:>8.2f} {st.activations_gb:>8.2f} {st.total_gb:>9.2f}"
+            f"{st.optimizer_gb:>8.2f} {st.model_states_gb:>8.2f} {st.activations_gb:>8.2f} {st.transient_gb:>9.2f} "
+            f"{st.total_gb:>8.2f}  {st.peak_phase}"
         )
     if est.usable_gb is not None:
         verdict = "fits" if est.fits else f"DOES NOT FIT: {est.overflow_gb():.1f} GB over"

@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(
         group,
         "--fp32-grad-accum",
-        action="store_true",
-        help="count DeepSpeed's unsharded fp32 gradient buffer (what dsx3d's bf16 + ZeRO-1 config makes it keep)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="count DeepSpeed's unsharded fp32 gradient buffer (default: as dsx3d's config, bf16 with ZeRO >= 1)",
     )
     add_option(group, "--top", type=positive(int, 10_000), default=5, help="candidates to show (default 5)")
     add_option(group, "--write-recipe", metavar="FILE", help="write the chosen layout as a recipe YAML")

@@ -32,7 +32,10 @@ class Hardware:
     gpus_per_node: int = 8
     gpu_memory_gb: float | None = None
     memory_headroom: float = 0.1
-    """Fraction of device memory kept free for the CUDA context, allocator fragmentation, comm buffers."""
+    """Fraction of device memory kept free for the CUDA context and allocator fragmentation."""
+    optimizer_temporaries: float = 1.0
+    """Partition-sized fp32 temporaries of torch's AdamW step: 1 with its foreach kernels (GPUs), 2 with the
+    per-tensor path it takes on CPU."""
 
     @property
     def usable_gb(self) -> float | None:
@@ -61,11 +64,23 @@ class Setup:
     """"cost": the engine's own cost-balanced split (`dsx3d.partition.decoder_split`, what dsx3d's pipeline
     does by default); "even": equal layer counts (`memory.split_layers`)."""
     flash_attention: bool = False
-    fp32_grad_accum: bool = False
+    fp32_grad_accum: bool | None = None
+    """DeepSpeed's unsharded fp32 gradient buffer (BF16_Optimizer); None: what dsx3d's config does (bf16
+    with ZeRO >= 1 accumulates gradients in fp32)."""
+    reduce_bucket_size: float = 5e8
+    """`zero_optimization.reduce_bucket_size` (DeepSpeed's default): ZeRO's gradient buckets, in elements."""
+    sequence_parallel: bool = True
+    """parallel.sequence_parallel: with tp > 1, for models the engine runs with it (`ModelShape`)."""
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def grad_accum_fp32(self) -> bool:
+        if self.fp32_grad_accum is not None:
+            return self.fp32_grad_accum
+        return self.dtype != "fp32" and self.zero_stage >= 1
 
     @property
     def global_batch(self) -> int:
@@ -86,7 +101,13 @@ class StageEstimate:
     optimizer_gb: float
     model_states_gb: float
     activations_gb: float
+    transient_gb: float
+    """Beyond states and activations at the peak: ZeRO's gradient buckets, the optimizer step's copies and
+    temporaries (`memory.peak_bytes`)."""
     total_gb: float
+    """The peak: states + activations + transients."""
+    peak_phase: str
+    """"backward" or "optimizer": the phase of the step that reaches the peak."""
     micro_batch_time_s: float
     """Compute + TP + p2p time of one micro-batch on this stage."""
     time_s: dict[str, float]
@@ -169,7 +190,7 @@ def _stage(
     per_device = dense + experts
     parts = [
         memory.model_state_bytes(
-            count, dp=dp, zero_stage=setup.zero_stage, dtype=setup.dtype, fp32_grad_accum=setup.fp32_grad_accum
+            count, dp=dp, zero_stage=setup.zero_stage, dtype=setup.dtype, fp32_grad_accum=setup.grad_accum_fp32
         )
         for count, dp in ((dense, setup.dp), (experts, setup.dp // setup.ep))
     ]
@@ -187,8 +208,25 @@ def _stage(
         dtype=setup.dtype,
         checkpointing=setup.activation_checkpointing,
         flash_attention=setup.flash_attention,
+        sequence_parallel=sequence_parallel(shape, setup),
         moe_layers=moe_layers,
         ep=setup.ep,
+    )
+    transients = memory.transient_bytes(
+        dense + experts * setup.ep,  # so that / dp gives the dense partition plus the experts' over dp / ep
+        dp=setup.dp,
+        zero_stage=setup.zero_stage,
+        dtype=setup.dtype,
+        fp32_grad_accum=setup.grad_accum_fp32,
+        reduce_bucket_size=setup.reduce_bucket_size,
+        optimizer_temporaries=hw.optimizer_temporaries,
+    )
+    peak, phase = memory.peak_bytes(
+        states,
+        acts,
+        transients,
+        pipelined=setup.pp > 1,
+        lp_grads=memory.dtype_bytes(setup.dtype) * per_device,
     )
     flop_params = sum(layer.flop_params for layer in shape.layer_shapes(first, layers))
     micro_batch_time, time_s, comm_bytes = _stage_time(
@@ -205,7 +243,9 @@ def _stage(
         optimizer_gb=states.optimizer / GB,
         model_states_gb=states.total / GB,
         activations_gb=acts / GB,
-        total_gb=(states.total + acts) / GB,
+        transient_gb=(peak - states.total - acts) / GB,
+        total_gb=peak / GB,
+        peak_phase=phase,
         micro_batch_time_s=micro_batch_time,
         time_s=time_s,
         comm_bytes=comm_bytes,
@@ -225,6 +265,7 @@ def _stage_time(
     """(seconds per micro-batch, seconds per step by kind, bytes sent per step by group type). `per_device`
     is (dense, expert) parameters of one rank; `flop_params` those a token passes through in its layers."""
     s, b, t, m = setup.seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
+    sp = sequence_parallel(shape, setup)
     width = memory.dtype_bytes(setup.dtype)
     place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=hw.gpus_per_node, ep=setup.ep)
     last = stage == setup.pp - 1
@@ -255,11 +296,21 @@ def _stage_time(
         grad_allreduce_params=shape.tp_grad_allreduce_params,
         forward_gather_width=shape.tp_forward_gather_width,
         backward_gather_width=shape.tp_backward_gather_width,
+        sequence_parallel=sp,
+        sequence_params=shape.tp_sequence_params,
         routing_allreduce_width=shape.tp_routing_allreduce_width,
     )
     if shape.hidden_size:
         tp_bytes += timing.tp_edge_bytes_per_micro_batch(
-            first=stage == 0, last=last, tp=t, seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width
+            first=stage == 0,
+            last=last,
+            tp=t,
+            seq_len=s,
+            micro_batch=b,
+            hidden=shape.hidden_size,
+            width=width,
+            sequence_parallel=sp,
+            final_norm=shape.final_norm,
         )
     tp_time = tp_bytes / link(place.tp_crosses_node())
     ep_bytes = timing.ep_bytes_per_micro_batch(
@@ -276,13 +327,13 @@ def _stage_time(
     ep_time = ep_bytes / link(place.ep_crosses_node())
     # p2p: activations (and token ids) to the next stage, gradients back to the previous one
     forward_msg, backward_msg = timing.p2p_bytes_per_micro_batch(
-        seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width
+        seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width, shards=t if sp else 1
     )
     if shape.hidden_size == 0:
         forward_msg = backward_msg = 0
     sends = ([(forward_msg, stage)] if not last else []) + ([(backward_msg, stage - 1)] if stage > 0 else [])
     p2p_time = sum(msg / link(place.boundary_crosses_node(k)) for msg, k in sends)
-    grad_width = 4 if setup.fp32_grad_accum else width
+    grad_width = 4 if setup.grad_accum_fp32 else width
     dense, experts = per_device
     dp_bytes = (
         timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * dense
@@ -292,6 +343,11 @@ def _stage_time(
     times = {"compute": compute * m, "tp": tp_time * m, "ep": ep_time * m, "pp": p2p_time * m, "dp": dp_time}
     sent = {"tp": tp_bytes * m, "ep": ep_bytes * m, "pp": sum(msg for msg, _ in sends) * m, "dp": dp_bytes}
     return compute + tp_time + ep_time + p2p_time, times, sent
+
+
+def sequence_parallel(shape: ModelShape, setup: Setup) -> bool:
+    """Whether the engine runs `setup` with sequence parallelism: asked for, tp > 1, and the model allows it."""
+    return setup.sequence_parallel and setup.tp > 1 and shape.sequence_parallel_blocker is None
 
 
 def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) -> Estimate:
@@ -309,7 +365,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
     if shape.tie_word_embeddings and p > 1:
         # 2-rank all-reduce of the tied V*h/t shard between the first and last stage: factor 2*(2-1)/2 = 1.
         tied_bytes = (
-            shape.embedding / setup.tp * (4 if setup.fp32_grad_accum else memory.dtype_bytes(setup.dtype))
+            shape.embedding / setup.tp * (4 if setup.grad_accum_fp32 else memory.dtype_bytes(setup.dtype))
         )
         place = Layout(dp=setup.dp, tp=setup.tp, pp=p, gpus_per_node=hw.gpus_per_node)
         tied_bw = hw.inter_node_gbps if place.ends_cross_node() else hw.intra_node_gbps
@@ -370,6 +426,8 @@ def _assumptions(shape: ModelShape, setup: Setup) -> list[str]:
         )
     if setup.flash_attention:
         notes.append("flash attention: the 5*a*s/h score term of the activations is left out")
+    if setup.sequence_parallel and setup.tp > 1 and shape.sequence_parallel_blocker is not None:
+        notes.append(f"no sequence parallelism for this model ({shape.sequence_parallel_blocker})")
     if shape.num_experts:
         notes.append(
             f"MoE: {shape.num_experts} experts per MoE layer split over tp x ep = {setup.tp * setup.ep} ranks; routes "

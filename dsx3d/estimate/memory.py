@@ -1,4 +1,5 @@
-"""Per-device memory: model states after ZeRO, and activations of a 1F1B pipeline stage.
+"""Per-device memory: model states after ZeRO, the activations a 1F1B pipeline stage holds, and the
+transient buffers of the backward pass and the optimizer step, as dsx3d's engine allocates them.
 
 Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 3.1 and 5): mixed-precision Adam holds, per parameter,
 2 bytes of 16-bit weights, 2 bytes of 16-bit gradients and K = 12 bytes of optimizer states (fp32 master
@@ -11,33 +12,56 @@ fp32 training (our choice, matching what DeepSpeed does): 4 bytes weights + 4 by
 Adam moments without ZeRO; with ZeRO >= 1 DeepSpeed's optimizer keeps its own fp32 copy of the partition
 even when the model is fp32 (measured), so K = 12 there too. `fp32_grad_accum` adds the 4 bytes per
 parameter of the unsharded fp32 gradient buffer DeepSpeed's BF16_Optimizer keeps (bf16 + ZeRO-1 with
-`data_types.grad_accum_dtype: fp32`); the paper's model leaves it out.
+`data_types.grad_accum_dtype: fp32`); the paper's model leaves it out. Gradients exist from a step's first
+backward to its optimizer step (ZeRO frees them there).
 
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-Sec. 4, eq. 2 and the TP variant): one transformer layer keeps, per micro-batch, in 16-bit
+Activations, per token of a micro-batch, counted from what a Hugging Face decoder layer saves for backward
+(measured with a saved-tensor hook: 19.91 values per token and h for a Llama layer with h = 256, 8 heads,
+4 KV heads, MLP 688, exactly the sum below), model dtype width w (2 or 4 bytes), t = tp:
+  - two norms: RMSNorm (HF computes it in fp32) keeps its fp32 input, the fp32 normalised values and
+    1/rms: 8h + 4 bytes each; LayerNorm its input and mean/rstd: w*h + 8;
+  - the normalised inputs of attention and MLP, saved by their first projections: 2*w*h. With sequence
+    parallelism the norms run on this rank's s/t tokens (h -> h/t above) but these two stay whole: dsx3d
+    keeps the all-gathered input rather than gathering it again in the backward (Megatron's choice, which
+    costs one more all-gather per region: 5 instead of 4 all-reduce equivalents per layer);
+  - attention with a fused kernel (sdpa/flash): q, k, v, its output and the fp32 log-sum-exp,
+    w*(2*a*d + 2*kv*d)/t + 4*a/t; without (`flash_attention` False, HF "eager"): also the fp32 softmax
+    probabilities and their cast, (4 + w)*a*s/t, with k and v repeated to all heads;
+  - the MLP: gate, activation, up and their product, 4*w*f/t (gated; fc1 and activation, 2*w*f/t, not
+    gated), times top-k for MoE.
+Korthikanti et al. 2022 (Sec. 4, eq. 2: s*b*h*(34 + 5*a*s/h) bytes in 16-bit, 10*s*b*h of it outside the TP
+regions) is the fallback when the MLP width is unknown (a bare parameter count). Full activation
+checkpointing keeps each layer's input (w*h) plus one layer's working set during its recomputation.
 
-    s*b*h*(34 + 5*a*s/h)  bytes,  and with tensor parallelism t (no sequence parallelism)
-    s*b*h*(10 + 24/t + 5*a*s/(h*t))
+The pipeline holds, per micro-batch in flight (min(pp - stage, m) in a synchronous 1F1B schedule,
+Narayanan et al. 2021), each stage's input and output (w*h, with sequence parallelism w*h/t), and keeps
+one receive buffer for activations and one for their gradients. The last stage adds the final norm, the
+head's input (w*h, whole), its vocab-sharded logits (w*V/t, kept by DeepSpeed until the backward) and the
+vocab-parallel cross-entropy: its fp32 softmax (4V/t, saved) and, transiently, the shifted logits and their
+exponentials (8V/t; in bf16 also the fp32 copy of the logits, 4V/t). The first stage keeps the token ids
+and the vocab-shard masks (17 bytes per token).
 
-(the 10*s*b*h of norm inputs and dropout masks outside the TP regions stays replicated; the rest is
-split). `flash_attention` drops the 5*a*s/h term (the s x s scores a fused kernel never stores). fp32
-scales everything by 2 (an approximation: dropout masks stay 1 byte). Full activation checkpointing keeps
-only each layer's 2*s*b*h input plus one layer's working set during its recomputation. The last stage
-adds the head: the final norm and head inputs (2 * 2*s*b*h) and fp32 logits for the loss, 4*s*b*V/t.
-A synchronous 1F1B pipeline holds min(pp - stage, m) micro-batches in flight on a stage (Narayanan et
-al. 2021), so stage 0 holds the most.
+Transients (what a plan must leave room for on top of states and activations), with ZeRO >= 1 (DeepSpeed's
+stage_1_and_2.py, fp32 buffers): the gradient bucket the ZeRO optimizer allocates at the first backward of
+a step (`reduce_bucket_size` elements, DeepSpeed's default 5e8: 2 GB), another one while the pipeline
+engine reduces the gradients, the flat fp32 gradient partition the optimizer step copies the gradients
+into (4N/dp; grads then freed), and the temporaries of torch's AdamW step on that partition (sqrt of the
+second moment and its quotient: 1 x 4N/dp with the foreach kernels of GPUs, 2 x on CPU). The peak of a
+stage is the larger of its backward phase (states + activations + the first bucket) and its optimizer
+phase (weights + optimizer states + the largest of: gradients and two buckets, gradients and the flat
+partition, the flat partition and AdamW's temporaries).
 
 MoE layers. Experts are split over tp x ep ranks and their optimizer states partitioned over the
-expert-data-parallel group (dp / ep ranks) instead of dp. In an MoE layer the dense MLP's share of the
-activations (its input and dropout mask, 3*s*b*h, and the 16*s*b*h/t of its 4h activations) is replaced by
-what HF's MoE block saves for backward, per token: the router's input (h values) and about 3.5*E fp32
-values (logits, probabilities, the top-k picks), and per route a rank runs (k / t of them per token on
-average, however they spread over EP ranks) the expert's input and weighted output (2h) and its gate/up
-output, activation and product (4I), plus, when the experts are split (tp x ep > 1), the route's row as
-dsx3d gathers it before the family's kernel gathers it again (h). Measured on one Qwen3-MoE block alone
-(scripts/bench/moe.py's model, h = I = 128, E = 8, k = 2), values per token over h: 13.2 unsplit (this
-model: 13.2), 8.2 at tp 2 (8.2), 15.3 at ep 2 (15.2: each EP rank runs the routes of two ranks' tokens to
-half the experts), 8.2 at tp 2 x ep 2 (8.2).
+expert-data-parallel group (dp / ep ranks) instead of dp. In an MoE layer the dense MLP's activations are
+replaced by what HF's MoE block saves for backward, per token: about 3.5*E fp32 values (router logits,
+probabilities, the top-k picks; the router's input is the MLP entry above), and per route a rank runs (k / t
+of them per token on average, however they spread over EP ranks) the expert's input and weighted output
+(2h) and its gate/up output, activation and product (4I), plus, when the experts are split (tp x ep > 1),
+the route's row as dsx3d gathers it before the family's kernel gathers it again (h). Measured on one
+Qwen3-MoE block alone (scripts/bench/moe.py's model, h = I = 128, E = 8, k = 2), values per token over h:
+13.2 unsplit, 8.2 at tp 2, 15.3 at ep 2 (each EP rank runs the routes of two ranks' tokens to half the
+experts), 8.2 at tp 2 x ep 2. With the Korthikanti fallback the dense MLP's share (3 + 16/t)*s*b*h is
+replaced the same way.
 """
 
 from __future__ import annotations
@@ -127,6 +151,11 @@ def stage_params(shape: ModelShape, layers: list[int]) -> list[ParamCount]:
     return result
 
 
+def _norm_bytes(shape: ModelShape, width: float, h: float) -> float:
+    """What one norm keeps per token for `h` values (module docstring)."""
+    return 8 * h + 4 if shape.rms_norm else width * h + 8
+
+
 def layer_activation_bytes(
     shape: ModelShape,
     *,
@@ -135,31 +164,48 @@ def layer_activation_bytes(
     tp: int,
     dtype: str,
     flash_attention: bool = False,
+    sequence_parallel: bool = False,
     moe: bool = False,
     ep: int = 1,
 ) -> float:
-    """Korthikanti eq. 2 with TP: s*b*h*(10 + 24/t + 5*a*s/(h*t)), scaled by bytes/2 for fp32; for an MoE
-    layer the dense MLP's 3 + 16/t is replaced by the router and experts (module docstring)."""
-    s, b, h, a = seq_len, micro_batch, shape.hidden_size, shape.num_heads
+    """Bytes one decoder layer keeps for backward per micro-batch on one TP rank (module docstring); with an
+    unknown MLP width, Korthikanti eq. 2 with TP: s*b*h*(10 + 24/t + 5*a*s/(h*t)) (10/t with sequence
+    parallelism), scaled by bytes/2 for fp32. `moe`: the layer's MLP is routed experts over tp x ep."""
+    s, b, h, t = seq_len, micro_batch, shape.hidden_size, tp
+    w = dtype_bytes(dtype)
     if h == 0:
         return 0.0
-    per_token_width = 10 + 24 / tp + (0 if flash_attention else 5 * a * s / (h * tp))
+    experts = 0.0
     if moe:
-        per_token_width -= 3 + 16 / tp
-    total = s * b * h * per_token_width * dtype_bytes(dtype) / 2
-    if moe:
-        routes = shape.experts_per_token / tp
-        per_route = (3 if tp * ep > 1 else 2) * h + 4 * shape.expert_width
-        per_token = (h + routes * per_route) * dtype_bytes(dtype)
-        total += s * b * (per_token + 3.5 * shape.num_experts * 4)
-    return total
+        routes = shape.experts_per_token / t
+        per_route = (3 if t * ep > 1 else 2) * h + 4 * shape.expert_width
+        experts = routes * per_route * w + 3.5 * shape.num_experts * 4
+    if shape.ffn_size == 0:
+        outside = 10 / t if sequence_parallel else 10
+        per_token_width = outside + 24 / t + (0 if flash_attention else 5 * shape.num_heads * s / (h * t))
+        if moe:
+            per_token_width -= 2 + 16 / t  # the dense MLP's activations; its input (1 of the 3) stays
+        return s * b * (h * per_token_width * w / 2 + experts)
+    a, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    norms = 2 * _norm_bytes(shape, w, h / t if sequence_parallel else h)
+    entries = 2 * w * h
+    attention = (w * (2 * a * d + 2 * kv * d) + 4 * a) / t
+    if not flash_attention:
+        attention += ((4 + w) * a * s + 2 * w * (a - kv) * d) / t
+    mlp = experts if moe else (4 if shape.gated_mlp else 2) * w * shape.ffn_size / t
+    return s * b * (norms + entries + attention + mlp)
 
 
-def head_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch: int, tp: int, dtype: str) -> float:
-    """The last stage's extra: final-norm and head inputs (2 * s*b*h at the dtype width) and fp32 logits
-    for the cross-entropy, 4*s*b*V/t (Korthikanti Sec. 4.3)."""
-    s, b = seq_len, micro_batch
-    return 2 * s * b * shape.hidden_size * dtype_bytes(dtype) + 4 * s * b * shape.vocab_size / tp
+def head_activation_bytes(
+    shape: ModelShape, *, seq_len: int, micro_batch: int, tp: int, dtype: str, sequence_parallel: bool = False
+) -> float:
+    """The last stage's extra (module docstring): final norm, the head's whole input, the vocab-sharded
+    logits, the cross-entropy's softmax and its transient buffers."""
+    s, b, h, v = seq_len, micro_batch, shape.hidden_size, shape.vocab_size / tp
+    w = dtype_bytes(dtype)
+    norm = _norm_bytes(shape, w, h / tp if sequence_parallel else h)
+    logits = (w + 12 + (4 if w < 4 else 0)) * v
+    return s * b * (norm + w * h + logits)
 
 
 def in_flight(stage: int, pp: int, micro_batches: int) -> int:
@@ -180,11 +226,14 @@ def stage_activation_bytes(
     dtype: str,
     checkpointing: bool,
     flash_attention: bool = False,
+    sequence_parallel: bool = False,
     moe_layers: int = 0,
     ep: int = 1,
 ) -> float:
     """Peak activation bytes on one device of `stage` (see the module docstring for the model); `moe_layers`
     of its `layers` are MoE layers."""
+    if shape.hidden_size == 0:
+        return 0.0
 
     def one(moe: bool) -> float:
         return layer_activation_bytes(
@@ -194,18 +243,99 @@ def stage_activation_bytes(
             tp=tp,
             dtype=dtype,
             flash_attention=flash_attention,
+            sequence_parallel=sequence_parallel,
             moe=moe,
             ep=ep,
         )
 
     one_layer = max(one(False) if layers > moe_layers else 0.0, one(True) if moe_layers else 0.0)
     all_layers = (layers - moe_layers) * one(False) + (moe_layers * one(True) if moe_layers else 0.0)
+    tokens = seq_len * micro_batch
+    hidden = tokens * shape.hidden_size * dtype_bytes(dtype) / (tp if sequence_parallel else 1)
+    first, last = stage == 0, stage == pp - 1
     held = in_flight(stage, pp, micro_batches)
     if checkpointing:
-        layer_input = seq_len * micro_batch * shape.hidden_size * dtype_bytes(dtype)
-        total = held * layers * layer_input + (one_layer if layers else 0.0)
+        per_micro_batch = layers * hidden
+        total = one_layer if layers else 0.0
     else:
-        total = held * all_layers
-    if stage == pp - 1 and shape.hidden_size:
-        total += head_activation_bytes(shape, seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype=dtype)
+        per_micro_batch = all_layers
+        total = 0.0
+    per_micro_batch += (0 if first else hidden) + (0 if last else hidden)  # stage input and output
+    per_micro_batch += 17 * tokens if first else 0  # token ids, local ids, vocab-shard mask
+    total += held * per_micro_batch + (0 if first else hidden) + (0 if last else hidden)  # receive buffers
+    if last:
+        total += head_activation_bytes(
+            shape, seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype=dtype, sequence_parallel=sequence_parallel
+        )
     return total
+
+
+def optimizer_kind(*, zero_stage: int, dtype: str, fp32_grad_accum: bool) -> str:
+    """Which DeepSpeed optimizer wrapper the engine runs: "bf16" (BF16_Optimizer: bf16 weights, fp32 gradient
+    accumulation, ZeRO-1), "zero" (stage_1_and_2.py / ZeRO-3) or "torch" (ZeRO-0: torch's AdamW as is)."""
+    if zero_stage == 0:
+        return "torch"
+    if dtype != "fp32" and fp32_grad_accum and zero_stage == 1:
+        return "bf16"
+    return "zero"
+
+
+@dataclass(frozen=True)
+class Transients:
+    """Buffers beyond states and activations (module docstring), bytes on one device."""
+
+    kind: str
+    """`optimizer_kind`."""
+    bucket: float = 0.0
+    """One ZeRO gradient bucket (`reduce_bucket_size` fp32 elements); 0 for the other wrappers."""
+    flat_partition: float = 0.0
+    """The fp32 gradient partition the ZeRO optimizer step copies the gradients into; 0 for the other
+    wrappers (they step on their own buffers)."""
+    flat_16bit: float = 0.0
+    """The 16-bit flat copy of 16-bit gradients made first (alive with the fp32 one for a moment)."""
+    optimizer_step: float = 0.0
+    """AdamW's temporaries on the partition."""
+
+
+def transient_bytes(
+    params_per_device: float,
+    *,
+    dp: int,
+    zero_stage: int,
+    dtype: str,
+    fp32_grad_accum: bool,
+    reduce_bucket_size: float,
+    optimizer_temporaries: float,
+) -> Transients:
+    kind = optimizer_kind(zero_stage=zero_stage, dtype=dtype, fp32_grad_accum=fp32_grad_accum)
+    partition = params_per_device / (dp if zero_stage >= 1 else 1)
+    adam = optimizer_temporaries * 4 * partition
+    if kind != "zero":
+        return Transients(kind, optimizer_step=adam)
+    flat_16bit = dtype_bytes(dtype) * partition if dtype != "fp32" else 0.0
+    return Transients(kind, 4 * reduce_bucket_size, 4 * partition, flat_16bit, adam)
+
+
+def peak_bytes(
+    states: StateBytes, activations: float, transients: Transients, *, pipelined: bool, lp_grads: float
+) -> tuple[float, str]:
+    """(peak bytes, "backward" or "optimizer"): the larger of a stage's two phases (module docstring).
+    `lp_grads`: bytes of the 16-bit gradients the bf16 wrapper clears before its step."""
+    backward = states.total + activations + transients.bucket
+    if transients.kind == "torch":  # gradients stay through torch's step
+        optimizer = states.total + transients.optimizer_step
+    elif transients.kind == "bf16":  # steps on its fp32 gradient buffer, the 16-bit gradients cleared
+        optimizer = states.total - lp_grads + transients.optimizer_step
+    else:
+        t = transients
+        buckets = (2 if pipelined else 1) * t.bucket
+        optimizer = (
+            states.params
+            + states.optimizer
+            + max(
+                states.grads + buckets,
+                states.grads + t.flat_16bit + t.flat_partition,
+                t.flat_partition + t.optimizer_step,
+            )
+        )
+    return (backward, "backward") if backward >= optimizer else (optimizer, "optimizer")

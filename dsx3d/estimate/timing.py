@@ -10,15 +10,21 @@ stages are balanced.
 
 Traffic (bytes one rank sends, ring collectives: an all-reduce over g ranks moves 2*(g-1)/g of the
 buffer, an all-gather or reduce-scatter (g-1)/g):
-  TP (Megatron-style, Shoeybi et al. 2019): all-reduces of b*s*h per layer and micro-batch: one forward per
-     row-parallel linear, one backward per column-parallel linear, the forward ones again with checkpointing
-     (the recomputation). Megatron fuses q/k/v and gate/up behind one `f`, 2 + 2; dsx3d shards each HF
-     projection on its own, so a Llama layer issues 2 forward and 5 backward (q, k, v, gate, up), counted
-     from the family's TP plan (`ModelShape.tp_*`, measured by scripts/bench/comm.py); `colwise_gather_output`
-     and `rowwise_split_input` styles add an all-gather of their sharded side forward / backward. Plus,
-     per micro-batch: the vocab-parallel embedding's forward all-reduce of b*s*h (first stage); the head's
-     input-gradient all-reduce of b*s*h and the vocab-parallel cross-entropy's three fp32 all-reduces of b*s
-     (last stage); gradients of parameters kept whole on every TP rank (q/k norms). An MoE experts region
+  TP (Megatron-style, Shoeybi et al. 2019): collectives of b*s*h per layer and micro-batch. Without
+     sequence parallelism: one all-reduce forward per row-parallel linear (a region's exit) and one backward
+     per region entry (the column-parallel linears of one module read one input and share it: q/k/v, gate/up:
+     2 + 2 for a Llama layer, Megatron's minimum), the forward ones again with checkpointing (the
+     recomputation); counted from the family's TP plan (`ModelShape.tp_*`, measured by
+     scripts/bench/comm.py). With sequence parallelism (Korthikanti et al. 2022) every entry all-gathers
+     forward and reduce-scatters backward, every exit the reverse: (g-1)/g of the buffer each, the same
+     bytes as the all-reduces when entries equal exits, and recomputation repeats both forward halves.
+     `colwise_gather_output` and `rowwise_split_input` styles add an all-gather of their sharded side
+     forward / backward. Plus, per micro-batch: the vocab-parallel embedding's forward all-reduce of b*s*h
+     (first stage; with sequence parallelism a reduce-scatter forward, an all-gather backward); the head's
+     input-gradient all-reduce of b*s*h (with sequence parallelism an all-gather forward and a reduce-scatter
+     backward) and the vocab-parallel cross-entropy's three fp32 all-reduces of b*s (last stage); gradients
+     of parameters kept whole on every TP rank (q/k norms, and with sequence parallelism the norms and
+     post-reduce biases that see sequence shards). An MoE experts region (never under sequence parallelism)
      all-reduces its output forward and its input's gradient backward (b*s*h), and its routing weights'
      gradient (b*s*k, fp32). Intra-node link.
   EP (MoE, ep > 1): per MoE layer and micro-batch, each rank sends its TP slot's routes (b*s*k/t rows of h)
@@ -26,7 +32,8 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
      backward, twice more with checkpointing; with routes spread evenly, (ep-1)/ep of the rows leave the
      rank.
   PP: per micro-batch and stage boundary, the activations forward (b*s*h, plus the b*s int64 token ids that
-     travel with them so every stage rebuilds masks and rotary tables) and their gradient backward (b*s*h).
+     travel with them so every stage rebuilds masks and rotary tables) and their gradient backward (b*s*h);
+     with sequence parallelism each TP rank sends only its shard, b*s*h/t.
   DP, of the stage's per-device parameters P, with s' = (d-1)/d (for experts d = dp / ep, their
      expert-data-parallel group): ZeRO-0 all-reduces the gradients once per
      step, 2s'*P; ZeRO-1 3s'*P (DeepSpeed all-reduces the whole gradient at the accumulation boundary, then
@@ -94,20 +101,30 @@ def tp_bytes_per_micro_batch(
     grad_allreduce_params: float = 0,
     forward_gather_width: float = 0,
     backward_gather_width: float = 0,
+    sequence_parallel: bool = False,
+    sequence_params: float = 0,
     routing_allreduce_width: float = 0,
 ) -> float:
-    """Decoder layers: (forward x (2 with checkpointing, else 1) + backward) all-reduces of b*s*h, of
-    b*s*`routing_allreduce_width` fp32 routing weights backward, and of the gradients of
-    `grad_allreduce_params` TP-replicated parameters per layer, 2*(t-1)/t of each sent; plus all-gathers of
-    b*s*(forward width, again with checkpointing, + backward width), (t-1)/t of each sent."""
+    """Decoder layers: without sequence parallelism, (exits x (2 with checkpointing, else 1) + entries)
+    all-reduces of b*s*h; with it, (entries + exits) x (3 with checkpointing, else 2) all-gathers or
+    reduce-scatters of b*s*h; all-reduces of b*s*`routing_allreduce_width` fp32 routing weights backward and
+    of the gradients of `grad_allreduce_params` TP-replicated parameters per layer (and `sequence_params`
+    with sequence parallelism), 2*(t-1)/t of each all-reduce sent and (t-1)/t of each half; plus all-gathers
+    of b*s*(forward width, again with checkpointing, + backward width)."""
     if tp == 1:
         return 0.0
     recompute = 2 if checkpointing else 1
     tokens = seq_len * micro_batch
-    count = forward_allreduces * recompute + backward_allreduces
-    reduced = count * tokens * hidden * width + grad_allreduce_params * width + routing_allreduce_width * tokens * 4
+    half = (tp - 1) / tp
     gathered = (forward_gather_width * recompute + backward_gather_width) * tokens * width
-    return layers * (ring_allreduce_factor(tp) * reduced + (tp - 1) / tp * gathered)
+    params = grad_allreduce_params + (sequence_params if sequence_parallel else 0)
+    reduced = params * width + routing_allreduce_width * tokens * 4
+    if sequence_parallel:
+        halves = (backward_allreduces + forward_allreduces) * (recompute + 1)
+        gathered += halves * tokens * hidden * width
+    else:
+        reduced += (forward_allreduces * recompute + backward_allreduces) * tokens * hidden * width
+    return layers * (ring_allreduce_factor(tp) * reduced + half * gathered)
 
 
 def ep_bytes_per_micro_batch(
@@ -133,20 +150,37 @@ def ep_bytes_per_micro_batch(
 
 
 def tp_edge_bytes_per_micro_batch(
-    *, first: bool, last: bool, tp: int, seq_len: int, micro_batch: int, hidden: int, width: int
+    *,
+    first: bool,
+    last: bool,
+    tp: int,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    width: int,
+    sequence_parallel: bool = False,
+    final_norm: int = 0,
 ) -> float:
-    """The vocab-parallel ends: the embedding's partial lookups all-reduced forward (first stage); the head's
-    input gradient all-reduced backward and the cross-entropy's max, sum of exponentials and target logit,
-    three fp32 all-reduces of b*s (last stage)."""
+    """The vocab-parallel ends: the embedding's partial lookups all-reduced forward (first stage; with
+    sequence parallelism reduce-scattered, and the gradient all-gathered: the same bytes); the head's input
+    gradient all-reduced backward (with sequence parallelism the input all-gathered forward and the gradient
+    reduce-scattered) and the cross-entropy's max, sum of exponentials and target logit, three fp32
+    all-reduces of b*s (last stage); with sequence parallelism the final norm's `final_norm` parameters'
+    gradient too."""
     if tp == 1:
         return 0.0
     tokens = seq_len * micro_batch
     buffer = (tokens * hidden * width if first else 0) + (tokens * hidden * width + 3 * tokens * 4 if last else 0)
+    if sequence_parallel and last:
+        buffer += final_norm * width
     return ring_allreduce_factor(tp) * buffer
 
 
-def p2p_bytes_per_micro_batch(*, seq_len: int, micro_batch: int, hidden: int, width: int) -> tuple[int, int]:
-    """(forward, backward) message bytes across one stage boundary: hidden states plus int64 token ids
-    forward, the hidden states' gradient backward."""
-    activations = seq_len * micro_batch * hidden * width
+def p2p_bytes_per_micro_batch(
+    *, seq_len: int, micro_batch: int, hidden: int, width: int, shards: int = 1
+) -> tuple[int, int]:
+    """(forward, backward) message bytes one rank sends across one stage boundary: hidden states plus int64
+    token ids forward, the hidden states' gradient backward; with sequence parallelism (`shards` = tp) the
+    hidden states are this rank's 1/tp of the sequence."""
+    activations = seq_len * micro_batch * hidden * width // shards
     return activations + seq_len * micro_batch * 8, activations

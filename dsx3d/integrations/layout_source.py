@@ -112,6 +112,7 @@ def recipe_from_ds_config(config: dict[str, Any], name: str, model: dict[str, An
             "pp": section["pp"],
             "ep": section.get("ep", 1),
             "stage_layers": section.get("stage_layers"),
+            "sequence_parallel": section.get("sequence_parallel", True),
         },
         "cluster": {"nodes": section.get("nodes", 1), "gpus_per_node": section["gpus_per_node"]},
         "train": {

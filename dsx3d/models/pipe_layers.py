@@ -1,13 +1,16 @@
 """The pipeline layers: embedding prologue, decoder layers, epilogue (final norm) and the vocab-parallel head.
 
 Between stages travels the tuple (hidden_states, input_ids): a float tensor that feeds the next stage's
-graph, and the integer ids from which every stage recomputes the layer inputs (masks, rotary tables). An MoE
+graph, and the integer ids from which every stage recomputes the layer inputs (masks, rotary tables). With
+sequence parallelism hidden_states is this TP rank's (b, s/t, h) shard of the sequence; the recorded layer
+calls (masks, rotary tables) stay whole-sequence, which is what the TP regions (attention) see. An MoE
 family with an auxiliary loss appends the router logits of the layers so far (`dsx3d.models.moe`), from the
 first stage that has a router on.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -30,6 +33,8 @@ from dsx3d.models.family import FamilySpec
 from dsx3d.models.shape import dropout_probabilities
 from dsx3d.models.skeleton import Skeleton, with_hidden
 from dsx3d.models.weights import WeightSource, materialize
+
+log = logging.getLogger("dsx3d")
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -59,18 +64,31 @@ class LayerBuilder:
         self.padded_vocab = padded_vocab(self.vocab, tp.size)
         self.vocab_start = tp.chunk_bounds(self.padded_vocab)[0]
         self.base_prefix = f"{plan.base_prefix}."
+        self.vocab_embedding: VocabParallelEmbedding | None = None
+        self._scatter_embedding: bool | None = None
+        if tp.sequence_parallel:
+            reason = self.sequence_parallel_blocker()
+            if reason is not None:
+                tp.sequence_parallel = False
+                log.warning("sequence parallelism is off for %s: %s", plan.model_type, reason)
+
+    def sequence_parallel_blocker(self) -> str | None:
+        """Why this model cannot run with sequence parallelism (`tp_plan.sequence_parallel_blocker`), or None."""
+        return tp_plan.sequence_parallel_blocker(
+            self.skeleton.layers, self.plan.layers_name, self.plan.tp_plan, lambda m: isinstance(m, nn.Linear)
+        )
 
     # -- owning modules ------------------------------------------------------------------------------------
 
-    def _shard(self, module: nn.Module, rel_name: str) -> None:
+    def _shard(self, module: nn.Module, rel_name: str, on_sequence: bool = True) -> None:
         """Apply the family's TP plan to `module` (named `rel_name` relative to the base model), in place,
         as `dsx3d.models.tp_plan` decides for each submodule. Experts modules are split over TP and EP
-        (`dsx3d.distributed.expert_parallel`), also at tp = 1 when ep > 1."""
+        (`dsx3d.distributed.expert_parallel`), also at tp = 1 when ep > 1. `on_sequence`: the module runs on
+        sequence shards under sequence parallelism (decoder layers, the epilogue; not the prologue)."""
         if not self.experts.splits:
             return
-        for sub_name, sub, sharding in tp_plan.plan_modules(
-            module, rel_name, self.plan.tp_plan, lambda m: isinstance(m, nn.Linear)
-        ):
+        shardings = tp_plan.plan_modules(module, rel_name, self.plan.tp_plan, lambda m: isinstance(m, nn.Linear))
+        for sub_name, sub, sharding in shardings:
             if sharding.experts:
                 shard_experts(sub, self.experts)
                 continue
@@ -85,23 +103,37 @@ class LayerBuilder:
                 new = RowParallelLinear(sub, self.tp, split_input=sharding.split_input)
             parent_name, _, attr = sub_name.rpartition(".")
             setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
+        if self.tp.sequence_parallel and on_sequence:
+            regions = tp_plan.region_modules(shardings)
+            for name in regions:
+                self.tp.region_module_hooks(module.get_submodule(name))
+            for name, sub in module.named_modules():
+                if not tp_plan.inside(name, regions) or isinstance(sub, RowParallelLinear):
+                    sub._dsx3d_on_shards = True  # its own parameters see this rank's tokens only
 
     def _hook_replicated(self, module: nn.Module) -> None:
-        """Full-weight params used on sharded heads (q/k norms) get partial grads: sum them over TP."""
+        """Full-weight params used on sharded heads (q/k norms) get partial grads: sum them over TP. With
+        sequence parallelism so do the replicated params of modules that run on sequence shards (norms,
+        biases added after a reduce-scatter): each rank's gradient covers its own tokens only."""
+        hooked: set[int] = set()
         for sub in module.modules():
-            if getattr(sub, "_dsx3d_grad_allreduce", False):
-                for p in sub.parameters():
+            whole = getattr(sub, "_dsx3d_grad_allreduce", False)
+            if not (whole or getattr(sub, "_dsx3d_on_shards", False)):
+                continue
+            for p in sub.parameters(recurse=whole):
+                if id(p) not in hooked and (whole or not getattr(p, "tensor_model_parallel", False)):
+                    hooked.add(id(p))
                     p.register_hook(all_reduce_grad_hook(self.tp.group))
 
-    def _own(self, module: nn.Module, rel_name: str) -> nn.Module:
-        self._shard(module, rel_name)
+    def _own(self, module: nn.Module, rel_name: str, on_sequence: bool = True) -> nn.Module:
+        self._shard(module, rel_name, on_sequence)
         materialize(module, f"{self.base_prefix}{rel_name}.", self.source, self.tp.rank)
         self._hook_replicated(module)
         return module
 
-    def own(self, rel_name: str) -> nn.Module:
+    def own(self, rel_name: str, on_sequence: bool = True) -> nn.Module:
         """Take a base-model submodule, shard it, and read its weights."""
-        return self._own(self.skeleton.submodule(rel_name), rel_name)
+        return self._own(self.skeleton.submodule(rel_name), rel_name, on_sequence)
 
     def own_layer(self, index: int) -> nn.Module:
         return self._own(self.skeleton.layers[index], f"{self.plan.layers_name}.{index}")
@@ -109,18 +141,21 @@ class LayerBuilder:
     def own_embedding(self) -> nn.Module:
         embedding = self.skeleton.submodule(self.plan.embed_name)
         if self.tp.size > 1:
-            VocabParallelEmbedding(embedding, self.tp, self.padded_vocab)  # type: ignore[arg-type]
+            self.vocab_embedding = VocabParallelEmbedding(embedding, self.tp, self.padded_vocab)  # type: ignore[arg-type]
         materialize(embedding, f"{self.base_prefix}{self.plan.embed_name}.", self.source, self.tp.rank)
         return embedding
 
-    def own_prologue_extras(self) -> list[nn.Module]:
+    def prologue_extra_names(self) -> list[str]:
         """Other base-model modules with weights that run before the first layer (e.g. learned positions)."""
         skip = {self.plan.embed_name, self.plan.layers_name, *self.plan.epilogue_names}
-        owned = []
-        for name, child in self.skeleton.base.named_children():
-            if name not in skip and any(True for _ in child.parameters()):
-                owned.append(self.own(name))
-        return owned
+        return [
+            name
+            for name, child in self.skeleton.base.named_children()
+            if name not in skip and any(True for _ in child.parameters())
+        ]
+
+    def own_prologue_extras(self) -> list[nn.Module]:
+        return [self.own(name, on_sequence=False) for name in self.prologue_extra_names()]
 
     def install_head(self, weight: nn.Parameter, bias: nn.Parameter | None = None) -> VocabParallelHead:
         head = VocabParallelHead(weight, self.tp, self.vocab_start, bias)
@@ -149,6 +184,32 @@ class LayerBuilder:
             release()
 
     # -- running -------------------------------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor, training: bool) -> torch.Tensor:
+        """The hidden states entering layer 0 (the base forward's prologue). With sequence parallelism, this
+        rank's sequence shard: when the prologue after the lookup is token-wise (no learned positions, no
+        extra modules), the embedding's partial lookups are reduce-scattered straight to the shard (half an
+        all-reduce, as a row-parallel exit); otherwise the prologue runs on the whole replicated sequence and
+        its output is cut (all-reduce plus an all-gather of the gradient)."""
+        tp = self.tp
+        with tp.item(training=training):
+            if not tp.sequence_parallel:
+                return self.skeleton.embed(input_ids, training=training)
+            if self._scatter_embedding is None:
+                self._scatter_embedding = not self.prologue_extra_names() and self.skeleton.prologue_is_tokenwise(
+                    input_ids.shape[-1], tp.size
+                )
+            assert self.vocab_embedding is not None  # tp > 1
+            self.vocab_embedding.scatter = self._scatter_embedding
+            hidden = self.skeleton.embed(input_ids, training=training)
+            return hidden if self._scatter_embedding else tp.scatter_sequence(hidden, training=training)
+
+    def head(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, router_logits: torch.Tensor | None, training: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's logits (and, given router logits, the family's auxiliary loss terms)."""
+        with self.tp.item(hidden, training=training):
+            return self.skeleton.head(hidden, input_ids, router_logits)
 
     def loss(
         self,
@@ -183,7 +244,7 @@ class EmbeddingPipe(nn.Module):
         self.extras = nn.ModuleList(builder.own_prologue_extras())
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.builder[0].skeleton.embed(input_ids, training=self.training), input_ids
+        return self.builder[0].embed(input_ids, training=self.training), input_ids
 
 
 class DecoderLayerPipe(nn.Module):
@@ -201,12 +262,9 @@ class DecoderLayerPipe(nn.Module):
         builder = self.builder[0]
         call = builder.skeleton.layer_calls(input_ids, hidden.dtype)[self.index]
         args, kwargs = with_hidden(call, hidden)
-        builder.tp.close_regions()  # a layer starts and ends on the replicated dropout stream
-        try:
+        with builder.tp.item(hidden, training=self.training):  # no region open at either end
             with moe.capture_router_logits(self.routers) as router_logits:
                 out = self.layer(*args, **kwargs)
-        finally:
-            builder.tp.close_regions()
         hidden = out[0] if isinstance(out, tuple) else out
         logits = moe.append_router_logits(carried[0] if carried else None, router_logits)
         return (hidden, input_ids) if logits is None else (hidden, input_ids, logits)
@@ -222,8 +280,9 @@ class EpiloguePipe(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, *rest = inputs
-        for mod in self.mods:
-            hidden = mod(hidden)
+        with self.builder[0].tp.item(hidden, training=self.training):
+            for mod in self.mods:
+                hidden = mod(hidden)
         return (hidden, *rest)
 
 
@@ -237,7 +296,7 @@ class HeadPipe(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
         hidden, input_ids, *carried = inputs
-        return self.builder[0].skeleton.head(hidden, input_ids, carried[0] if carried else None)
+        return self.builder[0].head(hidden, input_ids, carried[0] if carried else None, training=self.training)
 
 
 class TiedEmbeddingPipe(nn.Module):
@@ -253,9 +312,9 @@ class TiedEmbeddingPipe(nn.Module):
             builder.install_head(self.embed.weight)  # type: ignore[arg-type]
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.builder[0].skeleton.embed(input_ids, training=self.training), input_ids
+        return self.builder[0].embed(input_ids, training=self.training), input_ids
 
 
 def tied_head_forward(module: TiedEmbeddingPipe, inputs: Any) -> Any:
     hidden, input_ids, *carried = inputs
-    return module.builder[0].skeleton.head(hidden, input_ids, carried[0] if carried else None)
+    return module.builder[0].head(hidden, input_ids, carried[0] if carried else None, training=module.training)

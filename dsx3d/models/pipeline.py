@@ -107,6 +107,27 @@ def holds_ep_shards(module: nn.Module) -> bool:
     return any(getattr(p, "allreduce", True) is False for p in module.parameters())
 
 
+def release_last_stage_outputs(engine: Any) -> None:
+    """DeepSpeed's PipelineEngine keeps every stage's outputs in `pipe_buffers["outputs"]` until their
+    backward, which frees them on every stage but the last (runtime/pipe/engine.py, _exec_backward_pass
+    returns early there). The last stage's outputs are the logits, b*s*V/tp of them, and it has two buffers:
+    one micro-batch's logits stayed alive through the next micro-batch's loss (measured: a 16 MiB logits
+    tensor at a 283 MiB peak, h512 V16384 tp2 pp2). This drops them once their backward has run."""
+    if not engine.is_last_stage():
+        return
+    from deepspeed.runtime.pipe import schedule
+
+    table = dict(engine._INSTRUCTION_MAP)
+    backward = table[schedule.BackwardPass]
+
+    def backward_then_release(self: Any, buffer_id: int) -> None:
+        backward(self, buffer_id)
+        self.pipe_buffers["outputs"][buffer_id] = None
+
+    table[schedule.BackwardPass] = backward_then_release
+    engine._INSTRUCTION_MAP = table
+
+
 def stage_bounds(config: PretrainedConfig, pp: int, seq_len: int, stage_layers: list[int] | None) -> list[int]:
     """Boundaries over the pipeline items [embedding, L decoder layers, epilogue, head]."""
     return bounds_from_stage_layers(stage_layers_for(config, pp, seq_len, stage_layers), num_extra_first=1, num_extra_last=2)
@@ -132,12 +153,14 @@ def build_pipeline(
     seq_len: int,
     stage_layers: list[int] | None = None,
     activation_checkpointing: bool = False,
+    sequence_parallel: bool = False,
 ) -> StagedPipelineModule:
-    """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed)."""
+    """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed).
+    `sequence_parallel` takes effect with tp > 1 for families that allow it (`LayerBuilder`)."""
     plan = resolve_family(config)
     rank = comm.get_rank()
     place = layout.placement(rank)
-    tp = TPContext(rank=place.tp, size=layout.tp)
+    tp = TPContext(rank=place.tp, size=layout.tp, sequence_parallel=sequence_parallel and layout.tp > 1)
     experts = ExpertContext(tp, ep_rank=layout.ep_rank(rank), ep=layout.ep)
     groups: ExpertGroups | None = None
     if layout.ep > 1:

@@ -141,13 +141,26 @@ class ModelShape:
     vocab_size: int = 0
     tie_word_embeddings: bool = False
     model_type: str = "unknown"
+    ffn_size: int = 0
+    """MLP width (per expert for MoE); 0 when unknown (a bare parameter count)."""
+    gated_mlp: bool = True
+    """gate, up and down (SwiGLU) rather than fc_in -> act -> fc_out."""
+    rms_norm: bool = True
+    """RMSNorm (computed in fp32 by HF) rather than LayerNorm."""
     tp_forward_allreduces: float = 2
-    """All-reduces of b*s*h a decoder layer issues forward at tp > 1: one per row-parallel linear."""
-    tp_backward_allreduces: float = 5
-    """... and backward: one per column-parallel linear (dsx3d shards each HF projection on its own, so a
-    Llama layer has 5: q, k, v, gate, up). Defaults are a Llama layer's; HF configs count their TP plan."""
+    """All-reduces of b*s*h a decoder layer issues forward at tp > 1: one per row-parallel linear (a TP
+    region's exit; with sequence parallelism a reduce-scatter, and an all-gather backward)."""
+    tp_backward_allreduces: float = 2
+    """... and backward: one per TP region entry, i.e. per module whose column-parallel linears read one
+    input (q/k/v share one, gate/up one: 2 for a Llama layer; with sequence parallelism a reduce-scatter,
+    and an all-gather forward). Defaults are a Llama layer's; HF configs count their TP plan."""
     tp_grad_allreduce_params: float = 0
     """Parameters per layer kept whole on every TP rank whose gradients are summed over TP (q/k norms)."""
+    tp_sequence_params: float = 0
+    """Replicated parameters per layer that run on sequence shards with sequence parallelism (norms, biases
+    added after a reduce-scatter): their gradients are summed over TP too."""
+    sequence_parallel_blocker: str | None = None
+    """Why the engine runs this model without sequence parallelism (None: it can run it)."""
     tp_forward_gather_width: float = 0
     """Values per token a decoder layer all-gathers forward (outputs of `colwise_gather_output` linears)."""
     tp_backward_gather_width: float = 0
@@ -266,23 +279,31 @@ class TPTraffic:
     over the layers, so fractional for families that mix layer kinds). Defaults: a Llama layer."""
 
     forward_allreduces: float = 2
-    backward_allreduces: float = 5
+    backward_allreduces: float = 2
     grad_allreduce_params: float = 0
     forward_gather_width: float = 0
     backward_gather_width: float = 0
     routing_allreduce_width: float = 0
+    sequence_params: float = 0
+    sequence_parallel_blocker: str | None = None
 
 
 def tp_traffic(config: Any) -> TPTraffic:
     """A decoder layer's TP traffic as the engine shards it: the family's TP plan read by the engine's own
     interpreter (`dsx3d.models.tp_plan.plan_modules`) over the layers of a meta-device model (no memory;
-    about 0.3 s for a 70B model). Row-parallel linears all-reduce their output forward, column-parallel ones
-    their input gradient backward; `colwise_gather_output` also all-gathers its output forward,
-    `rowwise_split_input` its input gradient backward; `replicated_with_grad_allreduce` modules (q/k norms)
-    all-reduce their weight gradient; an experts region all-reduces its output forward, its input and its
-    routing weights' gradients backward. Modules kept whole (packed projections) send nothing.
-    Families that mix layer kinds (linear and full attention, dense and MoE MLPs) get the mean over their
-    layers. A family the engine cannot resolve gets a Llama layer's traffic."""
+    about 0.3 s for a 70B model). Row-parallel linears all-reduce their output forward; the column-parallel
+    linears of one module (a TP region: attention, MLP) read one input and all-reduce its gradient once,
+    backward; `colwise_gather_output` also all-gathers its output forward, `rowwise_split_input` its input
+    gradient backward; `replicated_with_grad_allreduce` modules (q/k norms) all-reduce their weight
+    gradient; an experts region all-reduces its output forward, its input and its routing weights'
+    gradients backward. Modules kept whole (packed projections) send nothing. Families that mix layer
+    kinds (linear and full attention, dense and MoE MLPs) get the mean over their layers. A family the
+    engine cannot resolve gets a Llama layer's traffic.
+
+    One entry per region module is what the engine does when each module reads its own input; layers that
+    feed one tensor to two modules (parallel attention and MLP: phi, cohere) share one entry at run time,
+    and a column-parallel linear on a tensor computed inside its module gets its own: there the count is an
+    upper bound, respectively a lower one (scripts/bench/comm.py --sweep measures every family)."""
     try:
         return _tp_traffic(config)
     except Exception:  # families without plans, or whose models cannot be built from this config
@@ -316,20 +337,40 @@ def build_meta_model(config: Any) -> Any:
         ) from None
 
 
-def _tp_traffic(config: Any) -> TPTraffic:
-    from torch import nn
-
+def _meta_layers(config: Any) -> tuple[Any, list[Any]]:
+    """(FamilySpec, the decoder layers of a meta-device model of `config`): no memory, about 0.3 s at 70B."""
     from dsx3d.models.family import resolve_family
 
     spec = resolve_family(config)
     lm = build_meta_model(config)
-    layers = getattr(getattr(lm, spec.base_prefix), spec.layers_name)
+    return spec, list(getattr(getattr(lm, spec.base_prefix), spec.layers_name))
+
+
+def sequence_parallel_blocker(config: Any) -> str | None:
+    """Why the engine runs this model without sequence parallelism even when the recipe asks for it
+    (`dsx3d.models.tp_plan.sequence_parallel_blocker`, what the engine's builder checks), or None."""
+    from torch import nn
+
+    spec, layers = _meta_layers(config)
+    return tp_plan.sequence_parallel_blocker(
+        layers, spec.layers_name, spec.tp_plan, lambda m: isinstance(m, nn.Linear)
+    )
+
+
+def _tp_traffic(config: Any) -> TPTraffic:
+    from torch import nn
+
+    spec, layers = _meta_layers(config)
     top_k = model_dim(config, "num_experts_per_tok") or 1
-    fwd = bwd = grad = fwd_gather = bwd_gather = routing = 0
+    fwd = bwd = grad = fwd_gather = bwd_gather = seq = routing = 0
     for i, layer in enumerate(layers):
-        for _, sub, sharding in tp_plan.plan_modules(
+        shardings = tp_plan.plan_modules(
             layer, f"{spec.layers_name}.{i}", spec.tp_plan, lambda m: isinstance(m, nn.Linear)
-        ):
+        )
+        regions = tp_plan.region_modules(shardings)
+        bwd += len(regions)
+        seq += tp_plan.sequence_shard_params(layer, shardings)
+        for _, sub, sharding in shardings:
             if sharding.grad_allreduce:
                 grad += sum(p.numel() for p in sub.parameters())
             elif sharding.experts:
@@ -338,10 +379,10 @@ def _tp_traffic(config: Any) -> TPTraffic:
                 fwd += 1
                 bwd_gather += sub.in_features if sharding.split_input else 0
             else:
-                bwd += 1
                 fwd_gather += sub.out_features if sharding.gather_output else 0
     n = len(layers)
-    return TPTraffic(fwd / n, bwd / n, grad / n, fwd_gather / n, bwd_gather / n, routing / n)
+    blocker = tp_plan.sequence_parallel_blocker(layers, spec.layers_name, spec.tp_plan, lambda m: isinstance(m, nn.Linear))
+    return TPTraffic(fwd / n, bwd / n, grad / n, fwd_gather / n, bwd_gather / n, routing / n, seq / n, blocker)
 
 
 def moe_layer_shapes(config: Any) -> tuple[LayerShape, ...]:
@@ -350,10 +391,7 @@ def moe_layer_shapes(config: Any) -> tuple[LayerShape, ...]:
     routers, norms and modules kept whole replicated), on a meta-device model."""
     from torch import nn
 
-    from dsx3d.models.family import resolve_family
-
-    spec = resolve_family(config)
-    layers = getattr(getattr(build_meta_model(config), spec.base_prefix), spec.layers_name)
+    spec, layers = _meta_layers(config)
     top_k = model_dim(config, "num_experts_per_tok") or 1
     out = []
     for i, layer in enumerate(layers):
@@ -447,9 +485,14 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         vocab_size=vocab,
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
         model_type=model_type,
+        ffn_size=ffn,
+        gated_mlp=gated,
+        rms_norm=_get(config, "layer_norm_eps", "layer_norm_epsilon", "norm_eps") is None,
         tp_forward_allreduces=tp.forward_allreduces,
         tp_backward_allreduces=tp.backward_allreduces,
         tp_grad_allreduce_params=tp.grad_allreduce_params,
+        tp_sequence_params=tp.sequence_params,
+        sequence_parallel_blocker=tp.sequence_parallel_blocker,
         tp_forward_gather_width=tp.forward_gather_width,
         tp_backward_gather_width=tp.backward_gather_width,
     )

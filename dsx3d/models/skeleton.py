@@ -70,6 +70,17 @@ class _HiddenStub(nn.Module):
         return out
 
 
+class _EmbeddingStub(nn.Module):
+    """Stands in for the embedding in `Skeleton.prologue_is_tokenwise`: returns fixed values, or some rows."""
+
+    def __init__(self, values: torch.Tensor):
+        super().__init__()
+        self.values, self.rows = values, slice(None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.values[:, self.rows]
+
+
 def hidden_of(call: LayerCall) -> torch.Tensor:
     args, kwargs = call
     return args[0] if args else kwargs["hidden_states"]
@@ -128,6 +139,33 @@ class Skeleton:
             return hidden_of(self._run_base(0, input_ids=input_ids)[0])
         finally:
             self._prologue_training(False)
+
+    def prologue_is_tokenwise(self, seq_len: int, parts: int) -> bool:
+        """Whether the base forward's prologue (everything from the embedding's output to layer 0's input)
+        treats each position on its own, so that it may run on a slice of the sequence: the last of `parts`
+        slices of a random embedding output, passed through the prologue alone, must equal the same rows
+        of the prologue applied to the whole sequence (position-dependent code such as learned absolute
+        positions fails this). Checked with a stand-in embedding; only for prologues without weights."""
+        if seq_len % parts:
+            return False
+        parent_name, _, attr = self.plan.embed_name.rpartition(".")
+        parent = self.base.get_submodule(parent_name) if parent_name else self.base
+        real = getattr(parent, attr)
+        hidden = self.config.get_text_config().hidden_size
+        z = torch.randn(1, seq_len, hidden, generator=torch.Generator().manual_seed(0))
+        rows = slice(seq_len - seq_len // parts, seq_len)
+        stub = _EmbeddingStub(z)
+        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        setattr(parent, attr, stub)
+        try:
+            whole = hidden_of(self._run_base(0, input_ids=ids)[0])
+            stub.rows = rows
+            part = hidden_of(self._run_base(0, input_ids=ids)[0])
+        except Exception:  # a prologue that does not accept a slice is not token-wise
+            return False
+        finally:
+            setattr(parent, attr, real)
+        return part.shape == whole[:, rows].shape and torch.allclose(part, whole[:, rows], rtol=1e-6, atol=1e-6)
 
     def _prologue_training(self, training: bool) -> None:
         """The base model's own train flag and its direct dropout children; the skeleton otherwise stays in

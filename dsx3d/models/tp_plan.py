@@ -121,3 +121,80 @@ def plan_modules(
             if sharding.experts:
                 whole.append(sub_name)
     return out
+
+
+def region_modules(shardings: list[tuple[str, Any, Sharding]]) -> list[str]:
+    """Names of the TP regions among `plan_modules`' output: the parents of column-parallel linears
+    (attention, MLP), in order. Their input is entered once and their row-parallel outputs leave."""
+    out: list[str] = []
+    for name, _, sharding in shardings:
+        parent = name.rpartition(".")[0]
+        if sharding.column and parent not in out:
+            out.append(parent)
+    return out
+
+
+def inside(name: str, regions: list[str]) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in regions)
+
+
+def sequence_shard_params(layer: Any, shardings: list[tuple[str, Any, Sharding]]) -> int:
+    """Replicated parameters of `layer` that see sequence shards under sequence parallelism: those of
+    modules outside the TP regions (norms) and the biases of row-parallel linears (added after the
+    reduce-scatter), the set the engine all-reduces (`LayerBuilder._shard`). Parameters of whole-kept
+    modules outside the regions count too (such layers run without sequence parallelism)."""
+    regions = region_modules(shardings)
+    styles = {name: sharding for name, _, sharding in shardings}
+    total = 0
+    for name, sub in layer.named_modules():
+        sharding = styles.get(name)
+        if sharding is not None and sharding.row:
+            bias = getattr(sub, "bias", None)
+            total += bias.numel() if bias is not None else 0
+        elif sharding is None and not inside(name, regions):
+            total += sum(p.numel() for p in sub.parameters(recurse=False))
+    return total
+
+
+def sequence_parallel_blockers(
+    layer: Any, rel_name: str, plan: dict[str, str], is_linear: Callable[[Any], bool]
+) -> list[str]:
+    """Why sequence parallelism cannot run this decoder layer ([] when it can). Outside the TP regions the
+    layer runs on a slice of the sequence, which is right only for token-wise code: dsx3d accepts norms
+    there (and parameter-free code), nothing else with parameters. Modules kept whole on every TP rank (MoE
+    experts, packed projections) and layers that are their own region are refused too."""
+    shardings = plan_modules(layer, rel_name, plan, is_linear)
+    regions = region_modules(shardings)
+    sharded = {name for name, _, _ in shardings}
+    reasons = []
+    if "" in regions:
+        reasons.append(f"{rel_name} itself holds column-parallel linears (the layer would be one TP region)")
+    for name in regions:
+        if inside(name, [r for r in regions if r != name]):
+            reasons.append(f"{rel_name}.{name} is a TP region inside another one")
+    for name, _, sharding in shardings:
+        if sharding.experts:
+            reasons.append(f"{rel_name}.{name} holds MoE experts, which run on the whole sequence")
+        if sharding.row and not inside(name, regions):
+            reasons.append(f"{rel_name}.{name} is row-parallel outside any module with column-parallel linears")
+    for name, sub in layer.named_modules():
+        if not name or inside(name, regions) or name in sharded:
+            continue
+        if any(True for _ in sub.parameters(recurse=False)) and "norm" not in type(sub).__name__.lower():
+            reasons.append(
+                f"{rel_name}.{name} ({type(sub).__name__}) has parameters outside the TP regions, so it would "
+                "run on a slice of the sequence"
+            )
+    return reasons
+
+
+def sequence_parallel_blocker(
+    layers: list[Any], layers_name: str, plan: dict[str, str], is_linear: Callable[[Any], bool]
+) -> str | None:
+    """The first reason (`sequence_parallel_blockers`) over a model's decoder layers, or None: every layer
+    must allow it, because every pipeline stage must agree on the shape of its messages."""
+    for i, layer in enumerate(layers):
+        reasons = sequence_parallel_blockers(layer, f"{layers_name}.{i}", plan, is_linear)
+        if reasons:
+            return reasons[0]
+    return None

@@ -33,21 +33,37 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def no_column_input_grad_allreduce() -> contextlib.AbstractContextManager[None]:
-    """Column-parallel linears forget Megatron's f: their input gradient is never summed over TP."""
-    from dsx3d.distributed.tensor_parallel.context import TPContext
+    """Column-parallel linears forget Megatron's f: the summed input gradient of a TP region entry is never
+    reduced over TP (with sequence parallelism each rank keeps its own rows of its partial sum)."""
+    from dsx3d.distributed.tensor_parallel import regions
+    from dsx3d.distributed.tensor_parallel.mappings import own_rows
 
-    def enter_region(self: Any, x: torch.Tensor, *, training: bool) -> torch.Tensor:
-        self.random.enter_sharded(x, training)
-        return x
+    class _Done:
+        def wait(self) -> None:
+            pass
 
-    return _patched(TPContext, "enter_region", enter_region)
+    def launch(self: Any) -> None:
+        assert self._partial is not None
+        buf = own_rows(self._partial, self.group).movedim(-2, 0) if self.gather else self._partial
+        self._partial = None
+        self._launched = (buf, _Done())
+
+    return _patched(regions.RegionEntry, "_launch", launch)
 
 
 def no_row_output_allreduce() -> contextlib.AbstractContextManager[None]:
-    """Row-parallel linears forget Megatron's g: each rank keeps its partial sum."""
+    """Row-parallel linears forget Megatron's g: each rank keeps its partial sum (with sequence parallelism,
+    its own rows of it)."""
     from dsx3d.distributed.tensor_parallel.context import TPContext
+    from dsx3d.distributed.tensor_parallel.mappings import split_to_sequence
 
-    def exit_region(self: Any, y: torch.Tensor) -> torch.Tensor:
+    def exit_region(self: Any, y: torch.Tensor, *, training: bool = False, scatter: bool | None = None) -> torch.Tensor:
+        if scatter is None:
+            scatter = self.sequence_parallel and self.depth <= 1
+        if scatter and self.size > 1:
+            out = split_to_sequence(y, self.group)
+            self.random.enter_sharded(out, training)
+            return out
         self.random.leave_sharded()
         return y
 
@@ -105,8 +121,8 @@ def replicated_grad_counted_tp_times() -> contextlib.AbstractContextManager[None
 
     original = LayerBuilder._own
 
-    def own(self: Any, module: torch.nn.Module, rel_name: str) -> torch.nn.Module:
-        out = original(self, module, rel_name)
+    def own(self: Any, module: torch.nn.Module, rel_name: str, *args: Any) -> torch.nn.Module:
+        out = original(self, module, rel_name, *args)
         for name, p in out.named_parameters():
             if "norm" in name and not getattr(p, "tensor_model_parallel", False):
                 p.tensor_model_parallel = True  # type: ignore[attr-defined]
@@ -153,7 +169,7 @@ def routing_weight_grad_not_summed_over_tp() -> contextlib.AbstractContextManage
     from dsx3d.distributed.expert_parallel.experts import _ExpertsRegion
 
     def enter(self: Any, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ctx.tp.enter_region(x, training=self.module_ref[0].training), w
+        return self.ctx.tp.enter_partial(x, training=self.module_ref[0].training), w
 
     return _patched(_ExpertsRegion, "enter", enter)
 

@@ -178,14 +178,23 @@ def recipe_for(work: Workload, dp: int, tp: int = 1, pp: int = 1, **train: Any) 
 
 
 def dsx3d_contender(
-    name: str, work: Workload, state: dict[str, torch.Tensor], dp: int, tp: int = 1, pp: int = 1, **train: Any
+    name: str,
+    work: Workload,
+    state: dict[str, torch.Tensor],
+    dp: int,
+    tp: int = 1,
+    pp: int = 1,
+    deepspeed: dict[str, Any] | None = None,
+    **train: Any,
 ) -> Contender:
+    """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides."""
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(
-        recipe_for(work, dp, tp, pp, **train), hf_config=work.config, source=StateDictSource(state)
-    )
+    recipe = recipe_for(work, dp, tp, pp, **train)
+    if deepspeed:
+        recipe = recipe.model_copy(update={"deepspeed": deepspeed})
+    engine = build_engine(recipe, hf_config=work.config, source=StateDictSource(state))
     dp_rank = engine.placement.dp
 
     def step(batch: torch.Tensor) -> float:
@@ -362,7 +371,7 @@ class InstructionClock:
     def __init__(self, engine: Any, after: Callable[[str], None] | None = None):
         self.events: list[tuple[str, float, float]] = []
         timed = {}
-        for kind, fn in type(engine)._INSTRUCTION_MAP.items():
+        for kind, fn in engine._INSTRUCTION_MAP.items():  # the engine's own table if it has one
             timed[kind] = self._timed(kind.__name__, fn, after)
         engine._INSTRUCTION_MAP = timed
 

@@ -1,29 +1,36 @@
-"""Estimator accuracy: predicted vs measured peak memory per rank (model states + activations), CPU runs.
+"""Estimator accuracy: the peak memory of every pipeline stage, predicted by `dsx3d.estimate` and measured,
+over a grid of model sizes and layouts.
 
-A CPU process has no separate device memory and its RSS mixes in the interpreter, the libraries and the
-allocator's caching, so the comparison is made on the bytes the estimator models, accounted exactly:
+Measured per rank, from before the engine is built to the end of the timed steps (3 optimizer steps):
+  allocated  the high-water of live tensor bytes of this process's allocator, the figure GPUs report as
+             `torch.cuda.max_memory_allocated` (on CPU: torch.profiler's memory events, every allocation and
+             free with its size, summed in time order; `--device cuda`: max_memory_allocated itself);
+  rss        (CPU) the resident-set high-water (/proc/self/status VmHWM, reset after the fork) over the RSS
+             at the fork, in a separate run without the profiler, with glibc told to return large freed
+             blocks to the system at once (mallopt: mmap threshold 64 KiB, no trimming delay), minus the same
+             figure for the same layout with a negligible model (hidden 32, vocabulary 256): what the runtime
+             itself touches (imports done on first use, Python objects, thread stacks: about 80 MiB here)
+             is not something a memory plan for a device can count. RSS also misses memory that is
+             allocated and never written (torch.empty buffers: ZeRO's gradient buckets, see below).
+Stages are compared at their fullest rank; error = measured / predicted - 1; goal: within 15% per stage.
 
-- model states: a census of the distinct tensor storages (each counted once, views included) held by the
-  stage's parameters, their `.grad`, and DeepSpeed's ZeRO optimizer (its flat bit16 groups, fp32 partition
-  and its gradient, averaged gradients, the torch optimizer's state), taken after every pipeline
-  instruction and right before the inner optimizer step;
-- activations: the high-water of bytes autograd saves for backward, seen by a
-  `torch.autograd.graph.saved_tensors_hooks` pack hook (distinct storages, parameters excluded), released
-  when autograd drops them (the pipeline frees a micro-batch's graph after its backward);
-- the peak is the largest (model states after an instruction + activation high-water during it) over the
-  timed steps (the first step allocates the optimizer state lazily; all 3 steps are watched).
-
-Not seen by either side: transient buffers inside an op (the optimizer's temporaries, gradient buffers while
-backward runs), communication buffers and allocator slack. The RSS high-water over the training steps
-(/proc/self/status VmHWM, reset after the build) is reported next to it for context.
+The grid sets `zero_optimization.reduce_bucket_size` to h*h elements (transformers' "auto"): DeepSpeed's
+default 5e8 makes ZeRO-1 allocate two fp32 buckets of 2 GB each per step (`torch.empty`), which the
+estimator counts (the default row shows it) but which would dwarf everything else at these sizes.
 
     python -m scripts.bench.memory [--quick] [--no-write]
+    python -m scripts.bench.memory --device cuda     # one GPU: the world-size-1 grid, max_memory_allocated
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
+import os
+import tempfile
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +38,6 @@ import torch
 from dsx3d.testing.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
 MiB = 1024**2
 
 
@@ -128,180 +134,319 @@ def census(engine: Any) -> dict[str, dict[int, int]]:
     return out
 
 
-def _observe_after(engine: Any, methods: tuple[str, ...], observe: Any) -> None:
-    for name in methods:
-        fn = getattr(engine, name)
+@dataclass(frozen=True)
+class Point:
+    """One grid point: a Llama of hidden h (MLP 2.6875h, about h/64 heads in multiples of 4, half as many
+    KV heads), L layers, vocabulary V; a layout; the recipe knobs that change memory."""
 
-        def wrapped(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
-            out = _fn(*args, **kwargs)
-            observe()
-            return out
+    hidden: int
+    layers: int
+    vocab: int
+    dp: int
+    tp: int
+    pp: int
+    seq_len: int = 256
+    micro_batch: int = 2
+    micro_batches: int = 4
+    dtype: str = "fp32"
+    sequence_parallel: bool = True
+    bucket: int | None = 0
+    """reduce_bucket_size: 0 = h*h, None = DeepSpeed's default."""
+    checkpointing: bool = False
 
-        setattr(engine, name, wrapped)
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def reduce_bucket_size(self) -> float:
+        return 5e8 if self.bucket is None else float(self.bucket or self.hidden * self.hidden)
+
+    def label(self) -> str:
+        extra = [x for x, on in (("sp off", not self.sequence_parallel and self.tp > 1), ("bf16", self.dtype == "bf16"),
+                                 ("default bucket", self.bucket is None), ("checkpointing", self.checkpointing)) if on]  # fmt: skip
+        return f"h{self.hidden} L{self.layers} V{self.vocab} dp{self.dp} tp{self.tp} pp{self.pp}" + (
+            f" ({', '.join(extra)})" if extra else ""
+        )
+
+    def config(self) -> Any:
+        heads = max(4, self.hidden // 64 // 4 * 4)
+        return bc.bench_config(
+            False,
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            vocab_size=self.vocab,
+            intermediate_size=self.hidden * 43 // 16,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 2,
+        )
+
+    def work(self, config: Any) -> bc.Workload:
+        return bc.Workload(
+            config,
+            micro_batch=self.micro_batch,
+            seq_len=self.seq_len,
+            global_batch=self.micro_batch * self.micro_batches * self.dp,
+            dtype=self.dtype,
+        )
+
+    def null(self) -> Point:
+        """The same layout with a negligible model: what the runtime touches on its own."""
+        return Point(32, self.pp, 256, self.dp, self.tp, self.pp, self.seq_len, self.micro_batch, self.micro_batches,
+                     self.dtype, self.sequence_parallel, 1024, self.checkpointing)  # fmt: skip
 
 
-def worker(
-    rank: int, work: bc.Workload, state: dict[str, torch.Tensor], dims: tuple[int, ...], steps: int
-) -> dict[str, Any]:
-    dp, tp, pp, ep = (*dims, 1)[:4]
-    contender = bc.dsx3d_contender("dsx3d", work, state, dp=dp, tp=tp, pp=pp, ep=ep)
-    engine = contender.engine.ds_engine
-    meter = SavedTensorMeter()
-    peak: dict[str, Any] = {"total": 0, "states": 0, "activations": 0, "by_kind": {}}
+def grid(quick: bool) -> list[Point]:
+    if quick:
+        return [Point(64, 2, 512, 1, 2, 1, seq_len=32), Point(64, 2, 512, 1, 1, 2, seq_len=32)]
+    layouts = [(1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 1)]
+    sizes = [(256, 4, 8192), (512, 8, 16384), (384, 12, 32000)]
+    points = [Point(h, L, V, *lay) for h, L, V in sizes for lay in layouts]
+    points += [
+        Point(512, 8, 16384, 1, 2, 1, sequence_parallel=False),
+        Point(512, 8, 16384, 1, 2, 2, sequence_parallel=False),
+        Point(512, 8, 16384, 1, 1, 1, bucket=None),
+        Point(512, 8, 16384, 1, 2, 2, dtype="bf16"),
+        Point(512, 8, 16384, 1, 1, 2, checkpointing=True),
+    ]
+    return points
 
-    def observe(_: str = "") -> None:
-        by_kind = census(engine)
-        meter.exclude = {ptr for kind in by_kind.values() for ptr in kind}
-        sizes = {k: sum(v.values()) for k, v in by_kind.items()}
-        states = sum(sizes.values())
-        acts = meter.take_high()
-        if states + acts > peak["total"]:
-            peak["total"] = states + acts
-        if states > peak["states"]:
-            peak["states"], peak["by_kind"] = states, sizes
-        peak["activations"] = max(peak["activations"], acts)
 
-    if hasattr(type(engine), "_INSTRUCTION_MAP"):  # the pipeline engine: after every schedule instruction
-        bc.InstructionClock(engine, after=observe)
-    else:  # pp = 1, DeepSpeed's regular engine: after every forward and backward
-        _observe_after(engine, ("forward", "backward"), observe)
-    inner = engine.optimizer.optimizer
-    inner_step = inner.step
+def _contender(point: Point, work: bc.Workload, state: dict[str, torch.Tensor]) -> bc.Contender:
+    overrides = {"zero_optimization": {"reduce_bucket_size": int(point.reduce_bucket_size)}}
+    return bc.dsx3d_contender(
+        "dsx3d",
+        work,
+        state,
+        dp=point.dp,
+        tp=point.tp,
+        pp=point.pp,
+        deepspeed=overrides,
+        sequence_parallel=point.sequence_parallel,
+        activation_checkpointing=point.checkpointing,
+    )
 
-    def watched_step(*args: Any, **kwargs: Any) -> Any:
-        observe()  # gradients reduced into the fp32 partition, optimizer state present
-        return inner_step(*args, **kwargs)
 
-    inner.step = watched_step
-    batches = bc.make_batches(work, steps)
-    gc.collect()
-    rss_before = bc.proc_status_kb("VmRSS")
-    bc.reset_peak_rss()
-    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        for batch in batches:
+def _layers(contender: bc.Contender) -> int:
+    return sum(1 for m in contender.engine.module.modules() if type(m).__name__ == "DecoderLayerPipe")
+
+
+def allocated_worker(rank: int, point: Point, state: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
+    """High-water of live tensor bytes (CPU allocator events) over build and `steps` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    work = point.work(point.config())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        contender = _contender(point, work, state)
+        for batch in bc.make_batches(work, steps):
             contender.step(batch)
-    rss_peak = bc.proc_status_kb("VmHWM")
-    layers = sum(1 for m in contender.engine.module.modules() if type(m).__name__ == "DecoderLayerPipe")
-    experts = [p for p in contender.engine.module.parameters() if hasattr(p, "shard_slot")]
     return {
-        "rank": rank,
         "stage": contender.engine.placement.pp,
-        "layers": layers,
-        "expert_param_bytes": sum(p.numel() * p.element_size() for p in experts),
-        "peak": peak,
-        "rss_over_build_mib": (rss_peak - rss_before) / 1024,
-        "rss_peak_mib": rss_peak / 1024,
-        "attn_implementation": work.config._attn_implementation,
+        "layers": _layers(contender),
+        "allocated_mib": live_high_water(prof) / MiB,
     }
 
 
-def predicted(work: bc.Workload, dims: tuple[int, ...], stage_layers: list[int], flash: bool) -> Any:
-    return bc.estimate_for(work, dims, stage_layers, flash_attention=flash)
+def live_high_water(prof: Any) -> int:
+    """The largest sum of live allocations, each tracked by its address: a free the profiler did not see
+    (a tensor released on one of gloo's threads) is settled when its address is handed out again, so it
+    does not inflate the sum the way a running total of sizes would."""
+    from torch._C._profiler import _EventType
+
+    def walk(nodes: Any) -> Any:
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    events = sorted(
+        (n for n in walk(prof.profiler.kineto_results.experimental_event_tree()) if n.tag == _EventType.Allocation),
+        key=lambda n: n.start_time_ns,
+    )
+    live: dict[int, int] = {}
+    total = high = 0
+    for node in events:
+        ptr, size = node.extra_fields.ptr, node.extra_fields.alloc_size
+        total -= live.pop(ptr, 0)
+        if size > 0:
+            live[ptr] = size
+            total += size
+            high = max(high, total)
+    return high
 
 
-def run_layout(
-    work: bc.Workload, state: dict[str, torch.Tensor], dims: tuple[int, ...], steps: int
-) -> list[dict[str, Any]]:
-    """One layout (dp, tp, pp[, ep]): every rank's measured peak next to the estimator's stage."""
-    dp, tp, pp, ep = (*dims, 1)[:4]
-    per_rank = run_ranks(worker, dp * tp * pp, work, state, dims, steps, timeout_s=600)
-    stage_layers = [next(r["layers"] for r in per_rank if r["stage"] == s) for s in range(pp)]
-    # sdpa on CPU without a mask runs the fused (flash) kernel: no s x s scores are kept
-    flash = per_rank[0]["attn_implementation"] in ("sdpa", "flash_attention_2")
-    est = predicted(work, dims, stage_layers, flash)
+def _return_freed_memory() -> None:
+    """glibc: serve blocks >= 64 KiB with mmap and trim at once, so RSS follows what is live."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (also stops its dynamic growth)
+    libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+
+
+def rss_worker(rank: int, point: Point, state: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
+    _return_freed_memory()
+    gc.collect()
+    base = bc.proc_status_kb("VmRSS")
+    bc.reset_peak_rss()
+    work = point.work(point.config())
+    contender = _contender(point, work, state)
+    for batch in bc.make_batches(work, steps):
+        contender.step(batch)
+    return {"stage": contender.engine.placement.pp, "rss_mib": (bc.proc_status_kb("VmHWM") - base) / 1024}
+
+
+def predicted(point: Point, stage_layers: list[int], cpu: bool) -> Any:
+    from dsx3d.estimate import Hardware, Setup, estimate, shape_from_hf_config
+
+    setup = Setup(
+        dp=point.dp,
+        tp=point.tp,
+        pp=point.pp,
+        zero_stage=1,
+        dtype=point.dtype,
+        micro_batch_size=point.micro_batch,
+        seq_len=point.seq_len,
+        grad_accum=point.micro_batches,
+        activation_checkpointing=point.checkpointing,
+        stage_layers=tuple(stage_layers),
+        flash_attention=True,  # HF's sdpa: a fused kernel on CPU and GPU alike
+        sequence_parallel=point.sequence_parallel,
+        reduce_bucket_size=point.reduce_bucket_size,
+    )
+    return estimate(shape_from_hf_config(point.config()), setup, Hardware(optimizer_temporaries=2 if cpu else 1))
+
+
+def _by_stage(ranks: list[dict[str, Any]], key: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r in ranks:
+        out[r["stage"]] = max(out.get(r["stage"], 0.0), r[key])
+    return out
+
+
+_RUNTIME: dict[Point, list[dict[str, Any]]] = {}
+
+
+def runtime_rss(point: Point, steps: int) -> list[dict[str, Any]]:
+    """RSS of the layout with a negligible model (cached per layout)."""
+    null = point.null()
+    if null not in _RUNTIME:
+        _RUNTIME[null] = run_ranks(rss_worker, null.world, null, bc.make_state(null.config()), steps, timeout_s=900)
+    return _RUNTIME[null]
+
+
+def run_point(point: Point, steps: int) -> list[dict[str, Any]]:
+    state = bc.make_state(point.config())
+    alloc = run_ranks(allocated_worker, point.world, point, state, steps, timeout_s=1800)
+    rss = run_ranks(rss_worker, point.world, point, state, steps, timeout_s=1800)
+    null_rss = runtime_rss(point, steps)
+    stage_layers = [next(r["layers"] for r in alloc if r["stage"] == s) for s in range(point.pp)]
+    est = predicted(point, stage_layers, cpu=True)
+    allocated, resident, overhead = _by_stage(alloc, "allocated_mib"), _by_stage(rss, "rss_mib"), _by_stage(null_rss, "rss_mib")
     rows = []
-    for r in per_rank:
-        st = est.stages[r["stage"]]
-        pred_states = st.model_states_gb * 1e9
-        pred_acts = st.activations_gb * 1e9
-        pred_total = st.total_gb * 1e9
-        meas = r["peak"]
+    for stage, st in enumerate(est.stages):
+        pred = st.total_gb * 1e9 / MiB
+        rss_net = resident[stage] - overhead[stage]
         rows.append(
             {
-                "layout": f"dp{dp} tp{tp} pp{pp}" + (f" ep{ep}" if ep > 1 else ""),
-                "rank": r["rank"],
-                "stage": r["stage"],
-                "expert_param_bytes": r["expert_param_bytes"],
-                "expert_param_bytes_predicted": st.expert_params_per_device * (4 if work.dtype == "fp32" else 2),
+                "point": point.label(),
+                "stage": stage,
+                "layers": st.layers,
                 "predicted_mib": {
-                    "states": pred_states / MiB,
-                    "activations": pred_acts / MiB,
-                    "total": pred_total / MiB,
+                    "states": st.model_states_gb * 1e9 / MiB,
+                    "activations": st.activations_gb * 1e9 / MiB,
+                    "transient": st.transient_gb * 1e9 / MiB,
+                    "total": pred,
+                    "phase": st.peak_phase,
                 },
                 "measured_mib": {
-                    "states": meas["states"] / MiB,
-                    "activations": meas["activations"] / MiB,
-                    "total": meas["total"] / MiB,
-                    "states_by_kind": {k: v / MiB for k, v in meas["by_kind"].items()},
+                    "allocated": allocated[stage],
+                    "rss": resident[stage],
+                    "rss_runtime": overhead[stage],
+                    "rss_net": rss_net,
                 },
-                "error": {
-                    "states": meas["states"] / pred_states - 1,
-                    "activations": meas["activations"] / pred_acts - 1 if pred_acts else None,
-                    "total": meas["total"] / pred_total - 1,
-                },
-                "rss_over_build_mib": r["rss_over_build_mib"],
-                "rss_peak_mib": r["rss_peak_mib"],
-                "flash_attention": flash,
+                "error": {"allocated": allocated[stage] / pred - 1, "rss_net": rss_net / pred - 1},
             }
         )
     return rows
 
 
-def layer_saved_values(config: Any, micro_batch: int, seq_len: int) -> float:
-    """Values per token, in units of h, that one HF decoder layer saves for backward (the same hook, one
-    process, the layer on its own): the per-layer figure to hold against Korthikanti's 17 (34 bytes / 2)."""
-    from transformers import AutoModelForCausalLM
+def cuda_grid() -> list[Point]:
+    """One GPU: world size 1, sizes where memory is GBs."""
+    return [
+        Point(h, L, V, 1, 1, 1, seq_len=s, micro_batch=b, dtype=dt)
+        for h, L, V, s, b in [(1024, 8, 32000, 1024, 4), (2048, 8, 32000, 2048, 2), (2048, 16, 128256, 1024, 4)]
+        for dt in ("bf16", "fp32")
+    ] + [Point(2048, 8, 32000, 1, 1, 1, seq_len=2048, micro_batch=2, dtype="bf16", bucket=None)]
 
-    model = AutoModelForCausalLM.from_config(config).float()
-    meter = SavedTensorMeter()
-    meter.exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
-    hidden = model.model.embed_tokens(ids).detach().requires_grad_()
-    positions = torch.arange(seq_len)[None]
-    cos_sin = model.model.rotary_emb(hidden, positions)
-    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        out = model.model.layers[0](
-            hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions
+
+def run_cuda(points: list[Point], steps: int) -> list[dict[str, Any]]:
+    """In this process, on the current CUDA device: max_memory_allocated over build and steps."""
+    from dsx3d.distributed import comm
+
+    torch.cuda.set_device(0)
+    store = tempfile.mkdtemp(prefix="dsx3d-bench-memory-")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    comm.init_distributed(None, init_method=f"file://{store}/store", rank=0, world_size=1)
+    rows = []
+    for point in points:
+        config = point.config()
+        with torch.device("cuda"):
+            state = bc.make_state(config)
+        work = point.work(config)
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        contender = _contender(point, work, state)
+        batches = bc.make_batches(work, steps).cuda()
+        for batch in batches:
+            contender.step(batch)
+        peak = (torch.cuda.max_memory_allocated() - base) / MiB
+        est = predicted(point, [point.layers], cpu=False)
+        pred = est.stages[0].total_gb * 1e9 / MiB
+        rows.append(
+            {
+                "point": point.label(),
+                "stage": 0,
+                "predicted_mib": {"total": pred, "phase": est.stages[0].peak_phase,
+                                  "transient": est.stages[0].transient_gb * 1e9 / MiB},  # fmt: skip
+                "measured_mib": {"allocated": peak},
+                "error": {"allocated": peak / pred - 1},
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
         )
-    width = hidden.element_size()
-    values = meter.bytes / (micro_batch * seq_len * config.hidden_size * width)
-    del out
-    return values
+        del contender, state, batches
+        gc.collect()
+        torch.cuda.empty_cache()
+    comm.destroy()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, two layouts: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="two tiny points: a smoke run")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     args = parser.parse_args(argv)
-    config = bc.bench_config(args.quick)
-    work = bc.Workload(config, micro_batch=2, seq_len=32 if args.quick else 128, global_batch=8)
-    warm_up()
-    state = bc.make_state(config)
-    layouts = LAYOUTS[:2] if args.quick else LAYOUTS
-    with bc.provenance(args.quick) as meta:
-        rows = [row for dims in layouts for row in run_layout(work, state, dims, args.steps)]
-    worst = max(abs(r["error"]["total"]) for r in rows)
+    goal = 0.15
+    with bc.provenance(args.quick) as meta, bc.stdout_to_stderr():
+        if args.device == "cuda":
+            rows = run_cuda(cuda_grid(), args.steps)
+        else:
+            warm_up()
+            rows = [row for point in grid(args.quick) for row in run_point(point, args.steps)]
+    worst = {k: max(abs(r["error"][k]) for r in rows) for k in rows[0]["error"]}
     result = {
         **meta,
-        "what": "peak model-state + activation bytes per rank: census + saved-tensor high-water vs dsx3d.estimate",
-        "workload": {
-            "micro_batch": work.micro_batch,
-            "seq_len": work.seq_len,
-            "global_batch": work.global_batch,
-            "dtype": work.dtype,
-            "zero_stage": 1,
-        },
-        "layer_saved_values_per_token_over_h": bc.rounded(
-            layer_saved_values(config, work.micro_batch, work.seq_len), 4
-        ),
-        "goal_abs_error": 0.10,
-        "worst_abs_error_total": bc.rounded(worst, 3),
-        "meets_goal": worst <= 0.10,
+        "what": "peak memory per pipeline stage: dsx3d.estimate vs measured (allocator high-water; CPU also RSS "
+        "net of the runtime's own footprint)",
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),
+        "goal_abs_error": goal,
+        "worst_abs_error": {k: bc.rounded(v, 3) for k, v in worst.items()},
+        "meets_goal": {k: v <= goal for k, v in worst.items()},
         "rows": _rounded(rows),
     }
-    bc.emit("estimator_memory", result, write=not args.no_write)
+    bc.emit("estimator_memory" if args.device == "cpu" else "estimator_memory_gpu", result, write=not args.no_write)
     return result
 
 

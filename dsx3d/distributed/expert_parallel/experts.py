@@ -8,7 +8,7 @@ the module's forward with a region:
 
 - tokens are replicated over TP, so no exchange is needed there: each TP rank runs only the routes to its own
   experts and the partial sums are added over TP like a row-parallel layer. The region is entered with
-  `TPContext.enter_region` for the hidden states and the routing weights (their gradients are partial per TP
+  `TPContext.enter_partial` for the hidden states and the routing weights (their gradients are partial per TP
   rank: all-reduced backward, Megatron's f) and left with `exit_region` (g);
 - with ep > 1 the routes of a TP rank's slot go, with their routing weights, to the EP rank holding their
   expert, all-to-all over the EP group (DeepSpeed-MoE, Megatron and torchtitan do the same); the experts run
@@ -110,7 +110,7 @@ class _ExpertsRegion:
         """Both inputs become per-TP-rank: each rank's routes give a partial gradient of the hidden states
         and of the routing weights (hence of the router), summed over TP backward."""
         training = self.module_ref[0].training
-        return self.ctx.tp.enter_region(x, training=training), self.ctx.tp.enter_region(w, training=training)
+        return self.ctx.tp.enter_partial(x, training=training), self.ctx.tp.enter_partial(w, training=training)
 
 
 def _route(

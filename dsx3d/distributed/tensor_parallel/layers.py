@@ -11,12 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsx3d.distributed.tensor_parallel.context import TPContext
-from dsx3d.distributed.tensor_parallel.mappings import (
-    copy_to_tp,
-    gather_last_dim,
-    reduce_from_tp,
-    split_last_dim,
-)
+from dsx3d.distributed.tensor_parallel.mappings import split_last_dim
 
 
 def mark_sharded(param: nn.Parameter, dim: int) -> None:
@@ -30,7 +25,8 @@ def _empty_param(*shape: int, like: torch.Tensor) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = f(x) @ W_local^T + b_local: (b, s, in) @ (in, out/t) -> (b, s, out/t); optionally gathered."""
+    """y_local = f(x) @ W_local^T + b_local: (b, s, in) @ (in, out/t) -> (b, s, out/t); optionally gathered.
+    Projections that read the same input share one f (`TPContext.column_linear`)."""
 
     def __init__(self, linear: nn.Linear, tp: TPContext, gather_output: bool = False):
         super().__init__()
@@ -45,15 +41,14 @@ class ColumnParallelLinear(nn.Module):
             mark_sharded(self.bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gather_output:  # the output is replicated again: no per-rank region follows
-            y = F.linear(copy_to_tp(x, self.tp.group), self.weight, self.bias)
-            return gather_last_dim(y, self.tp.group)
-        return F.linear(self.tp.enter_region(x, training=self.training), self.weight, self.bias)
+        return self.tp.column_linear(
+            x, self.weight, self.bias, training=self.training, gather_output=self.gather_output
+        )
 
 
 class RowParallelLinear(nn.Module):
-    """y = g(x_local @ W_local^T) + b: (b, s, in/t) @ (in/t, out) -> partial sums, all-reduced, then the bias
-    (added once, after the reduce)."""
+    """y = g(x_local @ W_local^T) + b: (b, s, in/t) @ (in/t, out) -> partial sums, all-reduced (with sequence
+    parallelism reduce-scattered along the sequence), then the bias (added once, after the reduce)."""
 
     def __init__(self, linear: nn.Linear, tp: TPContext, split_input: bool = False):
         super().__init__()
@@ -65,21 +60,26 @@ class RowParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else _empty_param(self.out_features, like=linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_input:  # the input was replicated: no per-rank region to leave
+        if self.tp.on_shards:
+            raise RuntimeError(
+                "sequence parallelism: a row-parallel linear ran outside its parent module's forward; "
+                "set parallel.sequence_parallel: false for this model"
+            )
+        if self.split_input:  # the input is replicated: keep this rank's columns
             x = split_last_dim(x, self.tp.group)
-            y = reduce_from_tp(F.linear(x, self.weight), self.tp.group)
-        else:
-            y = self.tp.exit_region(F.linear(x, self.weight))
+        y = self.tp.exit_region(F.linear(x, self.weight), training=self.training)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding:
     """Turns an HF embedding module (nn.Embedding or a subclass that scales its output) into a vocab shard
     in place, so the family's own forward (scaling included) still runs: ids outside [start, stop) look up
-    row 0 and are zeroed, then the partial embeddings are all-reduced (g)."""
+    row 0 and are zeroed, then the partial embeddings are all-reduced (g), or with `scatter` reduce-scattered
+    to this rank's sequence shard (sequence parallelism, when the rest of the prologue is token-wise)."""
 
     def __init__(self, embedding: nn.Embedding, tp: TPContext, padded_vocab: int):
         self.tp = tp
+        self.scatter = False
         self.start, self.stop = tp.chunk_bounds(padded_vocab)
         n_local = self.stop - self.start
         embedding.weight = _empty_param(n_local, embedding.weight.shape[1], like=embedding.weight)
@@ -101,12 +101,13 @@ class VocabParallelEmbedding:
         assert self._outside is not None
         out = out.masked_fill(self._outside.unsqueeze(-1), 0.0)
         self._outside = None
-        return reduce_from_tp(out, self.tp.group)
+        return self.tp.exit_region(out, training=module.training, scatter=self.scatter)
 
 
 class VocabParallelHead(nn.Module):
     """logits_local = f(h) @ W_local^T: (b, s, h) @ (h, V/t) -> (b, s, V/t), never gathered; the loss is
-    computed on the shards (`vocab_parallel_cross_entropy`). `weight` may be the tied embedding shard."""
+    computed on the shards (`vocab_parallel_cross_entropy`). `weight` may be the tied embedding shard. With
+    sequence parallelism f all-gathers the final norm's sequence shards."""
 
     def __init__(self, weight: nn.Parameter, tp: TPContext, vocab_start: int, bias: nn.Parameter | None = None):
         super().__init__()
@@ -115,4 +116,5 @@ class VocabParallelHead(nn.Module):
         self.tp, self.vocab_start = tp, vocab_start
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(hidden, self.tp.group), self.weight, self.bias)
+        full = self.tp.enter_region(hidden, training=self.training)
+        return self.tp.column_linear(full, self.weight, self.bias, training=self.training)
