@@ -222,7 +222,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--fp32-grad-accum",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="count DeepSpeed's unsharded fp32 gradient buffer (default: as dsx3d's config, bf16 with ZeRO >= 1)",
+        help="count DeepSpeed's unsharded fp32 gradient buffer (default: where dsx3d's config makes DeepSpeed keep one: bf16 with ZeRO-1)",
     )
     p.add_argument(
         "--sequence-parallel",

@@ -80,7 +80,7 @@ class Setup:
     def grad_accum_fp32(self) -> bool:
         if self.fp32_grad_accum is not None:
             return self.fp32_grad_accum
-        return self.dtype != "fp32" and self.zero_stage >= 1
+        return self.dtype != "fp32" and self.zero_stage == 1
 
     @property
     def global_batch(self) -> int:

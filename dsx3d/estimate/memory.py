@@ -107,7 +107,9 @@ def model_state_bytes(
         optimizer_k = ADAM_K_MIXED
     params = width * num_params / (dp if zero_stage >= 3 else 1)
     grads = width * num_params / (dp if zero_stage >= 2 else 1)
-    if fp32_grad_accum and dtype != "fp32":
+    if fp32_grad_accum and dtype != "fp32" and zero_stage == 1:
+        # BF16_Optimizer's fp32 accumulation buffer (DeepSpeed picks it for bf16 + fp32 accumulation at ZeRO-1
+        # only; ZeRO-2/3 keep their own fp32 partition, a transient here, and ZeRO-0 refuses the mix)
         grads += 4 * num_params
     optimizer = optimizer_k * num_params / (dp if zero_stage >= 1 else 1)
     return StateBytes(params, grads, optimizer)

@@ -265,38 +265,70 @@ def _dp_excess(r: dict[str, Any]) -> list[float]:
 
 
 def memory(r: dict[str, Any]) -> list[str]:
-    w = r["workload"]
-    out = ["### Estimator accuracy: peak memory per rank", ""] + _header(r)
+    """The estimator against measured peaks, per grid point and stage (scripts/bench/memory.py)."""
+    out = ["### Estimator accuracy: peak memory per pipeline stage", ""] + _header(r)
+    goal, worst, met = r["goal_abs_error"], r["worst_abs_error"], r["meets_goal"]
+    figures = ", ".join(f"{k} {_pct(v)[1:]} ({'met' if met[k] else 'not met'})" for k, v in worst.items())
     out += [
-        f"Tiny Llama, micro-batch {w['micro_batch']} x {w['seq_len']} tokens, global batch {w['global_batch']}, {w['dtype']}, ZeRO-{w['zero_stage']}. "
-        f"Largest error of the total: **{_pct(r['worst_abs_error_total'])}** in absolute value (goal 10%: {'met' if r['meets_goal'] else 'not met'}).",
+        f"Llama-shaped models (MLP 2.69h, GQA), fp32 unless said, ZeRO-1, 3 optimizer steps per run, the stage's "
+        f"fullest rank. Largest error in absolute value against the goal of {100 * goal:.0f}%: {figures}. "
+        "`allocated` is the allocator's high-water of live tensor bytes (what a GPU reports as max_memory_allocated; "
+        "on CPU from torch.profiler's memory events); `rss net` is the resident-set high-water over the RSS at the "
+        "fork, less the same figure for the same layout with a negligible model (the runtime's own footprint).",
         "",
-        "| layout | stage | states predicted / measured (MiB) | activations predicted / measured (MiB) | total predicted / measured (MiB) | error | RSS high-water over the RSS before training (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| grid point | stage | predicted MiB (states + activations + transient) | peak phase | allocated MiB | error | rss net MiB | error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    seen = set()
     for row in r["rows"]:
-        key = (row["layout"], row["stage"])
-        if key in seen:
-            continue
-        seen.add(key)
-        p, m = row["predicted_mib"], row["measured_mib"]
-        out.append(
-            f"| {row['layout']} | {row['stage']} | {p['states']:.2f} / {m['states']:.2f} | {p['activations']:.2f} / {m['activations']:.2f} | "
-            f"{p['total']:.2f} / {m['total']:.2f} | {_pct(row['error']['total'])} | {row['rss_over_build_mib']:.0f} |"
+        p, m, e = row["predicted_mib"], row["measured_mib"], row["error"]
+        split = (
+            f"{p['total']:.1f} ({p['states']:.1f} + {p['activations']:.1f} + {p['transient']:.1f})" if "states" in p else f"{p['total']:.1f}"
         )
-    acts = [row["error"]["activations"] for row in r["rows"] if row["error"]["activations"] is not None]
-    states = [abs(row["error"]["states"]) for row in r["rows"]]
+        rss = f"{m['rss_net']:.1f} | {_pct(e['rss_net'])}" if "rss_net" in m else "- | -"
+        out.append(
+            f"| {row['point']} | {row['stage']} | {split} | {p['phase']} | {m['allocated']:.1f} | {_pct(e['allocated'])} | {rss} |"
+        )
+    out.append("")
+    return out
+
+
+def tp_minimum(r: dict[str, Any]) -> list[str]:
+    """Issue 12: step time of the TP variants against the engine before and DeepSpeed's TP; SP memory/bytes."""
+    w, m = r["workload"], r["model"]
+    out = ["### Tensor parallelism at Megatron's communication minimum", ""] + _header(r)
     out += [
+        f"Llama, hidden {m['hidden']}, {m['layers']} layers, vocabulary {m['vocab']} ({m['params'] / 1e6:.1f}M parameters); "
+        f"micro-batch {w['micro_batch']} x {w['seq_len']} tokens, global batch {w['global_batch']}, {w['dtype']}. "
+        "`before`: one TP entry per projection, synchronous (the engine before issue 12); `shared`: one entry per "
+        "distinct input; `+overlap`: its collective asynchronous under the weight gradient; `sp`: the default, with "
+        "sequence parallelism; `deepspeed`: DeepSpeed's own TP layers in a hand-written PipelineModule "
+        "(`+overlap`: its `tp_overlap_comm`). Ratios are medians of per-round ratios (under 1: faster).",
         "",
-        f"Model states agree to within {max(states):.1e} relative (fp32 ZeRO-1: 4 bytes of weights and 4 of gradients per "
-        f"parameter, 12/dp of optimizer state). Measured activations exceed the prediction by {_pct(min(acts))[1:]} to "
-        f"{_pct(max(acts))[1:]}: Korthikanti's 34*s*b*h bytes per layer (17*h values per token) describe a GPT layer (4h GeLU "
-        "MLP, LayerNorm, dropout masks); one HF LlamaDecoderLayer of this model, measured alone with the same hook, "
-        f"saves {r.get('layer_saved_values_per_token_over_h', float('nan')):.1f}*h fp32 values per token (SwiGLU keeps four tensors of the intermediate width, 2.69h here; "
-        "RMSNorm its input and output; sdpa's fused kernel q, k, v, output and log-sum-exp). The total stays "
-        "within the goal because model states dominate at this size.",
+        "| layout | contender | step s | wall / before | CPU / before | wall / deepspeed | CPU / deepspeed | max loss diff vs before |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for t in r["timing"]:
+        lay = t["layout"]
+        name = f"dp{lay['dp']} tp{lay['tp']} pp{lay['pp']}"
+        for c, row in t["contenders"].items():
+            out.append(
+                f"| {name} | {c} | {row['step_s']:.3f} | {row['wall_over_before']['median']:.3f} | {row['cpu_over_before']['median']:.3f} | "
+                f"{row['wall_over_deepspeed']['median']:.3f} | {row['cpu_over_deepspeed']['median']:.3f} | {row['max_abs_loss_diff_vs_before']:.1e} |"
+            )
+    mem = r.get("memory")
+    if mem:
+        msg = mem["hidden_message_bytes"]
+        out += [
+            "",
+            f"Sequence parallelism at dp1 tp2 pp2: largest pipeline message {msg['sp_off']} bytes without, {msg['sp_on']} with "
+            f"(ratio {msg['ratio']:.3f}, expected {msg['expected_ratio']}); bytes autograd saves for backward, high-water per rank:",
+            "",
+            "| rank | stage | saved MiB, SP off | saved MiB, SP on | on / off |",
+            "|---|---|---|---|---|",
+        ]
+        for rank in mem["ranks"]:
+            sh = rank["saved_high_mib"]
+            out.append(f"| {rank['rank']} | {rank['stage']} | {sh['sp_off']:.2f} | {sh['sp_on']:.2f} | {rank['saved_high_sp_over_off']:.3f} |")
     out.append("")
     return out
 
@@ -347,20 +379,23 @@ METHODS = """### How the figures are measured
   ranks. Bytes one rank sends, ring-counted: all-reduce 2(g-1)/g of the buffer, all-gather (g-1)/g, send all
   of it. The warm-up step (DeepSpeed exchanges tensor shapes once) is not counted. TP and PP agreement is a
   test: `tests/test_bench_smoke.py`. The first count disagreed with the estimator, which was wrong twice:
-  it took Megatron's 4 TP all-reduces per layer, where dsx3d shards each HF projection with its own `f`
-  (a Llama layer: 2 forward, 5 backward for q, k, v, gate, up), and it left out the vocab-parallel ends
+  it took Megatron's 4 TP all-reduces per layer where dsx3d then sharded each HF projection with its own `f`
+  (2 forward, 5 backward; since issue 12 the projections reading one input share one entry: 2 + 2), and it
+  left out the vocab-parallel ends
   (embedding all-reduce, head input gradient, the cross-entropy's three fp32 all-reduces) and the int64
   token ids that travel with the activations between stages. `dsx3d.estimate` now counts these from the
   family's TP plan (with the all-gathers of `colwise_gather_output` / `rowwise_split_input` styles and the
   q/k-norm gradients); the per-family sweep above says where it agrees to the byte.
-- **Estimator accuracy** (`scripts/bench/memory.py`): a CPU process has no device memory and its RSS mixes
-  in libraries and allocator caching, so the bytes the estimator models are accounted exactly: a census of
-  distinct storages held by the stage's parameters, their gradients and DeepSpeed's ZeRO optimizer (taken
-  after every pipeline instruction and before the inner optimizer step), plus the high-water of bytes
-  autograd saves for backward (a `saved_tensors_hooks` pack hook; distinct storages, parameters excluded).
-  Peak = max over instructions of (states after it + activation high-water during it), over 3 steps.
-  Neither side counts transient buffers inside ops (optimizer temporaries, gradients being computed),
-  communication buffers or allocator slack: the RSS column shows how much that is on CPU.
+- **Estimator accuracy** (`scripts/bench/memory.py`): per grid point (model size, layout, sequence
+  parallelism, bf16, DeepSpeed's default bucket, checkpointing), each stage's fullest rank: the allocator's
+  high-water of live tensor bytes from the engine build to the end of 3 steps (on CPU summed from
+  torch.profiler's memory events, every allocation and free; on a GPU `torch.cuda.max_memory_allocated`),
+  and in a separate run the resident-set high-water net of the runtime's own footprint (the same layout with
+  a negligible model). The estimate is `dsx3d.estimate` for the same setup (its stage peak: the larger of
+  the backward and the optimizer phase, transients included).
+- **TP minimum** (`scripts/bench/tp.py`): the TP variants (before issue 12, shared entries, overlap,
+  sequence parallelism) and DeepSpeed's own TP layers in the same ranks, alternated step by step; the
+  sequence-parallel memory and pipeline-message figures in fresh ranks, SP off then on.
 - **MoE** (`scripts/bench/moe.py`): expert bytes per rank as built by the engine (no training), and the
   memory census above on an MoE model with and without expert parallelism.
 - **GPU** (`bash scripts/bench/gpu.sh`): bf16 tokens/s and MFU of a 1.1B Llama (Llama-3.2-1B's shape,
@@ -399,8 +434,15 @@ def render(results: dict[str, Any]) -> str:
             f"same ranks (A B B A ..., a barrier before each step) and reports ratios.",
             "",
         ]
-    renderers = {"overhead": overhead, "alternatives": alternatives, "estimator_memory": memory, "moe": moe, "gpu": gpu}
-    order = ["overhead", "alternatives", "bubble", "communication", "estimator_memory", "moe", "gpu"]
+    renderers = {
+        "overhead": overhead,
+        "alternatives": alternatives,
+        "tp_minimum": tp_minimum,
+        "estimator_memory": memory,
+        "moe": moe,
+        "gpu": gpu,
+    }
+    order = ["overhead", "alternatives", "tp_minimum", "bubble", "communication", "estimator_memory", "moe", "gpu"]
 
     def rank(key: str) -> tuple[int, str]:
         return next((i for i, prefix in enumerate(order) if key.startswith(prefix)), len(order)), key
