@@ -19,6 +19,7 @@ UNSUPPORTED = {
     "use_dora": "DoRA",
     "lora_bias": "trained adapter biases",
     "trainable_token_indices": "trainable token embeddings",
+    "use_rslora": "rank-stabilised scaling",
 }
 
 
@@ -36,7 +37,8 @@ def _meta_layer_linears(hf_config: Any) -> tuple[list[str], list[str]]:
     return linear, other
 
 
-def _config_problems(config: Any, key: str) -> Iterator[Problem]:
+def config_problems(config: Any, key: str) -> Iterator[Problem]:
+    """What dsx3d cannot train in a peft config (`key` names where it came from)."""
     for field, what in UNSUPPORTED.items():
         value = getattr(config, field, None)
         if value:
@@ -73,7 +75,7 @@ def lora_problems(recipe: Any, hf_config: Any) -> Iterator[Problem]:
             reason = " ".join(str(err).split())[:200] or type(err).__name__
             yield Problem(f"{key}.peft_config", section.peft_config, f"no readable peft LoraConfig there ({reason})", "point it at a folder holding adapter_config.json")
             return
-        yield from _config_problems(config, f"{key}.peft_config")
+        yield from config_problems(config, f"{key}.peft_config")
         wanted = config.target_modules if isinstance(config.target_modules, (list, set, tuple)) else []
         target_key = f"{key}.peft_config.target_modules"
     else:

@@ -166,9 +166,10 @@ def build_reference(case: ParityCase) -> torch.nn.Module:
 
 
 def hf_name(name: str) -> str:
-    """A reference parameter's name as the 3D side calls it: a PeftModel's names lose peft's wrapping
-    (`base_model.model.`, `.base_layer`); plain HF names stay."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    """A reference parameter's name as the 3D side calls it (`dsx3d.models.lora.hf_param_name`)."""
+    from dsx3d.models.lora import hf_param_name
+
+    return hf_param_name(name)
 
 
 @dataclass

@@ -118,6 +118,9 @@ class LoraSection(_Section):
     """peft's default initialisation (B = 0, so training starts at the base model); false draws B like A."""
     peft_config: Path_ | None = None
     """A directory holding a saved peft adapter_config.json (LoraConfig); replaces the keys above."""
+    merge_on_export: StrictBool = False
+    """At the end of the run also write OUTPUT_DIR/hf/: the model with the adapters merged in (Hugging Face
+    format). The adapters alone (peft's format) are always written to OUTPUT_DIR/adapter/."""
 
 
 class ModelSection(_Section):

@@ -18,7 +18,15 @@ from transformers import AutoModelForCausalLM
 
 from dsx3d.models.families import tiny_config
 from dsx3d.models.lora import is_adapter_name
-from dsx3d.parity import ParityCase, build_reference, case_recipe, hf_name, make_batches, micro_batch, run_reference
+from dsx3d.parity import (
+    ParityCase,
+    build_reference,
+    case_recipe,
+    hf_name,
+    make_batches,
+    micro_batch,
+    run_reference,
+)
 from dsx3d.testing.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")

@@ -52,6 +52,12 @@ class LoraSpec:
     seed: int = 0
 
 
+def hf_param_name(name: str) -> str:
+    """A PeftModel's parameter name as dsx3d calls it (the wrapped HF model's name): peft's wrapping
+    (`base_model.model.`, `.base_layer`) dropped; plain HF names are unchanged."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
 def is_adapter_name(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
