@@ -83,6 +83,7 @@ def lora_problems(recipe: Any, hf_config: Any) -> Iterator[Problem]:
         target_key = f"{key}.target_modules"
     if hf_config is None:
         return
+    yield from _stages_without_layers(recipe, hf_config)
     try:
         linear, other = _meta_layer_linears(hf_config)
     except Exception:  # a model that does not build is reported by the model rules
@@ -94,3 +95,28 @@ def lora_problems(recipe: Any, hf_config: Any) -> Iterator[Problem]:
         kind = "is not a linear layer of the decoder layers" if any(m == name or m.endswith("." + name) for m in other) else "names no module of the decoder layers"
         choices = sorted({m.rpartition(".")[2] for m in linear})
         yield Problem(target_key, name, f"{kind} (dsx3d puts adapters on decoder-layer linears only)", f"use some of {choices}")
+
+
+def _stages_without_layers(recipe: Any, hf_config: Any) -> Iterator[Problem]:
+    """With LoRA the adapters are a stage's only trainable parameters, and DeepSpeed builds no optimizer over
+    none ("optimizer got an empty parameter list", after the process groups exist): every pipeline stage
+    needs a decoder layer."""
+    pp = recipe.parallel.pp
+    if pp == 1:
+        return
+    from dsx3d.partition import stage_layers_for
+
+    try:
+        split = stage_layers_for(hf_config, pp, recipe.train.seq_len, recipe.parallel.stage_layers)
+    except Exception:  # a bad split is reported by the layout rules
+        return
+    if 0 in split:
+        n = sum(split)
+        even = [n // pp + (1 if i < n % pp else 0) for i in range(pp)]
+        yield Problem(
+            "parallel.stage_layers",
+            split,
+            "with model.lora every pipeline stage needs a decoder layer: the adapters are its only trainable "
+            "parameters and DeepSpeed cannot build an optimizer over none",
+            f"set parallel.stage_layers: {even}" if 0 not in even else "use fewer pipeline stages (parallel.pp)",
+        )
