@@ -30,7 +30,8 @@ def _meta_layer_linears(hf_config: Any) -> tuple[list[str], list[str]]:
     from dsx3d.models.shape import _meta_layers
 
     _, layers = _meta_layers(hf_config)
-    linear, other = [], []
+    linear: list[str] = []
+    other: list[str] = []
     for name, sub in layers[0].named_modules():
         if name:
             (linear if isinstance(sub, nn.Linear) else other).append(name)

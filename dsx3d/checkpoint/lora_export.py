@@ -48,12 +48,12 @@ def merged_weights(module: nn.Module) -> dict[str, Any]:
     for sub in module.modules():
         if not isinstance(sub, LoraLayer):
             continue
-        weight = sub.get_base_layer().weight
+        weight: Any = sub.get_base_layer().weight
         name = getattr(weight, "hf_name", None)
         if name is None:
             continue
 
-        def merged(sub: Any = sub, weight: torch.Tensor = weight) -> torch.Tensor:
+        def merged(sub: Any = sub, weight: Any = weight) -> torch.Tensor:
             w = weight.detach().float().clone()
             for a in sub.lora_A:
                 w += sub.scaling[a] * (sub.lora_B[a].weight.detach().float() @ sub.lora_A[a].weight.detach().float())

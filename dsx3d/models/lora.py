@@ -92,8 +92,10 @@ def inject(module: nn.Module, hf_prefix: str, spec: LoraSpec, tp: TPContext, sou
     for sub_name, sub in module.named_modules():
         if not isinstance(sub, LoraLayer):
             continue
-        for adapter in sub.lora_A:
-            a, b = sub.lora_A[adapter].weight, sub.lora_B[adapter].weight
+        lora_a: Any = sub.lora_A
+        lora_b: Any = sub.lora_B
+        for adapter in lora_a:
+            a, b = lora_a[adapter].weight, lora_b[adapter].weight
             if tp.size > 1 and isinstance(sub, ColumnParallelLora):
                 mark_sharded(b, 0)
                 a.register_hook(all_reduce_grad_hook(tp.group))

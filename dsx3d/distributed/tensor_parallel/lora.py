@@ -23,14 +23,16 @@ from dsx3d.distributed.tensor_parallel.mappings import split_last_dim
 
 
 class _TPLora(PeftLoraLinear):
-    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
-        return module.in_features, module.out_features  # this rank's shard
+    def _get_in_out_features(self, module: Any) -> tuple[int, int]:
+        return int(module.in_features), int(module.out_features)  # this rank's shard
 
     def lora_paths(self) -> list[LoraPath]:
         if self.disable_adapters or self.merged:
             return []
+        lora_a: Any = self.lora_A
+        lora_b: Any = self.lora_B
         return [
-            LoraPath(self.lora_A[a].weight, self.lora_B[a].weight, self.scaling[a], self.lora_dropout[a])
+            LoraPath(lora_a[a].weight, lora_b[a].weight, self.scaling[a], self.lora_dropout[a])
             for a in self.active_adapters
             if a in self.lora_A
         ]
@@ -43,7 +45,7 @@ class ColumnParallelLora(_TPLora):
     """LoRA on a `ColumnParallelLinear`: B's rows shard like the output, A is whole."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        base: ColumnParallelLinear = self.get_base_layer()
+        base: Any = self.get_base_layer()  # a ColumnParallelLinear
         return base.tp.column_linear(
             x, base.weight, base.bias, training=base.training, gather_output=base.gather_output, lora=self.lora_paths()
         )
@@ -53,7 +55,7 @@ class RowParallelLora(_TPLora):
     """LoRA on a `RowParallelLinear`: A's columns shard like the input, B is whole."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        base: RowParallelLinear = self.get_base_layer()
+        base: Any = self.get_base_layer()  # a RowParallelLinear
         tp = base.tp
         if tp.on_shards:
             raise RuntimeError(
