@@ -17,7 +17,7 @@ from typing import Any
 from dsx3d.ds_config import AUTO, auto_paths, build_ds_config
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import dimension_problems, load_hf_config
-from dsx3d.layout import bubble_fraction
+from dsx3d.layout import Layout, bubble_fraction
 from dsx3d.models.family import resolve_family  # noqa: E402
 from dsx3d.models.shape import model_dim
 from dsx3d.recipe import Recipe
@@ -135,6 +135,66 @@ def _tp_divides_model(c: _Context) -> Iterator[Problem]:
                 f"the model's {name} = {size} is not divisible by tp, so the TP ranks cannot split it evenly",
                 f"choose parallel.tp among {valid}",
             )
+
+
+def _experts_split(c: _Context) -> Iterator[Problem]:
+    """Expert parallelism regroups DP ranks (ep divides dp); the experts of every MoE layer are split over
+    tp x ep ranks, E / (tp x ep) each; the all-to-all of an EP group should stay inside a node."""
+    from dsx3d.models.moe import experts_per_layer, valid_expert_splits
+
+    ep, gpn = c.recipe.parallel.ep, c.recipe.cluster.gpus_per_node
+    if ep > 1 and c.dp and c.dp % ep:
+        yield Problem(
+            "parallel.ep",
+            ep,
+            f"expert parallelism splits the experts over ep data-parallel ranks, so ep must divide dp = {c.dp}",
+            f"choose parallel.ep among {_divisors(c.dp)}",
+        )
+    experts = None if c.hf_config is None else experts_per_layer(c.hf_config)
+    if experts is None:
+        if ep > 1 and c.hf_config is not None:
+            yield Problem(
+                "parallel.ep",
+                ep,
+                f"the model ({c.hf_config.model_type}) has no mixture-of-experts layers to split",
+                "remove parallel.ep (or set it to 1)",
+            )
+        return
+    if experts % (c.tp * ep):
+        valid = valid_expert_splits(experts, _divisors(gpn), _divisors(c.dp) if c.dp else [1])
+        yield Problem(
+            "parallel.ep" if ep > 1 else "parallel.tp",
+            ep if ep > 1 else c.tp,
+            f"the model's {experts} experts per MoE layer cannot be split evenly over tp x ep = {c.tp} x {ep} "
+            "ranks (each rank holds E / (tp x ep) whole experts)",
+            f"choose (parallel.tp, parallel.ep) among {valid}",
+        )
+    if ep > 1 and c.pp == 1:
+        yield Problem(
+            "parallel.ep",
+            ep,
+            "expert parallelism is built into the pipeline engine (its EP groups, expert optimizer groups and "
+            "per-EP-index checkpoint files); without a pipeline (parallel.pp = 1) DeepSpeed's regular engine "
+            "runs and it has no expert-parallel path in dsx3d",
+            "set parallel.pp >= 2 to use parallel.ep, or parallel.ep: 1 (the experts are then split over tp only)",
+        )
+    if ep > 1 and c.recipe.zero.stage >= 3:
+        yield Problem(
+            "zero.stage",
+            c.recipe.zero.stage,
+            "DeepSpeed's ZeRO-3 does not partition expert-parallel parameters (it asserts 'MoE not supported "
+            "with Stage 3')",
+            "set zero.stage: 1 or 2 with parallel.ep > 1, or parallel.ep: 1",
+        )
+    if ep > 1 and c.dp and not c.dp % ep and Layout(c.dp, c.tp, c.pp, gpn, ep).ep_crosses_node():
+        yield _warning(
+            "parallel.ep",
+            ep,
+            f"an EP group spans a block of tp x ep = {c.tp * ep} consecutive ranks that does not fit in one "
+            f"node (cluster.gpus_per_node = {gpn}): the all-to-all of every MoE layer crosses nodes",
+            f"keep tp x ep a divisor of gpus_per_node (ep among {[e for e in _divisors(c.dp) if not gpn % (e * c.tp)]}), "
+            "or accept inter-node all-to-all",
+        )
 
 
 def _vocab_padding(c: _Context) -> Iterator[Problem]:
@@ -358,12 +418,21 @@ def _model_builds(c: _Context) -> Iterator[Problem]:
     model on the meta device (no memory) and name the key when it fails."""
     if c.hf_config is None:
         return
-    from dsx3d.models.shape import build_meta_model
+    key = c.hf_config.to_json_string(use_diff=False)
+    if key not in _BUILD_PROBLEMS:
+        from dsx3d.models.shape import build_meta_model
 
-    try:
-        build_meta_model(c.hf_config)
-    except UserError as err:
-        yield from err.problems
+        try:
+            build_meta_model(c.hf_config)
+            _BUILD_PROBLEMS[key] = ()
+        except UserError as err:
+            _BUILD_PROBLEMS[key] = tuple(err.problems)
+    yield from _BUILD_PROBLEMS[key]
+
+
+_BUILD_PROBLEMS: dict[str, tuple[Problem, ...]] = {}
+"""What building each config (by its JSON) on the meta device reported: the planner checks hundreds of
+candidate layouts of one model, and a large model's meta build takes seconds."""
 
 
 def _family_supported(c: _Context) -> Iterator[Problem]:
@@ -564,6 +633,7 @@ RULES: list[Rule] = [
     _low_precision_without_zero_under_tp,
     _tp_inside_node,
     _tp_divides_model,
+    _experts_split,
     _vocab_padding,
     _layers_vs_stages,
     _stage_layers,

@@ -48,6 +48,7 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
             "dp": layout.dp,
             "tp": layout.tp,
             "pp": layout.pp,
+            "ep": layout.ep,
             "nodes": layout.num_nodes,
             "gpus_per_node": layout.gpus_per_node,
             "world_size": layout.world_size,

@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.distributed import comm
+from dsx3d.distributed.expert_parallel.groups import keep_pipeline_checkpoints, register_with_deepspeed
 from dsx3d.distributed.groups import DataTensorParallelGroups
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.random import seed_ranks
@@ -159,6 +160,19 @@ def lora_spec(recipe: Recipe) -> LoraSpec | None:
     return LoraSpec(peft_config_from(recipe.model.lora), recipe.train.seed)
 
 
+def _expert_param_groups(module: StagedPipelineModule, params: list[Any]) -> list[dict[str, Any]]:
+    """Expert parameters split over the EP group get their own optimizer groups (DeepSpeed's `moe` groups),
+    which ZeRO partitions over the expert-data-parallel group; the groups are registered first."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    register_with_deepspeed(module.dsx3d_expert_groups)
+    if params and isinstance(params[0], dict):
+        groups = [{"name": f"params-{i}", **group} for i, group in enumerate(params)]
+    else:
+        groups = [{"params": params, "name": "dense-params"}]
+    return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
 def default_weight_source(recipe: Recipe, hf_config: PretrainedConfig) -> WeightSource:
     """Checkpoint slices for `model.name_or_path`, else a fresh layout-independent initialisation."""
     if recipe.model.name_or_path is not None:
@@ -229,9 +243,15 @@ def build_engine(
     import deepspeed
 
     params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]
+    # experts split over an EP group (pp > 1 only: the checker refuses ep > 1 at pp = 1)
+    moe = isinstance(module, StagedPipelineModule) and getattr(module, "dsx3d_moe_marker", None) is not None
+    if moe:
+        params = _expert_param_groups(module, params)  # type: ignore[arg-type]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
     if layout.pp > 1:
         release_last_stage_outputs(engine)
+    if moe:
+        keep_pipeline_checkpoints(engine)
     module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go
     if not engine.zero_optimization() and not engine.bfloat16_enabled() and not engine.fp16_enabled():
         install_fp32_clipping(engine, placement.tp)

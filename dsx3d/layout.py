@@ -1,7 +1,10 @@
 """Where every rank sits: dp x tp x pp over nodes x gpus_per_node (pure: no processes, no DeepSpeed).
 
 Rank order is DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model): TP ranks are adjacent,
-then DP, then PP, i.e. rank = (pp_index * dp + dp_index) * tp + tp_index. The order is computed here, so the
+then DP, then PP, i.e. rank = (pp_index * dp + dp_index) * tp + tp_index. Expert parallelism (ep, dividing
+dp) groups `ep` consecutive DP indices of one stage and TP index; each such EP group splits the experts of a
+layer, and the ranks that hold the same experts (same ep index, one per EP group) form an expert-data-parallel
+group, as DeepSpeed's `groups._get_expert_parallel_ranks` builds them. The order is computed here, so the
 pure layer (recipe, checker, planner, estimator, `dsx3d plan`) never imports DeepSpeed;
 tests/test_layout.py checks it equals DeepSpeed's topology over a grid of shapes, and `Layout.topology`
 hands DeepSpeed's own object to the engine.
@@ -27,18 +30,22 @@ class RankPlacement:
 
 @dataclass(frozen=True)
 class Layout:
-    """The 3D layout of one job. `gpus_per_node` decides the node of each rank (rank // gpus_per_node)."""
+    """The 3D layout of one job. `gpus_per_node` decides the node of each rank (rank // gpus_per_node).
+    `ep` (expert parallelism) divides dp: it regroups DP ranks, it adds no ranks."""
 
     dp: int
     tp: int
     pp: int
     gpus_per_node: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "gpus_per_node"):
+        for name in ("dp", "tp", "pp", "gpus_per_node", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"Layout.ep = {self.ep} must divide dp = {self.dp}")
 
     @property
     def world_size(self) -> int:
@@ -81,6 +88,34 @@ class Layout:
     def pp_groups(self) -> list[list[int]]:
         return [[self.rank_of(pp=p, dp=d, tp=t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
+    def ep_rank(self, rank: int) -> int:
+        """Index of `rank` inside its EP group: which share of every MoE layer's experts it holds."""
+        return self.placement(rank).dp % self.ep
+
+    def ep_groups(self) -> list[list[int]]:
+        """Ranks that exchange tokens (all-to-all) and split every MoE layer's experts: ep consecutive DP
+        indices of one stage and one TP index. Empty without expert parallelism."""
+        if self.ep == 1:
+            return []
+        return [
+            [self.rank_of(pp=p, dp=block + e, tp=t) for e in range(self.ep)]
+            for p in range(self.pp)
+            for block in range(0, self.dp, self.ep)
+            for t in range(self.tp)
+        ]
+
+    def edp_groups(self) -> list[list[int]]:
+        """Expert-data-parallel groups: ranks holding the same experts (same stage, TP index and ep index),
+        over which expert gradients are reduced and ZeRO partitions the experts' optimizer state."""
+        if self.ep == 1:
+            return []
+        return [
+            [self.rank_of(pp=p, dp=block + e, tp=t) for block in range(0, self.dp, self.ep)]
+            for p in range(self.pp)
+            for e in range(self.ep)
+            for t in range(self.tp)
+        ]
+
     def tied_groups(self) -> list[list[int]]:
         """Ranks that share the tied embedding / LM head: first and last stage, same dp and tp index."""
         if self.pp == 1:
@@ -112,6 +147,9 @@ class Layout:
         """Whether a DP group of `stage` spans nodes."""
         return any(self.crosses_node(g) for g in self.dp_groups() if self.placement(g[0]).pp == stage)
 
+    def ep_crosses_node(self) -> bool:
+        return any(self.crosses_node(g) for g in self.ep_groups())
+
     def boundary_crosses_node(self, stage: int) -> bool:
         """Whether the link from `stage` to `stage + 1` leaves a node (for any pipeline)."""
         return any(self.crosses_node([g[stage], g[stage + 1]]) for g in self.pp_groups())
@@ -127,6 +165,7 @@ class Layout:
             "dp": self.dp,
             "tp": self.tp,
             "pp": self.pp,
+            "ep": self.ep,
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.num_nodes,
             "ranks": [vars(p) for p in self.placements()],
@@ -134,6 +173,8 @@ class Layout:
             "dp_groups": self.dp_groups(),
             "pp_groups": self.pp_groups(),
             "tied_groups": self.tied_groups(),
+            "ep_groups": self.ep_groups(),
+            "edp_groups": self.edp_groups(),
         }
 
 

@@ -20,11 +20,13 @@ def pipeline_costs(shape: ModelShape, seq_len: int) -> list[float]:
     """Forward FLOPs per token of the pipeline items [embedding, L decoder layers, final norm, head].
 
     Decoder layer: 2 x the parameters a token multiplies through (q, k, v, o and a gated or plain MLP; the
-    top-k experts of an MoE layer) plus attention scores and values, 4 x seq_len x num_heads x head_dim.
-    Head: 2 x hidden x vocab. The embedding is a lookup and the norm elementwise: ~0.
+    router, shared experts and top-k experts of an MoE layer) plus attention scores and values,
+    4 x seq_len x num_heads x head_dim. Head: 2 x hidden x vocab. The embedding is a lookup and the norm
+    elementwise: ~0.
     """
-    layer = 2.0 * shape.layer_flop_params + 4.0 * seq_len * shape.attention_width
-    return [0.0, *([layer] * shape.num_layers), 0.0, 2.0 * shape.head]
+    attention = 4.0 * seq_len * shape.attention_width
+    layers = [2.0 * layer.flop_params + attention for layer in shape.layer_shapes()]
+    return [0.0, *layers, 0.0, 2.0 * shape.head]
 
 
 def decoder_split(shape: ModelShape, pp: int, seq_len: int) -> list[int]:

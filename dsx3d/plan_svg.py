@@ -1,4 +1,6 @@
-"""Draw a layout: nodes as boxes, GPUs coloured by pipeline stage, TP groups outlined, DP groups linked.
+"""Draw a layout: nodes as boxes, GPUs coloured by pipeline stage, TP groups outlined, DP groups linked, and
+with expert parallelism the blocks of ranks that exchange tokens (each block's ranks of one TP index form an
+EP group) in dotted frames.
 
 Uses matplotlib's object API (`Figure`), never pyplot, so no GUI backend or global state is involved;
 the file format follows the file name (.svg, .png, .pdf).
@@ -42,8 +44,10 @@ def draw_plan(layout: Layout, path: str | Path) -> Path:
     _draw_gpus(ax, layout, grid, colors)
     _draw_tp_groups(ax, layout, grid)
     _draw_dp_groups(ax, layout, grid)
+    _draw_ep_blocks(ax, layout, grid)
+    ep = f" (ep {layout.ep})" if layout.ep > 1 else ""
     ax.set_title(
-        f"dp {layout.dp} x tp {layout.tp} x pp {layout.pp} on {layout.num_nodes} node(s) x "
+        f"dp {layout.dp}{ep} x tp {layout.tp} x pp {layout.pp} on {layout.num_nodes} node(s) x "
         f"{layout.gpus_per_node} GPUs (world {layout.world_size})"
     )
     handles: list[Artist] = [Patch(color=colors[s], label=f"stage {s}") for s in range(layout.pp)]
@@ -51,6 +55,8 @@ def draw_plan(layout: Layout, path: str | Path) -> Path:
         Patch(facecolor="none", edgecolor="black", linewidth=2, label="TP group"),
         Line2D([], [], color="dimgray", linestyle="--", label="DP group"),
     ]
+    if layout.ep > 1:
+        handles.append(Patch(facecolor="none", edgecolor="crimson", linestyle=":", linewidth=2, label="EP groups (all-to-all)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +105,7 @@ def _draw_gpus(ax, layout: Layout, grid: _Grid, colors: list) -> None:
     for p in layout.placements():
         x, y = grid.cell(p.rank, layout.gpus_per_node)
         ax.add_patch(Rectangle((x, y), CELL, CELL, facecolor=colors[p.pp], edgecolor="white", alpha=0.85))
-        label = f"{p.rank}\npp{p.pp} dp{p.dp}\ntp{p.tp}"
+        label = f"{p.rank}\npp{p.pp} dp{p.dp}\ntp{p.tp}" + (f" ep{layout.ep_rank(p.rank)}" if layout.ep > 1 else "")
         ax.text(x + CELL / 2, y + CELL / 2, label, ha="center", va="center", fontsize=6)
 
 
@@ -132,3 +138,30 @@ def _draw_dp_groups(ax, layout: Layout, grid: _Grid) -> None:
                 linewidth=1,
             )
             ax.add_patch(arc)
+
+
+def _draw_ep_blocks(ax, layout: Layout, grid: _Grid) -> None:
+    """One dotted frame per row of each EP block: the tp x ep consecutive ranks whose EP groups (one per TP
+    index) exchange tokens all-to-all and split every MoE layer's experts."""
+    blocks: dict[tuple[int, int], set[int]] = {}
+    for group in layout.ep_groups():
+        first = layout.placement(group[0])
+        blocks.setdefault((first.pp, first.dp), set()).update(group)
+    for ranks in blocks.values():
+        rows: dict[float, list[float]] = {}
+        for rank in ranks:
+            x, y = grid.cell(rank, layout.gpus_per_node)
+            rows.setdefault(y, []).append(x)
+        for y, xs in rows.items():
+            x0, x1 = min(xs), max(xs) + CELL
+            ax.add_patch(
+                Rectangle(
+                    (x0 - 0.16, y - 0.16),
+                    x1 - x0 + 0.32,
+                    CELL + 0.32,
+                    fill=False,
+                    linewidth=2,
+                    linestyle=":",
+                    edgecolor="crimson",
+                )
+            )

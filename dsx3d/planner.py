@@ -6,6 +6,7 @@ Pure: every candidate is a `Setup` scored by `dsx3d.estimate.estimate` and a `Re
   tp: divisors of gpus_per_node that divide the attention and KV head counts (TP stays inside a node);
   pp: divisors of world / tp that leave at least 2 decoder layers per stage (pp = 1 always);
   dp = world / (tp * pp), which must divide the global batch;
+  ep (MoE models): 1 and the divisors of dp whose tp x ep splits the experts evenly;
   ZeRO 1 with pp > 1 (DeepSpeed refuses 2/3 with a pipeline), 1..3 with pp = 1;
   micro-batch b: divisors of global_batch / dp up to `max_micro_batch`, m = global_batch / (dp * b);
   activation checkpointing off and on.
@@ -46,20 +47,24 @@ class Candidate:
     warnings: list[str] = field(default_factory=list)
 
     @property
-    def group_key(self) -> tuple[int, int, int, int]:
-        return (self.setup.dp, self.setup.tp, self.setup.pp, self.setup.zero_stage)
+    def group_key(self) -> tuple[int, int, int, int, int]:
+        return (self.setup.dp, self.setup.tp, self.setup.pp, self.setup.zero_stage, self.setup.ep)
 
     def label(self) -> str:
         s = self.setup
         ckpt = "on" if s.activation_checkpointing else "off"
         return (
-            f"dp{s.dp} tp{s.tp} pp{s.pp} zero{s.zero_stage} b{s.micro_batch_size} m{s.grad_accum} ckpt {ckpt}"
+            f"{layout_label(s.dp, s.tp, s.pp, s.zero_stage, s.ep)} b{s.micro_batch_size} m{s.grad_accum} ckpt {ckpt}"
         )
+
+
+def layout_label(dp: int, tp: int, pp: int, zero: int, ep: int) -> str:
+    return f"dp{dp}{f' ep{ep}' if ep > 1 else ''} tp{tp} pp{pp} zero{zero}"
 
 
 @dataclass
 class LayoutGroup:
-    """All candidates of one (dp, tp, pp, ZeRO) and the verdict on the group as a whole."""
+    """All candidates of one (dp, tp, pp, ZeRO, ep) and the verdict on the group as a whole."""
 
     dp: int
     tp: int
@@ -69,6 +74,10 @@ class LayoutGroup:
     """"chosen", "slower", "no_fit" or "refused"."""
     reason: str
     best: Candidate
+    ep: int = 1
+
+    def label(self) -> str:
+        return layout_label(self.dp, self.tp, self.pp, self.zero_stage, self.ep)
 
 
 @dataclass
@@ -111,6 +120,8 @@ def enumerate_setups(
             for name, n in (("attention heads", shape.num_heads), ("KV heads", shape.num_kv_heads))
             if n and n % tp
         ]
+        if shape.num_experts and shape.num_experts % tp:
+            bad.append(f"{shape.num_experts} experts")
         if bad:
             skipped.append(f"tp={tp}: does not divide the {' and '.join(bad)}")
             continue
@@ -126,7 +137,12 @@ def enumerate_setups(
                 )
                 continue
             per_replica = global_batch // dp
-            for zero in [1] if pp > 1 else [1, 2, 3]:
+            # ep > 1 needs the pipeline engine (the checker refuses it at pp = 1)
+            eps = [
+                e for e in _divisors(dp)
+                if e == 1 or (pp > 1 and shape.num_experts and shape.num_experts % (tp * e) == 0)
+            ]
+            for ep, zero in [(e, z) for e in eps for z in ([1] if pp > 1 else [1, 2, 3]) if e == 1 or z < 3]:
                 for b in _divisors(per_replica, max_micro_batch):
                     for ckpt in (False, True):
                         setups.append(
@@ -135,6 +151,7 @@ def enumerate_setups(
                                 dp=dp,
                                 tp=tp,
                                 pp=pp,
+                                ep=ep,
                                 zero_stage=zero,
                                 micro_batch_size=b,
                                 seq_len=seq_len,
@@ -151,7 +168,7 @@ def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: 
     return Recipe.model_validate(
         {
             "model": model,
-            "parallel": {"dp": setup.dp, "tp": setup.tp, "pp": setup.pp},
+            "parallel": {"dp": setup.dp, "tp": setup.tp, "pp": setup.pp, "ep": setup.ep},
             "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
             "train": {
                 "micro_batch_size": setup.micro_batch_size,
@@ -241,7 +258,7 @@ def _speed_order(c: Candidate) -> tuple[float, float]:
 
 
 def _groups(candidates: list[Candidate], ranked: list[Candidate]) -> list[LayoutGroup]:
-    groups: dict[tuple[int, int, int, int], list[Candidate]] = {}
+    groups: dict[tuple[int, int, int, int, int], list[Candidate]] = {}
     for c in candidates:
         groups.setdefault(c.group_key, []).append(c)
     winner = ranked[0] if ranked else None
@@ -258,12 +275,12 @@ def _group_order(f: LayoutGroup) -> tuple[int, float]:
 
 
 def _group_verdict(members: list[Candidate], winner: Candidate | None) -> LayoutGroup:
-    dp, tp, pp, zero = members[0].group_key
+    dp, tp, pp, zero, ep = members[0].group_key
     ok = [c for c in members if c.status == "ok"]
     if ok:
         best = min(ok, key=_speed_order)
         if winner is not None and best is winner:
-            return LayoutGroup(dp, tp, pp, zero, "chosen", "fastest layout that fits", best)
+            return LayoutGroup(dp, tp, pp, zero, "chosen", "fastest layout that fits", best, ep)
         factor = winner.estimate.tokens_per_s / best.estimate.tokens_per_s if winner else 1.0
         speed = (
             f"{best.estimate.tokens_per_s:,.0f} tokens/s ({best.label()}, {best.estimate.total_gb:.1f} GB)"
@@ -272,11 +289,11 @@ def _group_verdict(members: list[Candidate], winner: Candidate | None) -> Layout
             reason = f"ties with the choice at {speed}; the choice needs less memory"
         else:
             reason = f"slower: best {speed}, {factor:.2f}x slower than the choice"
-        return LayoutGroup(dp, tp, pp, zero, "slower", reason, best)
+        return LayoutGroup(dp, tp, pp, zero, "slower", reason, best, ep)
     no_fit = [c for c in members if c.status == "no_fit"]
     if no_fit:
         best = min(no_fit, key=lambda c: c.estimate.overflow_gb())
         return LayoutGroup(
-            dp, tp, pp, zero, "no_fit", f"does not fit even with {best.label()}: {best.reason}", best
+            dp, tp, pp, zero, "no_fit", f"does not fit even with {best.label()}: {best.reason}", best, ep
         )
-    return LayoutGroup(dp, tp, pp, zero, "refused", f"refused by the checker: {members[0].reason}", members[0])
+    return LayoutGroup(dp, tp, pp, zero, "refused", f"refused by the checker: {members[0].reason}", members[0], ep)

@@ -156,6 +156,9 @@ class ParallelSection(_Section):
     """Pipeline stages."""
     stage_layers: Annotated[list[Annotated[StrictInt, Field(le=1 << 20)]], Field(min_length=1, max_length=MAX_WORLD_SIZE)] | None = None
     """Explicit decoder layers per stage (overrides the cost-balanced split); sums to num_hidden_layers."""
+    ep: int = Field(1, ge=1)
+    """Expert parallelism: the experts of every MoE layer are split over ep data-parallel ranks, which
+    exchange tokens all-to-all; divides dp. 1: every DP rank holds all experts (split over TP only)."""
     sequence_parallel: bool = True
     """With tp > 1, keep activations outside the TP regions (norms, dropout, residuals, pipeline messages)
     split along the sequence over the TP ranks (Megatron's sequence parallelism); train.seq_len must be a
@@ -272,6 +275,7 @@ class Recipe(_Section):
             tp=self.parallel.tp,
             pp=self.parallel.pp,
             gpus_per_node=self.cluster.gpus_per_node,
+            ep=self.parallel.ep,
         )
 
 

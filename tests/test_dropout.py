@@ -112,7 +112,7 @@ def _train_worker(rank: int, case: ParityCase, batches: torch.Tensor, ckpt_dir: 
     losses, norms = [], []
     for step, batch in enumerate(batches):
         if ckpt_dir is not None and step == 1:
-            ckpt = Checkpointer(engine, Path(ckpt_dir), "", keep=1)
+            ckpt = Checkpointer(engine, Path(ckpt_dir), case_recipe(case), keep=1)
             ckpt.save(1, {"step": 1})
         losses.append(engine.train_step(_micro(case, batch, engine.placement.dp)))
         norms.append(engine.grad_norm)
@@ -125,7 +125,7 @@ def _resume_worker(rank: int, case: ParityCase, batches: torch.Tensor, ckpt_dir:
 
     engine = build_engine(case_recipe(case), hf_config=case.config)
     torch.manual_seed(12345)  # a fresh process's stream: the resume must replace it
-    assert Checkpointer(engine, Path(ckpt_dir), "", keep=1).load_latest() is not None
+    assert Checkpointer(engine, Path(ckpt_dir), case_recipe(case), keep=1).load_latest() is not None
     return [engine.train_step(_micro(case, batch, engine.placement.dp)) for batch in batches[1:]]
 
 

@@ -88,6 +88,32 @@ def test_rank_order_equals_deepspeeds_topology(dp: int, tp: int, pp: int) -> Non
         assert lay.stage_ranks(stage) == sorted(topo.filter_match(pipe=stage))
 
 
+@pytest.mark.parametrize(("dp", "ep"), [(2, 2), (4, 2), (4, 4), (8, 2), (6, 3)])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_expert_groups_equal_deepspeeds(dp: int, ep: int, tp: int, pp: int) -> None:
+    """DeepSpeed's ZeRO reduces expert gradients over the expert-data-parallel groups it is handed; they
+    must be the groups DeepSpeed itself would build (`_get_expert_parallel_ranks`, "E + D" order), and the
+    EP groups must partition each DP group into blocks of ep consecutive DP indices."""
+    from deepspeed.utils.groups import _get_expert_parallel_ranks
+
+    lay = Layout(dp=dp, tp=tp, pp=pp, gpus_per_node=8, ep=ep)
+    ep_ranks, edp_ranks = _get_expert_parallel_ranks(lay.world_size, tp, ep, pp)
+    assert sorted(lay.ep_groups()) == sorted(ep_ranks)
+    assert sorted(lay.edp_groups()) == sorted(edp_ranks)
+    for group in lay.ep_groups():
+        assert [lay.ep_rank(r) for r in group] == list(range(ep))
+        assert len({(lay.placement(r).pp, lay.placement(r).tp) for r in group}) == 1
+    for group in lay.edp_groups():
+        assert len({lay.ep_rank(r) for r in group}) == 1 and len(group) == dp // ep
+
+
+def test_layout_rejects_ep_not_dividing_dp() -> None:
+    with pytest.raises(ValueError, match="ep = 3 must divide dp = 4"):
+        Layout(dp=4, tp=1, pp=1, gpus_per_node=8, ep=3)
+    assert Layout(dp=4, tp=2, pp=1, gpus_per_node=8).ep_groups() == []
+
+
 def test_pure_layer_imports_without_deepspeed() -> None:
     """recipe, layout, checker and estimator load without DeepSpeed or torch.distributed collectives code
     of dsx3d (a fresh interpreter: this process has imported everything already)."""

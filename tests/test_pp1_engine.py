@@ -32,6 +32,7 @@ from dsx3d.models.families import tiny_config
 from dsx3d.parity import ParityCase, case_recipe, make_batches, micro_batch, run_parity, run_verify
 from dsx3d.recipe import ModelSection, Recipe, dump_recipe, recipe_from_dict
 from dsx3d.testing.harness import run_ranks
+from dsx3d.testing.recipes import tiny_recipe_dict
 
 pytestmark = pytest.mark.usefixtures("warm")
 sweep = pytest.mark.skipif(os.environ.get("DSX3D_SWEEP") != "1", reason="opt-in grid: DSX3D_SWEEP=1")
@@ -247,38 +248,13 @@ def test_train_zero2_tp2_resumes_exactly(tmp_path: Path) -> None:
 
     def recipe(out: Path) -> Recipe:
         return recipe_from_dict(
-            {
-                "model": {
-                    "config": {
-                        "model_type": "llama",
-                        "hidden_size": 32,
-                        "num_hidden_layers": 2,
-                        "num_attention_heads": 4,
-                        "num_key_value_heads": 2,
-                        "intermediate_size": 64,
-                        "vocab_size": 512,
-                        "max_position_embeddings": 64,
-                        "tie_word_embeddings": False,
-                    }
-                },
-                "parallel": {"dp": 2, "tp": 2, "pp": 1},
-                "cluster": {"nodes": 1, "gpus_per_node": 4},
-                "train": {
-                    "micro_batch_size": 1,
-                    "gradient_accumulation_steps": 2,
-                    "steps": 4,
-                    "seq_len": 32,
-                    "lr": 3e-3,
-                    "warmup_steps": 1,
-                    "weight_decay": 0.01,
-                    "grad_clip": 0.5,
-                    "dtype": "fp32",
-                    "save_interval": 2,
-                },
-                "zero": {"stage": 2},
-                "data": {"tokenizer_vocab_size": 512, "cache_dir": str(tmp_path / "cache")},
-                "output_dir": str(out),
-            }
+            tiny_recipe_dict(
+                parallel={"dp": 2, "tp": 2, "pp": 1},
+                train={"micro_batch_size": 1, "steps": 4, "weight_decay": 0.01, "grad_clip": 0.5, "save_interval": 2},
+                zero={"stage": 2},
+                data={"cache_dir": str(tmp_path / "cache")},
+                output_dir=str(out),
+            )
         )
 
     from dsx3d.cli import main

@@ -382,6 +382,18 @@ def test_resumes_that_cannot_be_exact_say_why_before_loading(new: dict, layout: 
         _plan(SavedLayout(dp=2, tp=2, pp=2, bounds=[0, 3, 7]), {}, new, layout, [0, 3, 7])
 
 
+def test_resumes_across_engines_or_expert_splits_are_refused_before_loading() -> None:
+    """pp = 1 checkpoints (regular engine) and pipeline ones name parameters differently; experts split over
+    EP ranks have no universal form: both are refused with the reason, whatever else the resume changes."""
+    saved = SavedLayout(dp=2, tp=2, pp=2, bounds=[0, 3, 7])
+    flat = {"parallel": {"pp": 1, "dp": 4}, "cluster": {"gpus_per_node": 8}}
+    with pytest.raises(UserError, match="regular engine"):
+        _plan(saved, {}, flat, Layout(4, 2, 1, 8), [0, 7])
+    with pytest.raises(UserError, match="expert"):
+        _plan(SavedLayout(dp=2, tp=2, pp=2, bounds=[0, 3, 7], ep=2), {}, {}, Layout(2, 2, 2, 8), [0, 3, 7])
+    assert not _plan(SavedLayout(dp=2, tp=2, pp=2, bounds=[0, 3, 7], ep=2), {}, {}, Layout(2, 2, 2, 8, ep=2), [0, 3, 7]).reshard
+
+
 # --- a full disk ------------------------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ def test_verify_fails_every_injected_fault(name: str) -> None:
     fault = FAULTS[name]
     dp, tp, pp = fault.layout
     with fault.patch():
-        results = run_verify(ParityCase(fault.config(), dp=dp, tp=tp, pp=pp, steps=2))
+        results = run_verify(ParityCase(fault.config(), dp=dp, tp=tp, pp=pp, ep=fault.ep, steps=2))
     assert not all(r.ok for r in results), [r.to_dict() for r in results]
 
 

@@ -5,7 +5,8 @@ all-gather these descriptions, so every rank computes the same plan: which stage
 first stage holding it: a tied embedding is written once, by stage 0), its hub name, and the shard files.
 Then, per stage and layer by layer, the dp-rank-0 TP ranks gather their shards onto the stage's tp-rank-0
 rank, which concatenates them along the TP dim, trims the vocab padding, reverts the load-time renames and
-fusions, and streams the layer into the stage's own shard file(s). No rank holds more than its shard plus
+fusions, and streams the layer into the stage's own shard file(s). Experts split over an EP group (ep > 1)
+are gathered over TP onto each EP rank's tp-rank-0 rank, then over the EP group onto the writer. No rank holds more than its shard plus
 one full layer. Rank 0 then writes the index, config.json (dtype = the saved dtype),
 generation_config.json and the tokenizer files, and renames the staging directory into place.
 """
@@ -46,8 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsx3d")
 
-Described = tuple[str, str, tuple[int, ...], int | None]
-"""(hf name, layer key, local shape, TP dim or None) of one parameter."""
+Described = tuple[str, str, tuple[int, ...], int | None, bool]
+"""(hf name, layer key, local shape, TP dim or None, split over the EP group) of one parameter."""
 
 
 def describe_params(module: nn.Module) -> list[Described]:
@@ -64,7 +65,7 @@ def describe_params(module: nn.Module) -> list[Described]:
         parts = pname.split(".")
         layer = ".".join(parts[:2]) if parts[0] == "tied_modules" else parts[0]
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
-        out.append((name, layer, local_shape(p), dim))
+        out.append((name, layer, local_shape(p), dim, getattr(p, "allreduce", True) is False))
     return out
 
 
@@ -182,16 +183,18 @@ def _write_stage(
     staging: Path,
     merge_lora: bool = False,
 ) -> str | None:
-    """This rank's part: gather its stage's TP shards layer by layer (dp rank 0 only) and, on the stage's
-    writer, stream them to the stage's files. With ZeRO-3 every DP rank takes part in gathering each layer's
-    partitions first. Returns an error message instead of raising, so that every peer still takes part in
-    every gather."""
+    """This rank's part: gather its stage's TP shards layer by layer (dp rank 0 only; for experts split over
+    an EP group, every rank of the first EP group) and, on the stage's writer, stream them to the stage's
+    files. With ZeRO-3 every DP rank takes part in gathering each layer's partitions first. Returns an error
+    message instead of raising, so that every peer still takes part in every gather."""
     place, layout = engine.placement, engine.layout
-    if place.dp != 0 and engine.zero_stage < 3:
+    split_experts = layout.ep > 1 and any(d[4] for layer in stages[place.pp] for d in layer)
+    if place.dp != 0 and engine.zero_stage < 3 and not (split_experts and place.dp < layout.ep):
         return None
     writer_rank = layout.rank_of(pp=place.pp, dp=0, tp=0)
     is_writer = place.rank == writer_rank
-    tp_group = engine.module.dsx3d_builder.tp.group
+    builder = engine.module.dsx3d_builder
+    tp_group, ep_group = builder.tp.group, builder.experts.group
     params = {getattr(p, "hf_name", None): p for p in engine.module.parameters()}
     merged = merged_weights(engine.module) if merge_lora else {}
     layers = iter(stages[place.pp])
@@ -207,14 +210,20 @@ def _write_stage(
             layer = next(layers)
             tensors = {}
             with engine.gathered(params[name] for name, *_ in layer):
-                if place.dp != 0:
-                    continue
-                for name, _, _, dim in layer:
+                for name, _, _, dim, expert in layer:
+                    if place.dp != 0 and not expert:
+                        continue
                     t = (merged[name]() if name in merged else params[name].detach()).to(dtype)
                     if dim is not None and layout.tp > 1:
-                        parts = comm.gather_to(t, writer_rank, tp_group)
+                        parts = comm.gather_to(t, layout.rank_of(pp=place.pp, dp=place.dp, tp=0), tp_group)
                         if parts is not None:
-                            t = torch.cat(parts, dim=dim).narrow(dim, 0, full[name][dim])  # drops vocab padding
+                            t = torch.cat(parts, dim=dim)
+                    if expert and layout.ep > 1 and place.tp == 0:  # EP rank order = expert order
+                        parts = comm.gather_to(t, writer_rank, ep_group)
+                        if parts is not None:
+                            t = torch.cat(parts, dim=0)
+                    if dim is not None and t.shape[dim] > full[name][dim]:
+                        t = t.narrow(dim, 0, full[name][dim])  # drops vocab padding
                     tensors[name] = t
             if writer is not None and error is None:
                 try:

@@ -5,7 +5,8 @@ name parameters alike ("3.layer.mlp.up_proj.weight", "tied_modules.embed.embed.w
 differently:
 
 - pipeline (parallel.pp > 1): one file per item and TP rank, `layer_XX-model_YY-model_states.pt`, keys
-  relative to the item;
+  relative to the item; with expert parallelism an item holding experts has one per EP index ZZ instead,
+  `layer_XX-model_YY-expert_ZZ-model_states.pt`;
 - no pipeline, ZeRO-0/1/2: the whole module of TP rank YY in `mp_rank_YY_model_states.pt` (key "module"),
   keys prefixed by the item ("3." or "tied_modules.embed.");
 - no pipeline, ZeRO-3: the module there is empty placeholders; the fp32 weights are partitioned over the dp
@@ -51,11 +52,13 @@ class ItemFiles:
     """A tag's files by pipeline item and TP rank, and how to read one item from its file."""
 
     kind: str
-    files: dict[int, dict[int, Path]]
-    """item -> TP rank -> file; a file of the non-pipeline formats holds every item of its TP rank."""
+    files: dict[int, dict[tuple[int, int], Path]]
+    """item -> (TP rank, EP index) -> file; a file of the non-pipeline formats holds every item of its TP rank
+    (EP index 0: expert parallelism needs a pipeline)."""
     read: Reader
-    file_name: Callable[[int, int], str]
-    """The file expected for (item, TP rank): what a missing one is called."""
+    file_name: Callable[[int, int, int | None], str]
+    """The file expected for (item, TP rank, EP index or None for an item without split experts): what a
+    missing one is called."""
 
 
 def item_prefix(index: int, tied: bool) -> str:
@@ -76,6 +79,7 @@ def locate(tag_dir: Path, *, pp: int, zero_stage: int, num_items: int, tied: boo
             lambda path, index: load_bin(path),
             layer_file_name,
         )
+    # without a pipeline every item lies in each TP rank's file (EP index 0)
     if zero_stage < 3:
         per_tp = tp_rank_files(tag_dir, MODEL_STATES_FILE)
 
@@ -84,17 +88,17 @@ def locate(tag_dir: Path, *, pp: int, zero_stage: int, num_items: int, tied: boo
 
         return ItemFiles(
             "model states",
-            {i: dict(per_tp) for i in range(num_items)},
+            {i: {(t, 0): path for t, path in per_tp.items()} for i in range(num_items)},
             read_module,
-            lambda i, t: model_states_name(t),
+            lambda i, t, e: model_states_name(t),
         )
     per_tp = tp_rank_files(tag_dir, ZERO3_MODEL_STATES_FILE)
     partitions = Zero3Partitions(dp)
     return ItemFiles(
         f"ZeRO-3 partitions over {dp} dp ranks",
-        {i: dict(per_tp) for i in range(num_items)},
+        {i: {(t, 0): path for t, path in per_tp.items()} for i in range(num_items)},
         lambda path, index: partitions.read(path, item_prefix(index, tied)),
-        lambda i, t: f"{zero3_states_name(0, t, 'model')} (and its {dp} optim_states files)",
+        lambda i, t, e: f"{zero3_states_name(0, t, 'model')} (and its {dp} optim_states files)",
     )
 
 

@@ -3,14 +3,16 @@
 A tag directory holds the run's resolved recipe (dsx3d_recipe.yaml) and DeepSpeed's files. Pipeline items are
 [embedding, decoder 0 .. L-1, final norm, head]; with tied embeddings the head is the embedding and has no
 tensors of its own. A pipeline run (pp > 1) writes one file per (item, TP rank),
-`layer_XX-model_YY-model_states.pt`; a run without a pipeline writes one module per TP rank, or with ZeRO-3
-partitions over the dp ranks (dsx3d.checkpoint.item_files says where each item lies in each format).
+`layer_XX-model_YY-model_states.pt` (with expert parallelism, one per (item, TP rank, EP index) for the items
+holding experts, `layer_XX-model_YY-expert_ZZ-model_states.pt`); a run without a pipeline writes one module per
+TP rank, or with ZeRO-3 partitions over the dp ranks (dsx3d.checkpoint.item_files says where each item lies in
+each format).
 
 The map from a file's keys to HF names and TP dims is not a second hand-written table: each item's stage
 module is built on the meta device exactly as training builds it (the same LayerBuilder, at the
 checkpoint's tp), so its parameter names are the file's keys and each parameter's `hf_name` and
 `partition_dim` say where the shard goes: colwise -> dim 0, rowwise -> dim 1, embedding and head -> dim 0
-with the vocab padding trimmed. Every file is checked (keys, shapes) before anything is written; then one
+with the vocab padding trimmed, experts -> dim 0 in the order of their slots (EP index x tp + TP rank). Every file is checked (keys, shapes) before anything is written; then one
 item at a time is loaded (torch.load(weights_only=True), memory-mapped), merged and streamed out.
 """
 
@@ -43,6 +45,7 @@ from dsx3d.checkpoint.writer import (
     write_configs,
     write_index,
 )
+from dsx3d.distributed.expert_parallel.experts import ExpertContext
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import dimension_problems, load_hf_config
@@ -71,6 +74,8 @@ class ItemParam:
     local_shape: tuple[int, ...]
     dim: int | None
     """TP dim the shards are concatenated along; None when every TP rank holds the whole tensor."""
+    expert: bool = False
+    """Split over the EP group too: dim-0 pieces of every (TP rank, EP index) file, in slot order."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,10 @@ class Item:
 
     params: list[ItemParam]
     buffers: frozenset[str]
+
+    def file_keys(self, tp: int, ep: int) -> list[tuple[int, int]]:
+        """(TP rank, EP index) of its files, in expert-slot order."""
+        return [(t, e) for e in range(ep if any(p.expert for p in self.params) else 1) for t in range(tp)]
 
 
 class _MetaSource:
@@ -96,11 +105,12 @@ class _MetaSource:
         return slice_along(torch.empty(self.params[name].shape, device="meta"), dim, start, stop)
 
 
-def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
+def pipeline_items(config: PretrainedConfig, tp: int, ep: int = 1) -> list[Item]:
     """For each pipeline item, its parameters as its layer files store them (meta build, no memory)."""
     plan = resolve_family(config)
     params = expected_params(meta_model(config), config)
-    builder = LayerBuilder(config, plan, TPContext(rank=0, size=tp), _MetaSource(params))
+    tp_context = TPContext(rank=0, size=tp)
+    builder = LayerBuilder(config, plan, tp_context, _MetaSource(params), ExpertContext(tp_context, ep=ep))
     first: nn.Module = TiedEmbeddingPipe(builder, True, False) if plan.tied else EmbeddingPipe(builder)
     modules = [
         first,
@@ -117,8 +127,10 @@ def pipeline_items(config: PretrainedConfig, tp: int) -> list[Item]:
             if p.hf_name in seen:  # type: ignore[attr-defined]
                 continue
             seen.add(p.hf_name)  # type: ignore[attr-defined]
-            dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) and tp > 1 else None  # type: ignore[attr-defined]
-            item.append(ItemParam(key, p.hf_name, tuple(p.shape), dim))  # type: ignore[attr-defined]
+            expert = getattr(p, "allreduce", True) is False
+            split = expert or (getattr(p, "tensor_model_parallel", False) and tp > 1)
+            dim = p.partition_dim if split else None  # type: ignore[attr-defined]
+            item.append(ItemParam(key, p.hf_name, tuple(p.shape), dim, expert))  # type: ignore[attr-defined]
         buffers = frozenset(module.state_dict()) - {
             k for k, _ in module.named_parameters(remove_duplicate=False)
         }
@@ -185,13 +197,15 @@ def run_config(tag_dir: Path, trust_remote_code: bool = False) -> tuple[Recipe, 
     return recipe, load_hf_config(model)
 
 
-def check_files(located: ItemFiles, items: list[Item], tp: int) -> tuple[list[Problem], torch.dtype | None]:
+def check_files(
+    located: ItemFiles, items: list[Item], tp: int, ep: int = 1
+) -> tuple[list[Problem], torch.dtype | None]:
     """Every problem with the files at once (missing, unreadable, wrong keys or shapes), and the dtype they
     hold. Files are memory-mapped: only their pickled index is read."""
     problems: list[Problem] = []
     dtype: torch.dtype | None = None
     files = located.files
-    ranks = sorted({t for per_tp in files.values() for t in per_tp})
+    ranks = sorted({t for per_tp in files.values() for t, _ in per_tp})
     if ranks and ranks != list(range(tp)):
         problems.append(
             Problem(
@@ -208,11 +222,17 @@ def check_files(located: ItemFiles, items: list[Item], tp: int) -> tuple[list[Pr
             )
         )
     for i, item in enumerate(items):
-        for t in range(tp):
-            path = files.get(i, {}).get(t)
+        for t, e in item.file_keys(tp, ep):
+            path = files.get(i, {}).get((t, e))
             if path is None:
+                expert = any(p.expert for p in item.params) and ep > 1
                 problems.append(
-                    Problem(located.file_name(i, t), "(file)", f"missing from the checkpoint ({located.kind})", _FIX_CKPT)
+                    Problem(
+                        located.file_name(i, t, e if expert else None),
+                        "(file)",
+                        f"missing from the checkpoint ({located.kind})",
+                        _FIX_CKPT,
+                    )
                 )
                 continue
             try:
@@ -272,8 +292,8 @@ def export_checkpoint(
     problems = dimension_problems(config, "model.config")
     if problems:
         raise UserError(problems)
-    tp = recipe.parallel.tp
-    items = pipeline_items(config, tp)
+    tp, ep = recipe.parallel.tp, recipe.parallel.ep
+    items = pipeline_items(config, tp, ep)
     located = locate(
         tag_dir,
         pp=recipe.parallel.pp,
@@ -282,7 +302,7 @@ def export_checkpoint(
         tied=resolve_family(config).tied,
         dp=_dp_of(tag_dir, recipe),
     )
-    problems, found_dtype = check_files(located, items, tp)
+    problems, found_dtype = check_files(located, items, tp, ep)
     if problems:
         raise UserError(problems)
     dtype = dtype or found_dtype or torch.float32
@@ -302,14 +322,14 @@ def export_checkpoint(
     out = Path(out_dir).absolute()
     staging = staging_dir(out)
     try:
-        _write(shard_files, items, located, model, full, dtype, staging)
+        _write(shard_files, items, located, model, full, dtype, staging, tp, ep)
         write_index(staging, shard_files)
         write_configs(staging, config, dtype, type(model).__name__)
         _copy_tokenizer(staging, tokenizer, tag_dir, recipe)
         publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("exported %s (%s, tp=%d, %d items) to %s (%s)", tag_dir, located.kind, tp, len(items), out, dtype)
+    log.info("exported %s (%s, tp=%d, ep=%d, %d items) to %s (%s)", tag_dir, located.kind, tp, ep, len(items), out, dtype)
     return out
 
 
@@ -329,19 +349,22 @@ def _write(
     full: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     staging: Path,
+    tp: int,
+    ep: int,
 ) -> None:
     numbered = iter(enumerate(items))
     for f in shard_files:
         writer = SafetensorsWriter(staging / f.name, f.entries)
         for _ in f.groups:
             i, item = next(numbered)
-            shards = [located.read(located.files[i][t], i) for t in sorted(located.files[i])]
+            shards = [located.read(located.files[i][key], i) for key in item.file_keys(tp, ep)]  # slot order
             tensors = {}
             for p in item.params:
                 if p.dim is None:
                     t = shards[0][p.key]
-                else:  # concatenate in TP order, then drop the vocab padding
-                    t = torch.cat([sd[p.key] for sd in shards], dim=p.dim).narrow(
+                else:  # concatenate in TP (expert: slot) order, then drop the vocab padding
+                    pieces = shards if p.expert else shards[:tp]
+                    t = torch.cat([sd[p.key] for sd in pieces], dim=p.dim).narrow(
                         p.dim, 0, full[p.hf_name][p.dim]
                     )
                 tensors[p.hf_name] = t.to(dtype)

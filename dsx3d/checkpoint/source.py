@@ -9,6 +9,7 @@ mismatched checkpoint stops with one `UserError` that lists every problem, namin
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +17,35 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from dsx3d.checkpoint.files import CheckpointFiles
-from dsx3d.checkpoint.names import LoadPlan, meta_model, plan_load
+from dsx3d.checkpoint.names import FusedGroup, LoadPlan, meta_model, plan_load
 from dsx3d.errors import UserError
 from dsx3d.models.weights import slice_along
 
 log = logging.getLogger("dsx3d")
 
 
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expert_subset(group: FusedGroup, start: int, stop: int) -> FusedGroup | None:
+    """The part of a fusion that stacks per-expert checkpoint tensors (`mlp.experts.<i>.w1.weight` ...)
+    which produces experts [start, stop) of its outputs: the same converter over those experts' tensors
+    only. None when the fusion is not a stack of experts 0..E-1."""
+    indices = [_EXPERT_INDEX.search(key) for _, key in group.sources]
+    if not indices or any(m is None for m in indices):
+        return None
+    numbers = [int(m.group(1)) for m in indices if m is not None]
+    if sorted(set(numbers)) != list(range(max(numbers) + 1)):
+        return None
+    kept = [src for src, i in zip(group.sources, numbers, strict=True) if start <= i < stop]
+    return FusedGroup(group.converter, group.first, kept, list(group.targets))
+
+
 class CheckpointSource:
     """Slices of a verified checkpoint. Renamed tensors are read under their checkpoint names; fused ones
-    (MoE experts) are assembled whole by transformers' converter, then sliced. Every tensor returned owns
-    a buffer of exactly its size (`fresh_tensors`): parameters adopt it without a copy."""
+    (MoE experts) are assembled by transformers' converter from the per-expert tensors of the experts asked
+    for (a rank holding experts [a, b) reads only those), or whole and then sliced. Every tensor returned
+    owns a buffer of exactly its size (`fresh_tensors`): parameters adopt it without a copy."""
 
     fresh_tensors = True
 
@@ -37,7 +56,8 @@ class CheckpointSource:
         self.dtype = dtype
         """What tensors are converted to while they are read (the stages build fp32 parameters; DeepSpeed
         casts for bf16 runs): reading a bf16 file into fp32 parameters then needs no bf16 copy in between."""
-        self._pending: dict[str, torch.Tensor] = {}  # other outputs of a fusion, until their turn comes
+        self._pending: dict[tuple[str, int, int | None], torch.Tensor] = {}
+        """Other outputs of a fusion (by name and expert range), until their turn comes."""
 
     def has(self, name: str) -> bool:
         return self.plan.provides(name)
@@ -47,16 +67,19 @@ class CheckpointSource:
     ) -> torch.Tensor:
         if name in self.plan.direct:
             return self.files.read(self.plan.direct[name], dim, start, stop, self.dtype)
+        group = self.plan.fused[name]
+        if dim == 0 and stop is not None:
+            subset = expert_subset(group, start, stop)
+            if subset is not None:
+                return self._fused(name, subset, (start, stop)).clone()
         # converter outputs may be views of a bigger tensor: clone the slice
-        return slice_along(self._fused(name), dim, start, stop).clone()
+        return slice_along(self._fused(name, group, (0, None)), dim, start, stop).clone()
 
-    def _fused(self, name: str) -> torch.Tensor:
-        if name not in self._pending:
-            produced = self.plan.fused[name].convert(
-                self.model, lambda key: self.files.read(key, dtype=self.dtype)
-            )
-            self._pending.update(produced)
-        return self._pending.pop(name)
+    def _fused(self, name: str, group: FusedGroup, experts: tuple[int, int | None]) -> torch.Tensor:
+        if (name, *experts) not in self._pending:
+            produced = group.convert(self.model, lambda key: self.files.read(key, dtype=self.dtype))
+            self._pending.update({(target, *experts): t for target, t in produced.items()})
+        return self._pending.pop((name, *experts))
 
     def release(self) -> None:
         """Drop what is still held (a memory-mapped .bin file, unclaimed fusion outputs)."""

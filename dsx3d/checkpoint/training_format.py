@@ -6,16 +6,19 @@ Written by `dsx3d.run.checkpointing` (every rank, through DeepSpeed), read by th
     checkpoints/latest                          the tag of the newest complete checkpoint ("step-000020")
     checkpoints/step-000020/                    DeepSpeed's files. With a pipeline (pp > 1):
                                                 layer_XX-model_YY-model_states.pt (one per pipeline item XX
-                                                and TP rank YY), mp_rank_YY_model_states.pt (with dsx3d's
-                                                client state), [bf16_]zero_pp_rank_D_mp_rank_YY_optim_states.pt.
-                                                Without one (pp = 1, DeepSpeed's regular engine):
-                                                mp_rank_YY_model_states.pt holds TP rank YY's whole module and
-                                                the client state, or with ZeRO-3 every DP rank D writes
-                                                zero_pp_rank_D_mp_rank_YY_model_states.pt (client state,
-                                                parameter shapes) and ..._optim_states.pt (its fp32 partitions)
+                                                and TP rank YY; with expert parallelism the items holding
+                                                experts have one per EP index ZZ instead,
+                                                layer_XX-model_YY-expert_ZZ-model_states.pt),
+                                                mp_rank_YY_model_states.pt (with dsx3d's client state),
+                                                zero_pp_rank_*_optim_states.pt. Without one
+                                                (pp = 1, DeepSpeed's regular engine): mp_rank_YY_model_states.pt
+                                                holds TP rank YY's whole module and the client state, or with
+                                                ZeRO-3 every DP rank D writes zero_pp_rank_D_mp_rank_YY_
+                                                model_states.pt (client state, parameter shapes) and
+                                                ..._optim_states.pt (its fp32 partitions)
     checkpoints/step-000020/dsx3d_recipe.yaml   the resolved recipe (read by the export tool)
-    checkpoints/step-000020/dsx3d_layout.json   dp, tp, pp, world size, stage bounds, seq_len (a resume
-                                                must match them or go through a universal copy)
+    checkpoints/step-000020/dsx3d_layout.json   dp, tp, pp, ep (when > 1), world size, stage bounds, seq_len (a
+                                                resume must match them or go through a universal copy)
     checkpoints/step-000020/rng/rank-00003.pt   each rank's python, numpy, torch (and CUDA) RNG states
     checkpoints/step-000020/files/rank-00003.json   the files rank 3 wrote and their sizes
     checkpoints/step-000020/universal/          a universal copy, made when a resume changes the layout
@@ -46,16 +49,19 @@ DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 MAX_LATEST_BYTES = 256
 
 _STEP_TAG = re.compile(r"^step-(\d{6,})$")
-LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
-"""DeepSpeed's per-(pipeline item, TP rank) module file."""
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)(?:-expert_(\d+))?-model_states\.pt$")
+"""DeepSpeed's per-(pipeline item, TP rank) module file, and dsx3d's per-(item, TP rank, EP index) file of
+an item holding experts split over an EP group (`dsx3d.models.pipeline.StagedPipelineModule`)."""
 MODEL_STATES_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 """Per TP rank: the client state; without a pipeline and below ZeRO-3 also the whole module."""
 ZERO3_MODEL_STATES_FILE = re.compile(r"^zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt$")
 """ZeRO-3, per TP rank (DP rank 0's): the client state and the shapes of the partitioned parameters."""
 
 
-def layer_file_name(item: int, tp_rank: int) -> str:
-    return f"layer_{item:02d}-model_{tp_rank:02d}-model_states.pt"
+def layer_file_name(item: int, tp_rank: int, ep_index: int | None = None) -> str:
+    """`ep_index` for an item holding experts split over an EP group, else None."""
+    expert = "" if ep_index is None else f"-expert_{ep_index:02d}"
+    return f"layer_{item:02d}-model_{tp_rank:02d}{expert}-model_states.pt"
 
 
 def model_states_name(tp_rank: int) -> str:
@@ -78,7 +84,7 @@ _OWNED = [
         r"\.latest\.[^/]*\.tmp",
         r"zero_to_fp32\.py",
         r"zero_to_torch\.py",
-        r"(\.deleting-)?step-\d{6,}/layer_\d+-model_\d+-model_states\.pt",
+        r"(\.deleting-)?step-\d{6,}/layer_\d+-model_\d+(-expert_\d+)?-model_states\.pt",
         r"(\.deleting-)?step-\d{6,}/mp_rank_\d+_model_states\.pt",
         # pp > 1 and ZeRO-1/2: optimizer partitions; pp = 1 with ZeRO-3 also per-DP-rank module states
         r"(\.deleting-)?step-\d{6,}/(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(optim|model)_states\.pt",
@@ -170,14 +176,15 @@ def foreign_files(ckpt_dir: Path) -> list[str]:
     return out
 
 
-def layer_files(tag_dir: Path) -> dict[int, dict[int, Path]]:
-    """pipeline item -> TP rank -> file, for the layer files of a tag directory."""
-    out: dict[int, dict[int, Path]] = {}
+def layer_files(tag_dir: Path) -> dict[int, dict[tuple[int, int], Path]]:
+    """pipeline item -> (TP rank, EP index) -> file, for the layer files of a tag directory (EP index 0 for
+    the files of items without expert shards)."""
+    out: dict[int, dict[tuple[int, int], Path]] = {}
     if tag_dir.is_dir():
         for p in tag_dir.iterdir():
             m = LAYER_FILE.match(p.name)
             if m:
-                out.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
+                out.setdefault(int(m.group(1)), {})[(int(m.group(2)), int(m.group(3) or 0))] = p
     return out
 
 

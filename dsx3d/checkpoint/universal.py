@@ -9,6 +9,10 @@ state): which parameters are replicated, which are split along dim 1 (rowwise), 
 (padding to strip) and the real vocabulary size. Columnwise is the default (dim 0). The info must name the
 parameters of every stage, so it is all-gathered before saving.
 
+Experts split over TP (ep = 1) are dim-0 TP shards like any column-parallel weight. Expert-parallel
+checkpoints (ep > 1) are not converted: their expert optimizer states are partitioned over expert-data-parallel
+groups and their layers saved per EP index, which the converter does not know; they reshard through an export.
+
 Steps: save with `universal_client_state(run)` merged into the client state; convert with `to_universal`
 (or `dsx3d export --universal`); build the new layout's engine with `LOAD_UNIVERSAL` in ds_overrides and
 `engine.load_checkpoint(dir, tag)`. Pipeline parameter names are global ("3.layer.mlp.up_proj.weight"), so
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import re
 import shutil
 import sys
@@ -38,7 +43,12 @@ from dsx3d import fsio
 from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
 from dsx3d.checkpoint.safe_load import file_problem, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
-from dsx3d.checkpoint.training_format import MODEL_STATES_FILE, ZERO3_MODEL_STATES_FILE, tp_rank_files
+from dsx3d.checkpoint.training_format import (
+    LAYOUT_FILE,
+    MODEL_STATES_FILE,
+    ZERO3_MODEL_STATES_FILE,
+    tp_rank_files,
+)
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
 from dsx3d.models.shards import local_shape
@@ -76,7 +86,10 @@ def universal_checkpoint_info(engine: Engine3D) -> dict[str, Any]:
 
 
 def universal_client_state(engine: Engine3D) -> dict[str, Any]:
-    """Merge into `client_state` of `engine.save_checkpoint` so the checkpoint can become universal."""
+    """Merge into `client_state` of `engine.save_checkpoint` so the checkpoint can become universal (nothing
+    with expert parallelism, which the converter cannot handle)."""
+    if engine.layout.ep > 1:
+        return {}
     return {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(engine)}
 
 
@@ -102,6 +115,17 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
             str(tag_dir),
             "no mp_rank_XX_model_states.pt: not a DeepSpeed checkpoint tag",
             "pass a tag directory",
+        )
+    layout_file = tag_dir / LAYOUT_FILE
+    ep = json.loads(layout_file.read_text()).get("ep", 1) if layout_file.is_file() else 1
+    if ep > 1:
+        raise UserError.single(
+            "CHECKPOINT_DIR",
+            str(tag_dir),
+            f"written with expert parallelism (ep = {ep}): its expert optimizer states are partitioned over "
+            "expert-data-parallel groups, which DeepSpeed's universal converter does not merge",
+            "export it to Hugging Face format (`dsx3d export CKPT OUT`, weights only) and start the new layout "
+            "from that",
         )
     if UNIVERSAL_CHECKPOINT_INFO not in safe_load(states[0], map_location="cpu", mmap=True):
         raise UserError.single(

@@ -203,6 +203,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=positive(int, MAX_HIDDEN), help="attention heads (with --params; default hidden/128)")
     for name in ("dp", "tp", "pp"):
         p.add_argument(f"--{name}", type=positive(int, MAX_WORLD_SIZE), help=f"{name} degree")
+    p.add_argument("--ep", type=positive(int, MAX_WORLD_SIZE), help="expert-parallel degree of an MoE model (divides dp)")
     p.add_argument("--zero-stage", type=int, choices=range(4), help="ZeRO stage (default: recipe's, else 1)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="training dtype (default bf16)")
     p.add_argument("--micro-batch", type=positive(int, MAX_BATCH), help="sequences per micro-batch (default 1)")
@@ -252,6 +253,7 @@ def _from_recipe(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
         dp=recipe.resolved_dp(),
         tp=par.tp,
         pp=par.pp,
+        ep=par.ep,
         zero_stage=recipe.zero.stage,
         dtype=t.dtype,
         micro_batch_size=t.micro_batch_size,
@@ -294,6 +296,7 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Setup, Hardware]:
         "dp": args.dp,
         "tp": args.tp,
         "pp": args.pp,
+        "ep": args.ep,
         "zero_stage": args.zero_stage,
         "dtype": args.dtype,
         "micro_batch_size": args.micro_batch,
@@ -333,17 +336,22 @@ def run(args: argparse.Namespace) -> int:
 def render(est: Estimate, setup: Setup) -> str:
     """A table per stage plus the step-time summary."""
     s = setup
+    experts = any(st.expert_params_per_device for st in est.stages)
+    ep = f" (ep {s.ep})" if s.ep > 1 or experts else ""
     lines = [
-        f"layout dp {s.dp} x tp {s.tp} x pp {s.pp}, ZeRO-{s.zero_stage}, {s.dtype}, micro-batch {s.micro_batch_size} x "
+        f"layout dp {s.dp}{ep} x tp {s.tp} x pp {s.pp}, ZeRO-{s.zero_stage}, {s.dtype}, micro-batch {s.micro_batch_size} x "
         f"seq {s.seq_len}, m = {s.grad_accum}, checkpointing {'on' if s.activation_checkpointing else 'off'}; "
         f"{est.total_params / 1e9:.2f}B parameters",
         "",
-        f"{'stage':>5} {'layers':>6} {'params':>9} {'weights':>8} {'grads':>8} {'optim':>8} {'states':>8} "
-        f"{'activ':>8} {'transient':>9} {'peak GB':>8}  phase",
+        f"{'stage':>5} {'layers':>6} {'params':>9}{'per rank (experts)'.rjust(24) if experts else ''} "
+        f"{'weights':>8} {'grads':>8} {'optim':>8} {'states':>8} {'activ':>8} {'transient':>9} {'peak GB':>8}  phase",
     ]
     for st in est.stages:
+        per_rank = (
+            f"{st.params_per_device / 1e9:.4f}B ({st.expert_params_per_device / 1e9:.4f}B)".rjust(24) if experts else ""
+        )
         lines.append(
-            f"{st.stage:>5} {st.layers:>6} {st.params / 1e9:>8.2f}B {st.params_gb:>8.2f} {st.grads_gb:>8.2f} "
+            f"{st.stage:>5} {st.layers:>6} {st.params / 1e9:>8.2f}B{per_rank} {st.params_gb:>8.2f} {st.grads_gb:>8.2f} "
             f"{st.optimizer_gb:>8.2f} {st.model_states_gb:>8.2f} {st.activations_gb:>8.2f} {st.transient_gb:>9.2f} "
             f"{st.total_gb:>8.2f}  {st.peak_phase}"
         )
@@ -356,8 +364,9 @@ def render(est: Estimate, setup: Setup) -> str:
     lines += [
         "",
         f"step {est.step_time_s:.3f} s = pipeline {t['pipeline']:.3f} (compute {t['compute']:.3f}, tp {t['tp']:.3f}, "
-        f"pp {t['pp']:.3f}, bubble {est.bubble_fraction:.1%}) + dp {t['dp']:.3f} + tied {t['tied']:.3f}",
+        + (f"ep {t['ep']:.3f}, " if s.ep > 1 else "")
+        + f"pp {t['pp']:.3f}, bubble {est.bubble_fraction:.1%}) + dp {t['dp']:.3f} + tied {t['tied']:.3f}",
         f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}; per-rank traffic per step: "
-        + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in est.comm_bytes.items()),
+        + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in est.comm_bytes.items() if k != "ep" or s.ep > 1),
     ]
     return "\n".join(lines)

@@ -1,8 +1,8 @@
 """`dsx3d plan`: where every rank sits, its groups, which groups cross nodes, and the pipeline bubble.
 
-Two forms: `dsx3d plan RECIPE` (the recipe is checked first; --tp/--pp/--dp/--gpus-per-node override it)
-or `dsx3d plan --world-size N (or --nodes N) --gpus-per-node G --tp T --pp P [--dp D]` for a layout
-without a model.
+Two forms: `dsx3d plan RECIPE` (the recipe is checked first; --tp/--pp/--dp/--ep/--gpus-per-node override
+it) or `dsx3d plan --world-size N (or --nodes N) --gpus-per-node G --tp T --pp P [--dp D] [--ep E]` for a
+layout without a model.
 `--json` prints exactly one JSON object on stdout; everything else goes to stderr.
 """
 
@@ -53,6 +53,7 @@ class Plan:
             "tp_groups": [g for g in lay.tp_groups() if lay.crosses_node(g)],
             "dp_groups": [g for g in lay.dp_groups() if lay.crosses_node(g)],
             "pp_groups": [g for g in lay.pp_groups() if lay.crosses_node(g)],
+            "ep_groups": [g for g in lay.ep_groups() if lay.crosses_node(g)],
         }
         data["pp_node_crossings"] = sorted({s for g in lay.pp_groups() for s in lay.node_crossings(g)})
         data["stage_layers"] = self.stage_layers
@@ -77,6 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=degree, help="tensor-parallel degree")
     p.add_argument("--pp", type=degree, help="pipeline stages")
     p.add_argument("--dp", type=degree, help="data-parallel degree (default: world size / (tp x pp))")
+    p.add_argument("--ep", type=degree, help="expert-parallel degree of an MoE model (divides dp; default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--svg", metavar="FILE", help="also draw the placement to FILE (SVG)")
     plan_auto.add_arguments(p)
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan_from_recipe(args: argparse.Namespace) -> Plan:
     data = load_recipe(args.recipe).model_dump()
-    for name, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp")):
+    for name, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp"), ("ep", "parallel.ep")):
         if getattr(args, name) is not None:
             data["parallel"][name] = getattr(args, name)
             log.info("%s = %s (from --%s)", key, getattr(args, name), name)
@@ -163,43 +165,65 @@ def _plan_from_flags(args: argparse.Namespace) -> Plan:
             f"is not dp x tp x pp (dp {args.dp or 'auto'}, tp {args.tp}, pp {args.pp})",
             "choose degrees whose product is the world size, or leave out --dp",
         )
-    layout = Layout(dp=world // per_replica, tp=args.tp, pp=args.pp, gpus_per_node=args.gpus_per_node or 8)
+    dp, ep = world // per_replica, getattr(args, "ep", None) or 1
+    if dp % ep:
+        raise UserError.single("--ep", ep, f"must divide dp = {dp}", "choose ep among the divisors of dp")
+    layout = Layout(dp=dp, tp=args.tp, pp=args.pp, gpus_per_node=args.gpus_per_node or 8, ep=ep)
     return Plan(layout=layout, warnings=[str(p) for p in _layout_warnings(layout)])
 
 
 def _layout_warnings(layout: Layout) -> list[Problem]:
-    """Without a recipe a cross-node TP group is shown, not refused; `dsx3d check` refuses it."""
-    if not any(layout.crosses_node(g) for g in layout.tp_groups()):
-        return []
-    return [
-        Problem(
-            "--tp",
-            layout.tp,
-            f"TP groups cross nodes (gpus_per_node {layout.gpus_per_node}): every layer would all-reduce over the network",
-            "choose a tp that divides gpus_per_node",
-            severity="warning",
+    """Without a recipe a cross-node TP (or EP) group is shown, not refused; `dsx3d check` refuses it."""
+    out = []
+    if any(layout.crosses_node(g) for g in layout.tp_groups()):
+        out.append(
+            Problem(
+                "--tp",
+                layout.tp,
+                f"TP groups cross nodes (gpus_per_node {layout.gpus_per_node}): every layer would all-reduce over the network",
+                "choose a tp that divides gpus_per_node",
+                severity="warning",
+            )
         )
-    ]
+    if layout.ep_crosses_node():
+        out.append(
+            Problem(
+                "--ep",
+                layout.ep,
+                f"EP groups cross nodes (gpus_per_node {layout.gpus_per_node}): every MoE layer's all-to-all goes over the network",
+                "keep tp x ep a divisor of gpus_per_node",
+                severity="warning",
+            )
+        )
+    return out
 
 
 def render_plan(plan: Plan) -> str:
     """The human-readable plan: placement table, groups, node crossings, bubble, warnings."""
     lay = plan.layout
     d = plan.describe()
+    ep = lay.ep > 1
     lines = [
-        f"world {lay.world_size} = dp {lay.dp} x tp {lay.tp} x pp {lay.pp} "
+        f"world {lay.world_size} = dp {lay.dp}{f' (ep {lay.ep})' if ep else ''} x tp {lay.tp} x pp {lay.pp} "
         f"on {lay.num_nodes} node(s) x {lay.gpus_per_node} GPUs",
         "",
-        f"{'rank':>5} {'node':>5} {'local_rank':>10} {'pp':>3} {'dp':>3} {'tp':>3}",
+        f"{'rank':>5} {'node':>5} {'local_rank':>10} {'pp':>3} {'dp':>3} {'tp':>3}" + (f"{'ep':>4}" if ep else ""),
     ]
     lines += [
-        f"{p.rank:>5} {p.node:>5} {p.local_rank:>10} {p.pp:>3} {p.dp:>3} {p.tp:>3}" for p in lay.placements()
+        f"{p.rank:>5} {p.node:>5} {p.local_rank:>10} {p.pp:>3} {p.dp:>3} {p.tp:>3}"
+        + (f"{lay.ep_rank(p.rank):>4}" if ep else "")
+        for p in lay.placements()
     ]
     lines.append("")
-    for title, key in (("TP groups", "tp_groups"), ("DP groups", "dp_groups"), ("pipelines", "pp_groups")):
+    kinds = [("TP groups", "tp_groups"), ("DP groups", "dp_groups"), ("pipelines", "pp_groups")]
+    if ep:
+        kinds.append(("EP groups (all-to-all, experts split)", "ep_groups"))
+    for title, key in kinds:
         crossing = d["cross_node"][key]
         where = "all inside a node" if not crossing else f"{len(crossing)} of {len(d[key])} cross nodes"
         lines.append(f"{title} ({where}): {_groups(d[key])}")
+    if ep:
+        lines.append(f"expert-DP groups (same experts, gradients reduced): {_groups(d['edp_groups'])}")
     if d["pp_node_crossings"]:
         bounds = ", ".join(f"{a}->{b}" for a, b in d["pp_node_crossings"])
         lines.append(f"pipelines change node between stages {bounds}")

@@ -190,6 +190,7 @@ def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
                 "dp": f.dp,
                 "tp": f.tp,
                 "pp": f.pp,
+                "ep": f.ep,
                 "zero_stage": f.zero_stage,
                 "status": f.status,
                 "reason": f.reason,
@@ -210,23 +211,24 @@ def render(
         f"{cluster.gpu_memory_gb:g} GB; global batch {global_batch} x {seq_len} tokens",
         "",
     ]
+    moe = any(c.setup.ep > 1 for c in result.ranked[:top]) or any(f.ep > 1 for f in result.groups)
     head = (
-        f"{'#':>2} {'dp':>3} {'tp':>3} {'pp':>3} {'zero':>4} {'b':>3} {'m':>4} {'ckpt':>4} "
+        f"{'#':>2} {'dp':>3}{' ep' if moe else ''} {'tp':>3} {'pp':>3} {'zero':>4} {'b':>3} {'m':>4} {'ckpt':>4} "
         f"{'mem GB':>7} {'tokens/s':>10} {'step s':>7} {'MFU':>6} {'bubble':>6}"
     )
     lines.append(head)
     for i, c in enumerate(result.ranked[:top], 1):
         s, e = c.setup, c.estimate
         lines.append(
-            f"{i:>2} {s.dp:>3} {s.tp:>3} {s.pp:>3} {s.zero_stage:>4} {s.micro_batch_size:>3} "
+            f"{i:>2} {s.dp:>3}{f' {s.ep:>2}' if moe else ''} {s.tp:>3} {s.pp:>3} {s.zero_stage:>4} {s.micro_batch_size:>3} "
             f"{s.grad_accum:>4} {'on' if s.activation_checkpointing else 'off':>4} {e.total_gb:>7.1f} "
             f"{e.tokens_per_s:>10,.0f} {e.step_time_s:>7.2f} {e.mfu:>6.1%} {e.bubble_fraction:>6.1%}"
         )
     if result.best is not None:
         lines += ["", "chosen: " + result.best.label()] + [f"  {w}" for w in result.best.warnings]
-    lines += ["", "why the other layouts lost (best of each dp x tp x pp x ZeRO group):"]
+    lines += ["", f"why the other layouts lost (best of each dp x tp x pp x ZeRO{' x ep' if moe else ''} group):"]
     lines += [
-        f"  dp{f.dp} tp{f.tp} pp{f.pp} zero{f.zero_stage}: {f.reason}"
+        f"  {f.label()}: {f.reason}"
         for f in result.groups
         if f.status != "chosen"
     ]

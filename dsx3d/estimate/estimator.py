@@ -49,6 +49,8 @@ class Setup:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert parallelism (MoE): experts split over tp x ep ranks, ep dividing dp."""
     zero_stage: int = 1
     dtype: str = "bf16"
     micro_batch_size: int = 1
@@ -92,6 +94,8 @@ class StageEstimate:
     params: int
     """Parameters of the whole stage (all TP shards)."""
     params_per_device: float
+    expert_params_per_device: float
+    """Of which MoE experts (E / (tp x ep) of each MoE layer)."""
     params_gb: float
     grads_gb: float
     optimizer_gb: float
@@ -109,7 +113,7 @@ class StageEstimate:
     time_s: dict[str, float]
     """Seconds per step by kind: compute, tp, pp (m micro-batches, no bubble) and dp (once per step)."""
     comm_bytes: dict[str, float]
-    """Bytes one rank of this stage sends per step, by group type (tp, pp, dp, tied)."""
+    """Bytes one rank of this stage sends per step, by group type (tp, ep, pp, dp, tied)."""
 
 
 @dataclass
@@ -146,11 +150,13 @@ class Estimate:
 
 
 def _validate(shape: ModelShape, setup: Setup) -> list[int]:
-    for name in ("dp", "tp", "pp", "micro_batch_size", "seq_len", "grad_accum"):
+    for name in ("dp", "tp", "pp", "ep", "micro_batch_size", "seq_len", "grad_accum"):
         if getattr(setup, name) < 1:
             raise UserError.single(
                 name, getattr(setup, name), "must be a positive integer", f"set {name} >= 1"
             )
+    if setup.dp % setup.ep:
+        raise UserError.single("ep", setup.ep, f"must divide dp = {setup.dp}", "pick ep among the divisors of dp")
     if setup.zero_stage > 1 and setup.pp > 1:
         raise UserError.single(
             "zero_stage",
@@ -176,17 +182,20 @@ def _validate(shape: ModelShape, setup: Setup) -> list[int]:
 
 
 def _stage(
-    shape: ModelShape, setup: Setup, hw: Hardware, stage: int, layers: int, params: ParamCount
+    shape: ModelShape, setup: Setup, hw: Hardware, stage: int, first: int, layers: int, params: ParamCount
 ) -> StageEstimate:
-    """Memory of one device of `stage`, then its time and traffic (`_stage_time`)."""
-    per_device = params.per_device(setup.tp)
-    states = memory.model_state_bytes(
-        per_device,
-        dp=setup.dp,
-        zero_stage=setup.zero_stage,
-        dtype=setup.dtype,
-        fp32_grad_accum=setup.grad_accum_fp32,
-    )
+    """Memory of one device of `stage` (decoder layers [first, first + layers)), then its time and traffic
+    (`_stage_time`). Expert states are partitioned over the expert-data-parallel group, dp / ep ranks."""
+    dense, experts = params.dense_per_device(setup.tp), params.experts_per_device(setup.tp, setup.ep)
+    per_device = dense + experts
+    parts = [
+        memory.model_state_bytes(
+            count, dp=dp, zero_stage=setup.zero_stage, dtype=setup.dtype, fp32_grad_accum=setup.grad_accum_fp32
+        )
+        for count, dp in ((dense, setup.dp), (experts, setup.dp // setup.ep))
+    ]
+    states = memory.StateBytes(*(sum(getattr(p, f) for p in parts) for f in ("params", "grads", "optimizer")))
+    moe_layers = shape.moe_layers(first, layers)
     acts = memory.stage_activation_bytes(
         shape,
         stage=stage,
@@ -200,9 +209,11 @@ def _stage(
         checkpointing=setup.activation_checkpointing,
         flash_attention=setup.flash_attention,
         sequence_parallel=sequence_parallel(shape, setup),
+        moe_layers=moe_layers,
+        ep=setup.ep,
     )
     transients = memory.transient_bytes(
-        per_device,
+        dense + experts * setup.ep,  # so that / dp gives the dense partition plus the experts' over dp / ep
         dp=setup.dp,
         zero_stage=setup.zero_stage,
         dtype=setup.dtype,
@@ -217,12 +228,16 @@ def _stage(
         pipelined=setup.pp > 1,
         lp_grads=memory.dtype_bytes(setup.dtype) * per_device,
     )
-    micro_batch_time, time_s, comm_bytes = _stage_time(shape, setup, hw, stage, layers, per_device)
+    flop_params = sum(layer.flop_params for layer in shape.layer_shapes(first, layers))
+    micro_batch_time, time_s, comm_bytes = _stage_time(
+        shape, setup, hw, stage, layers, (dense, experts), flop_params, moe_layers
+    )
     return StageEstimate(
         stage=stage,
         layers=layers,
         params=params.total,
         params_per_device=per_device,
+        expert_params_per_device=experts,
         params_gb=states.params / GB,
         grads_gb=states.grads / GB,
         optimizer_gb=states.optimizer / GB,
@@ -238,20 +253,28 @@ def _stage(
 
 
 def _stage_time(
-    shape: ModelShape, setup: Setup, hw: Hardware, stage: int, layers: int, per_device: float
+    shape: ModelShape,
+    setup: Setup,
+    hw: Hardware,
+    stage: int,
+    layers: int,
+    per_device: tuple[float, float],
+    flop_params: int,
+    moe_layers: int,
 ) -> tuple[float, dict[str, float], dict[str, float]]:
-    """(seconds per micro-batch, seconds per step by kind, bytes sent per step by group type)."""
+    """(seconds per micro-batch, seconds per step by kind, bytes sent per step by group type). `per_device`
+    is (dense, expert) parameters of one rank; `flop_params` those a token passes through in its layers."""
     s, b, t, m = setup.seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
     sp = sequence_parallel(shape, setup)
     width = memory.dtype_bytes(setup.dtype)
-    place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=hw.gpus_per_node)
+    place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=hw.gpus_per_node, ep=setup.ep)
     last = stage == setup.pp - 1
 
     def link(crosses: bool) -> float:
         return (hw.inter_node_gbps if crosses else hw.intra_node_gbps) * GB
 
     flops = timing.stage_flops_per_micro_batch(
-        layer_flop_params=shape.layer_flop_params,
+        layer_flop_params=flop_params // layers if layers else 0,
         layers=layers,
         head_params=shape.head if last else 0,
         attention_width=shape.attention_width,
@@ -275,6 +298,7 @@ def _stage_time(
         backward_gather_width=shape.tp_backward_gather_width,
         sequence_parallel=sp,
         sequence_params=shape.tp_sequence_params,
+        routing_allreduce_width=shape.tp_routing_allreduce_width,
     )
     if shape.hidden_size:
         tp_bytes += timing.tp_edge_bytes_per_micro_batch(
@@ -289,6 +313,18 @@ def _stage_time(
             final_norm=shape.final_norm,
         )
     tp_time = tp_bytes / link(place.tp_crosses_node())
+    ep_bytes = timing.ep_bytes_per_micro_batch(
+        moe_layers=moe_layers,
+        tp=t,
+        ep=setup.ep,
+        seq_len=s,
+        micro_batch=b,
+        hidden=shape.hidden_size,
+        width=width,
+        experts_per_token=shape.experts_per_token,
+        checkpointing=setup.activation_checkpointing,
+    )
+    ep_time = ep_bytes / link(place.ep_crosses_node())
     # p2p: activations (and token ids) to the next stage, gradients back to the previous one
     forward_msg, backward_msg = timing.p2p_bytes_per_micro_batch(
         seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width, shards=t if sp else 1
@@ -298,11 +334,15 @@ def _stage_time(
     sends = ([(forward_msg, stage)] if not last else []) + ([(backward_msg, stage - 1)] if stage > 0 else [])
     p2p_time = sum(msg / link(place.boundary_crosses_node(k)) for msg, k in sends)
     grad_width = 4 if setup.grad_accum_fp32 else width
-    dp_bytes = timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * per_device * grad_width
+    dense, experts = per_device
+    dp_bytes = (
+        timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * dense
+        + timing.dp_traffic_factor(setup.zero_stage, setup.dp // setup.ep, m) * experts
+    ) * grad_width
     dp_time = dp_bytes / link(place.dp_crosses_node(stage))
-    times = {"compute": compute * m, "tp": tp_time * m, "pp": p2p_time * m, "dp": dp_time}
-    sent = {"tp": tp_bytes * m, "pp": sum(msg for msg, _ in sends) * m, "dp": dp_bytes}
-    return compute + tp_time + p2p_time, times, sent
+    times = {"compute": compute * m, "tp": tp_time * m, "ep": ep_time * m, "pp": p2p_time * m, "dp": dp_time}
+    sent = {"tp": tp_bytes * m, "ep": ep_bytes * m, "pp": sum(msg for msg, _ in sends) * m, "dp": dp_bytes}
+    return compute + tp_time + ep_time + p2p_time, times, sent
 
 
 def sequence_parallel(shape: ModelShape, setup: Setup) -> bool:
@@ -315,7 +355,8 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
     hw = hardware or Hardware()
     layers = _validate(shape, setup)
     params = memory.stage_params(shape, layers)
-    stages = [_stage(shape, setup, hw, i, n, params[i]) for i, n in enumerate(layers)]
+    firsts = [sum(layers[:i]) for i in range(len(layers))]
+    stages = [_stage(shape, setup, hw, i, firsts[i], n, params[i]) for i, n in enumerate(layers)]
     m, p = setup.grad_accum, setup.pp
     slowest = max(stages, key=lambda st: st.micro_batch_time_s)
     pipeline = (m + p - 1) * slowest.micro_batch_time_s
@@ -356,12 +397,12 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         tokens_per_s=tokens / step,
         tokens_per_step=tokens,
         model_flops_per_step=flops,
-        comm_bytes={k: max(st.comm_bytes.get(k, 0.0) for st in stages) for k in ("tp", "pp", "dp", "tied")},
+        comm_bytes={k: max(st.comm_bytes.get(k, 0.0) for st in stages) for k in ("tp", "ep", "pp", "dp", "tied")},
         time_s={
             "pipeline": pipeline,
             "dp": dp_time,
             "tied": tied_time,
-            **{k: slowest.time_s[k] for k in ("compute", "tp", "pp")},
+            **{k: slowest.time_s[k] for k in ("compute", "tp", "ep", "pp")},
         },
         total_params=shape.total_params,
         stage_layers=[st.layers for st in stages],
@@ -387,4 +428,10 @@ def _assumptions(shape: ModelShape, setup: Setup) -> list[str]:
         notes.append("flash attention: the 5*a*s/h score term of the activations is left out")
     if setup.sequence_parallel and setup.tp > 1 and shape.sequence_parallel_blocker is not None:
         notes.append(f"no sequence parallelism for this model ({shape.sequence_parallel_blocker})")
+    if shape.num_experts:
+        notes.append(
+            f"MoE: {shape.num_experts} experts per MoE layer split over tp x ep = {setup.tp * setup.ep} ranks; routes "
+            "assumed spread evenly over experts (activations and all-to-all traffic per rank are means; a skewed "
+            "router loads some ranks more)"
+        )
     return notes

@@ -50,6 +50,18 @@ second moment and its quotient: 1 x 4N/dp with the foreach kernels of GPUs, 2 x 
 stage is the larger of its backward phase (states + activations + the first bucket) and its optimizer
 phase (weights + optimizer states + the largest of: gradients and two buckets, gradients and the flat
 partition, the flat partition and AdamW's temporaries).
+
+MoE layers. Experts are split over tp x ep ranks and their optimizer states partitioned over the
+expert-data-parallel group (dp / ep ranks) instead of dp. In an MoE layer the dense MLP's activations are
+replaced by what HF's MoE block saves for backward, per token: about 3.5*E fp32 values (router logits,
+probabilities, the top-k picks; the router's input is the MLP entry above), and per route a rank runs (k / t
+of them per token on average, however they spread over EP ranks) the expert's input and weighted output
+(2h) and its gate/up output, activation and product (4I), plus, when the experts are split (tp x ep > 1),
+the route's row as dsx3d gathers it before the family's kernel gathers it again (h). Measured on one
+Qwen3-MoE block alone (scripts/bench/moe.py's model, h = I = 128, E = 8, k = 2), values per token over h:
+13.2 unsplit, 8.2 at tp 2, 15.3 at ep 2 (each EP rank runs the routes of two ranks' tokens to half the
+experts), 8.2 at tp 2 x ep 2. With the Korthikanti fallback the dense MLP's share (3 + 16/t)*s*b*h is
+replaced the same way.
 """
 
 from __future__ import annotations
@@ -125,8 +137,10 @@ def stage_params(shape: ModelShape, layers: list[int]) -> list[ParamCount]:
     last. A tied embedding/head lives on both end stages when pp > 1 (both hold a copy), once when pp == 1."""
     pp = len(layers)
     result = []
+    first = 0
     for stage, n in enumerate(layers):
-        count = shape.layer * n
+        count = shape.layers_params(first, n)
+        first += n
         if stage == 0:
             count += ParamCount(sharded=shape.embedding)
         if stage == pp - 1:
@@ -151,25 +165,34 @@ def layer_activation_bytes(
     dtype: str,
     flash_attention: bool = False,
     sequence_parallel: bool = False,
+    moe: bool = False,
+    ep: int = 1,
 ) -> float:
     """Bytes one decoder layer keeps for backward per micro-batch on one TP rank (module docstring); with an
     unknown MLP width, Korthikanti eq. 2 with TP: s*b*h*(10 + 24/t + 5*a*s/(h*t)) (10/t with sequence
-    parallelism), scaled by bytes/2 for fp32."""
+    parallelism), scaled by bytes/2 for fp32. `moe`: the layer's MLP is routed experts over tp x ep."""
     s, b, h, t = seq_len, micro_batch, shape.hidden_size, tp
     w = dtype_bytes(dtype)
     if h == 0:
         return 0.0
+    experts = 0.0
+    if moe:
+        routes = shape.experts_per_token / t
+        per_route = (3 if t * ep > 1 else 2) * h + 4 * shape.expert_width
+        experts = routes * per_route * w + 3.5 * shape.num_experts * 4
     if shape.ffn_size == 0:
         outside = 10 / t if sequence_parallel else 10
         per_token_width = outside + 24 / t + (0 if flash_attention else 5 * shape.num_heads * s / (h * t))
-        return s * b * h * per_token_width * w / 2
+        if moe:
+            per_token_width -= 2 + 16 / t  # the dense MLP's activations; its input (1 of the 3) stays
+        return s * b * (h * per_token_width * w / 2 + experts)
     a, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     norms = 2 * _norm_bytes(shape, w, h / t if sequence_parallel else h)
     entries = 2 * w * h
     attention = (w * (2 * a * d + 2 * kv * d) + 4 * a) / t
     if not flash_attention:
         attention += ((4 + w) * a * s + 2 * w * (a - kv) * d) / t
-    mlp = shape.experts_per_token * (4 if shape.gated_mlp else 2) * w * shape.ffn_size / t
+    mlp = experts if moe else (4 if shape.gated_mlp else 2) * w * shape.ffn_size / t
     return s * b * (norms + entries + attention + mlp)
 
 
@@ -204,19 +227,29 @@ def stage_activation_bytes(
     checkpointing: bool,
     flash_attention: bool = False,
     sequence_parallel: bool = False,
+    moe_layers: int = 0,
+    ep: int = 1,
 ) -> float:
-    """Peak activation bytes on one device of `stage` (see the module docstring for the model)."""
+    """Peak activation bytes on one device of `stage` (see the module docstring for the model); `moe_layers`
+    of its `layers` are MoE layers."""
     if shape.hidden_size == 0:
         return 0.0
-    one_layer = layer_activation_bytes(
-        shape,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        tp=tp,
-        dtype=dtype,
-        flash_attention=flash_attention,
-        sequence_parallel=sequence_parallel,
-    )
+
+    def one(moe: bool) -> float:
+        return layer_activation_bytes(
+            shape,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            tp=tp,
+            dtype=dtype,
+            flash_attention=flash_attention,
+            sequence_parallel=sequence_parallel,
+            moe=moe,
+            ep=ep,
+        )
+
+    one_layer = max(one(False) if layers > moe_layers else 0.0, one(True) if moe_layers else 0.0)
+    all_layers = (layers - moe_layers) * one(False) + (moe_layers * one(True) if moe_layers else 0.0)
     tokens = seq_len * micro_batch
     hidden = tokens * shape.hidden_size * dtype_bytes(dtype) / (tp if sequence_parallel else 1)
     first, last = stage == 0, stage == pp - 1
@@ -225,7 +258,7 @@ def stage_activation_bytes(
         per_micro_batch = layers * hidden
         total = one_layer if layers else 0.0
     else:
-        per_micro_batch = layers * one_layer
+        per_micro_batch = all_layers
         total = 0.0
     per_micro_batch += (0 if first else hidden) + (0 if last else hidden)  # stage input and output
     per_micro_batch += 17 * tokens if first else 0  # token ids, local ids, vocab-shard mask

@@ -24,11 +24,18 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
      input-gradient all-reduce of b*s*h (with sequence parallelism an all-gather forward and a reduce-scatter
      backward) and the vocab-parallel cross-entropy's three fp32 all-reduces of b*s (last stage); gradients
      of parameters kept whole on every TP rank (q/k norms, and with sequence parallelism the norms and
-     post-reduce biases that see sequence shards). Intra-node link.
+     post-reduce biases that see sequence shards). An MoE experts region (never under sequence parallelism)
+     all-reduces its output forward and its input's gradient backward (b*s*h), and its routing weights'
+     gradient (b*s*k, fp32). Intra-node link.
+  EP (MoE, ep > 1): per MoE layer and micro-batch, each rank sends its TP slot's routes (b*s*k/t rows of h)
+     to the EP ranks holding their experts and gets the results back, all-to-all twice forward, twice
+     backward, twice more with checkpointing; with routes spread evenly, (ep-1)/ep of the rows leave the
+     rank.
   PP: per micro-batch and stage boundary, the activations forward (b*s*h, plus the b*s int64 token ids that
      travel with them so every stage rebuilds masks and rotary tables) and their gradient backward (b*s*h);
      with sequence parallelism each TP rank sends only its shard, b*s*h/t.
-  DP, of the stage's per-device parameters P, with s' = (d-1)/d: ZeRO-0 all-reduces the gradients once per
+  DP, of the stage's per-device parameters P, with s' = (d-1)/d (for experts d = dp / ep, their
+     expert-data-parallel group): ZeRO-0 all-reduces the gradients once per
      step, 2s'*P; ZeRO-1 3s'*P (DeepSpeed all-reduces the whole gradient at the accumulation boundary, then
      all-gathers the updated partition: measured 1.5x DDP); ZeRO-2 reduce-scatters in every micro-batch's
      backward (its gradients are partitioned, DeepSpeed's stage_1_and_2.py) and all-gathers the updated
@@ -96,12 +103,14 @@ def tp_bytes_per_micro_batch(
     backward_gather_width: float = 0,
     sequence_parallel: bool = False,
     sequence_params: float = 0,
+    routing_allreduce_width: float = 0,
 ) -> float:
     """Decoder layers: without sequence parallelism, (exits x (2 with checkpointing, else 1) + entries)
     all-reduces of b*s*h; with it, (entries + exits) x (3 with checkpointing, else 2) all-gathers or
-    reduce-scatters of b*s*h; the gradients of `grad_allreduce_params` TP-replicated parameters per layer
-    (and `sequence_params` with sequence parallelism), 2*(t-1)/t of each all-reduce sent and (t-1)/t of each
-    half; plus all-gathers of b*s*(forward width, again with checkpointing, + backward width)."""
+    reduce-scatters of b*s*h; all-reduces of b*s*`routing_allreduce_width` fp32 routing weights backward and
+    of the gradients of `grad_allreduce_params` TP-replicated parameters per layer (and `sequence_params`
+    with sequence parallelism), 2*(t-1)/t of each all-reduce sent and (t-1)/t of each half; plus all-gathers
+    of b*s*(forward width, again with checkpointing, + backward width)."""
     if tp == 1:
         return 0.0
     recompute = 2 if checkpointing else 1
@@ -109,13 +118,35 @@ def tp_bytes_per_micro_batch(
     half = (tp - 1) / tp
     gathered = (forward_gather_width * recompute + backward_gather_width) * tokens * width
     params = grad_allreduce_params + (sequence_params if sequence_parallel else 0)
-    reduced = params * width
+    reduced = params * width + routing_allreduce_width * tokens * 4
     if sequence_parallel:
         halves = (backward_allreduces + forward_allreduces) * (recompute + 1)
         gathered += halves * tokens * hidden * width
     else:
         reduced += (forward_allreduces * recompute + backward_allreduces) * tokens * hidden * width
     return layers * (ring_allreduce_factor(tp) * reduced + half * gathered)
+
+
+def ep_bytes_per_micro_batch(
+    *,
+    moe_layers: int,
+    tp: int,
+    ep: int,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    width: int,
+    experts_per_token: int,
+    checkpointing: bool,
+) -> float:
+    """All-to-all rows a rank sends over its EP group for `moe_layers` MoE layers: its TP slot's routes
+    (b*s*k/t), the (ep-1)/ep of them whose experts sit on other EP ranks, h values each, out and back, in the
+    forward, the backward and the recomputation."""
+    if ep == 1:
+        return 0.0
+    rows = seq_len * micro_batch * experts_per_token / tp * (ep - 1) / ep
+    exchanges = 2 * ((2 if checkpointing else 1) + 1)
+    return moe_layers * exchanges * rows * hidden * width
 
 
 def tp_edge_bytes_per_micro_batch(

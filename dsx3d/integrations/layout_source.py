@@ -110,6 +110,7 @@ def recipe_from_ds_config(config: dict[str, Any], name: str, model: dict[str, An
             "dp": section["dp"],
             "tp": section["tp"],
             "pp": section["pp"],
+            "ep": section.get("ep", 1),
             "stage_layers": section.get("stage_layers"),
             "sequence_parallel": section.get("sequence_parallel", True),
         },

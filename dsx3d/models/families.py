@@ -89,6 +89,12 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(defaults.get(key), int) and vocab is not None and defaults[key] >= vocab:
             kwargs[key] = 0
+    # a tiny dimension and an override naming the same attribute through an alias (qwen3_moe's num_experts
+    # is num_local_experts): the override wins
+    aliases = getattr(CONFIG_MAPPING[model_type], "attribute_map", None) or {}
+    overridden = {aliases.get(k, k) for k in overrides}
+    for key in [k for k in kwargs if k not in overrides and aliases.get(k, k) in overridden]:
+        kwargs.pop(key)
     kwargs.update(overrides)
     for _ in range(len(kwargs)):
         try:

@@ -3,7 +3,9 @@
 Between stages travels the tuple (hidden_states, input_ids): a float tensor that feeds the next stage's
 graph, and the integer ids from which every stage recomputes the layer inputs (masks, rotary tables). With
 sequence parallelism hidden_states is this TP rank's (b, s/t, h) shard of the sequence; the recorded layer
-calls (masks, rotary tables) stay whole-sequence, which is what the TP regions (attention) see.
+calls (masks, rotary tables) stay whole-sequence, which is what the TP regions (attention) see. An MoE
+family with an auxiliary loss appends the router logits of the layers so far (`dsx3d.models.moe`), from the
+first stage that has a router on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from dsx3d.distributed.expert_parallel.experts import ExpertContext, shard_experts
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from dsx3d.distributed.tensor_parallel.layers import (
@@ -25,7 +28,7 @@ from dsx3d.distributed.tensor_parallel.layers import (
     mark_sharded,
 )
 from dsx3d.distributed.tensor_parallel.mappings import all_reduce_grad_hook
-from dsx3d.models import lora, tp_plan
+from dsx3d.models import lora, moe, tp_plan
 from dsx3d.models.family import FamilySpec
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.shape import dropout_probabilities
@@ -43,12 +46,22 @@ class LayerBuilder:
     """Per-process state shared by the layers of this rank's stage."""
 
     def __init__(
-        self, config: PretrainedConfig, plan: FamilySpec, tp: TPContext, source: WeightSource, lora: LoraSpec | None = None
+        self,
+        config: PretrainedConfig,
+        plan: FamilySpec,
+        tp: TPContext,
+        source: WeightSource,
+        experts: ExpertContext | None = None,
+        lora: LoraSpec | None = None,
     ):
         self.config, self.plan, self.tp, self.source = config, plan, tp, source
+        self.experts = experts if experts is not None else ExpertContext(tp)
         self.lora = lora
         """With LoRA, every parameter read from the weights is frozen and decoder layers get peft adapters."""
         self.skeleton = Skeleton(config, plan)
+        self.skeleton.lm.loss_function = moe.no_lm_loss  # the last stage computes the LM loss on vocab shards
+        self.router_logits = moe.adds_auxiliary_loss(config, self.skeleton)
+        """The family adds an auxiliary loss from router logits: they travel with the hidden states."""
         # dropout masks per TP region (dsx3d.distributed.tensor_parallel.random); a no-op without dropout
         tp.random.active = bool(dropout_probabilities(config))
         self.vocab = config.get_text_config().vocab_size
@@ -73,12 +86,18 @@ class LayerBuilder:
 
     def _shard(self, module: nn.Module, rel_name: str, on_sequence: bool = True) -> None:
         """Apply the family's TP plan to `module` (named `rel_name` relative to the base model), in place,
-        as `dsx3d.models.tp_plan` decides for each submodule. `on_sequence`: the module runs on sequence
-        shards under sequence parallelism (decoder layers, the epilogue; not the prologue)."""
-        if self.tp.size == 1:
+        as `dsx3d.models.tp_plan` decides for each submodule. Experts modules are split over TP and EP
+        (`dsx3d.distributed.expert_parallel`), also at tp = 1 when ep > 1. `on_sequence`: the module runs on
+        sequence shards under sequence parallelism (decoder layers, the epilogue; not the prologue)."""
+        if not self.experts.splits:
             return
         shardings = tp_plan.plan_modules(module, rel_name, self.plan.tp_plan, lambda m: isinstance(m, nn.Linear))
         for sub_name, sub, sharding in shardings:
+            if sharding.experts:
+                shard_experts(sub, self.experts)
+                continue
+            if self.tp.size == 1:
+                continue
             if sharding.grad_allreduce:
                 sub._dsx3d_grad_allreduce = True  # hooked once its real parameters exist (_hook_replicated)
                 continue
@@ -198,18 +217,24 @@ class LayerBuilder:
             hidden = self.skeleton.embed(input_ids, training=training)
             return hidden if self._scatter_embedding else tp.scatter_sequence(hidden, training=training)
 
-    def head(self, hidden: torch.Tensor, input_ids: torch.Tensor, training: bool) -> torch.Tensor:
+    def head(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, router_logits: torch.Tensor | None, training: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's logits (and, given router logits, the family's auxiliary loss terms)."""
         with self.tp.item(hidden, training=training):
-            return self.skeleton.head(hidden, input_ids)
+            return self.skeleton.head(hidden, input_ids, router_logits)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """HF's causal-LM loss on vocab shards: predict token t+1 at position t, mean over non-ignored."""
+    def loss(self, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """HF's causal-LM loss on vocab shards: predict token t+1 at position t, mean over non-ignored; plus
+        the family's auxiliary terms when the head computed them (`outputs` = (logits, auxiliary))."""
+        logits, extra = outputs if isinstance(outputs, tuple) else (outputs, None)
         target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
         per_token = vocab_parallel_cross_entropy(
             logits.reshape(-1, logits.shape[-1]), target, self.vocab_start, self.vocab, self.tp.group
         )
         count = (target != IGNORE_INDEX).sum().clamp(min=1)
-        return per_token.sum() / count
+        loss = per_token.sum() / count
+        return loss if extra is None else loss + extra
 
 
 class EmbeddingPipe(nn.Module):
@@ -232,15 +257,20 @@ class DecoderLayerPipe(nn.Module):
         super().__init__()
         self.builder, self.index = [builder], index
         self.layer = builder.own_layer(index)
+        name = f"{builder.plan.layers_name}.{index}"
+        self.routers = moe.router_modules(builder.skeleton.base, self.layer, name) if builder.router_logits else []
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, input_ids = inputs
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, input_ids, *carried = inputs
         builder = self.builder[0]
         call = builder.skeleton.layer_calls(input_ids, hidden.dtype)[self.index]
         args, kwargs = with_hidden(call, hidden)
         with builder.tp.item(hidden, training=self.training):  # no region open at either end
-            out = self.layer(*args, **kwargs)
-        return (out[0] if isinstance(out, tuple) else out), input_ids
+            with moe.capture_router_logits(self.routers) as router_logits:
+                out = self.layer(*args, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        logits = moe.append_router_logits(carried[0] if carried else None, router_logits)
+        return (hidden, input_ids) if logits is None else (hidden, input_ids, logits)
 
 
 class EpiloguePipe(nn.Module):
@@ -251,12 +281,12 @@ class EpiloguePipe(nn.Module):
         self.builder = [builder]
         self.mods = nn.ModuleList(builder.own(name) for name in builder.plan.epilogue_names)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, input_ids = inputs
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, *rest = inputs
         with self.builder[0].tp.item(hidden, training=self.training):
             for mod in self.mods:
                 hidden = mod(hidden)
-        return hidden, input_ids
+        return (hidden, *rest)
 
 
 class HeadPipe(nn.Module):
@@ -267,9 +297,9 @@ class HeadPipe(nn.Module):
         self.builder = [builder]
         self.lm_head = builder.install_head(*builder.head_params())
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        hidden, input_ids = inputs
-        return self.builder[0].head(hidden, input_ids, training=self.training)
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        hidden, input_ids, *carried = inputs
+        return self.builder[0].head(hidden, input_ids, carried[0] if carried else None, training=self.training)
 
 
 class TiedEmbeddingPipe(nn.Module):
@@ -288,6 +318,6 @@ class TiedEmbeddingPipe(nn.Module):
         return self.builder[0].embed(input_ids, training=self.training), input_ids
 
 
-def tied_head_forward(module: TiedEmbeddingPipe, inputs: Any) -> torch.Tensor:
-    hidden, input_ids = inputs
-    return module.builder[0].head(hidden, input_ids, training=module.training)
+def tied_head_forward(module: TiedEmbeddingPipe, inputs: Any) -> Any:
+    hidden, input_ids, *carried = inputs
+    return module.builder[0].head(hidden, input_ids, carried[0] if carried else None, training=module.training)

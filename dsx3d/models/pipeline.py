@@ -3,6 +3,10 @@
 Pipeline layers: [embedding, decoder 0 .. L-1, epilogue (final norm), head]. With tied embeddings the first
 and last items are `TiedLayerSpec`s of one key, so DeepSpeed all-reduces the shared weight's gradient over
 the (first stage, last stage) pair of each (dp, tp) index.
+
+With expert parallelism (ep > 1) the ranks of an EP group hold different experts, so a layer with experts is
+saved by each of them, `layer_XX-model_YY-expert_ZZ-model_states.pt` (ZZ its index in the EP group), and
+loaded back from that file; other layers keep DeepSpeed's files, written by dp rank 0.
 """
 
 from __future__ import annotations
@@ -10,10 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
 from transformers import PretrainedConfig
 
 from dsx3d.distributed import comm
+from dsx3d.distributed.expert_parallel.experts import ExpertContext
+from dsx3d.distributed.expert_parallel.groups import ExpertGroups, create_expert_groups, moe_marker
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.layout import Layout
 from dsx3d.models.family import FamilySpec, resolve_family
@@ -54,6 +62,58 @@ class StagedPipelineModule(PipelineModule):
         self._dsx3d_tp.bind(self._grid.get_slice_parallel_group())
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    @property
+    def expert_context(self) -> ExpertContext:
+        return self.dsx3d_builder.experts
+
+    def holds_expert_shards(self) -> bool:
+        """Whether this stage has parameters split over the EP group (DeepSpeed must treat it as MoE)."""
+        return any(holds_ep_shards(layer) for layer in self.forward_funcs if isinstance(layer, nn.Module))
+
+    def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
+        path = super().ckpt_layer_path(ckpt_dir, local_layer_idx)
+        layer = self.forward_funcs[local_layer_idx]
+        if isinstance(layer, nn.Module) and holds_ep_shards(layer):
+            path = path.replace("-model_states.pt", f"-expert_{self.expert_context.ep_rank:02d}-model_states.pt")
+        return path
+
+    def save_state_dict(self, save_dir: str, checkpoint_engine: Any, exclude_frozen_params: bool = False) -> None:
+        """DeepSpeed's save (dp rank 0 writes every layer), except that each rank of the first EP group also
+        writes the layers holding its experts."""
+        if self.expert_context.ep == 1:
+            return super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
+        dp_rank = self._grid.data_parallel_id
+        if dp_rank >= self.expert_context.ep:
+            return None
+        checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        for idx, layer in enumerate(self.forward_funcs):
+            if not isinstance(layer, nn.Module) or (dp_rank != 0 and not holds_ep_shards(layer)):
+                continue
+            state = layer.state_dict()
+            if exclude_frozen_params:
+                for name in self._get_frozen_parameter_names(layer):
+                    del state[name]
+            if checkpoint_engine.preserves_storage_sharing():
+                state = clone_tensors_for_torch_save(state)
+            checkpoint_engine.save(state_dict=state, path=self.ckpt_layer_path(save_dir, idx))
+        return None
+
+    def load_state_dir(self, load_dir: str, checkpoint_engine: Any, strict: bool = True) -> None:
+        """With ep > 1 every layer is read from the one file this rank's layout wrote (a resume keeps the
+        layout; resharding goes through an export)."""
+        if self.expert_context.ep == 1:
+            return super().load_state_dir(load_dir, checkpoint_engine, strict)
+        for idx, layer in enumerate(self.forward_funcs):
+            if isinstance(layer, nn.Module):
+                state = checkpoint_engine.load(self.ckpt_layer_path(load_dir, idx), map_location="cpu")
+                layer.load_state_dict(state, strict=strict)
+        return None
+
+
+def holds_ep_shards(module: nn.Module) -> bool:
+    """Parameters split over an EP group carry DeepSpeed's expert mark (`allreduce = False`)."""
+    return any(getattr(p, "allreduce", True) is False for p in module.parameters())
 
 
 def release_last_stage_outputs(engine: Any) -> None:
@@ -108,18 +168,21 @@ def build_pipeline(
     """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed).
     `sequence_parallel` takes effect with tp > 1 for families that allow it (`LayerBuilder`)."""
     plan = resolve_family(config)
-    tp = TPContext(
-        rank=layout.placement(comm.get_rank()).tp,
-        size=layout.tp,
-        sequence_parallel=sequence_parallel and layout.tp > 1,
-    )
-    builder = LayerBuilder(config, plan, tp, source, lora)
+    rank = comm.get_rank()
+    place = layout.placement(rank)
+    tp = TPContext(rank=place.tp, size=layout.tp, sequence_parallel=sequence_parallel and layout.tp > 1)
+    experts = ExpertContext(tp, ep_rank=layout.ep_rank(rank), ep=layout.ep)
+    groups: ExpertGroups | None = None
+    if layout.ep > 1:
+        groups = create_expert_groups(layout.ep_groups(), layout.edp_groups(), rank)
+        experts.group, experts.group_name = groups.ep_group, groups.name
+    builder = LayerBuilder(config, plan, tp, source, experts, lora)
     bounds = stage_bounds(config, layout.pp, seq_len, stage_layers)
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return builder.loss(logits, labels)
 
-    return StagedPipelineModule(
+    module = StagedPipelineModule(
         pipeline_specs(builder, plan, layout.pp),
         bounds=bounds,
         tp=tp,
@@ -130,3 +193,7 @@ def build_pipeline(
         activation_checkpoint_interval=1 if activation_checkpointing else 0,
         checkpointable_layers=["DecoderLayerPipe"],
     )
+    module.dsx3d_expert_groups = groups
+    if groups is not None and module.holds_expert_shards():
+        module.dsx3d_moe_marker = moe_marker(layout.ep)
+    return module

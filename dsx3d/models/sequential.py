@@ -109,5 +109,5 @@ def build_sequential(
 ) -> SequentialLM:
     """This rank's whole model, TP-sharded over `tp` (whose group must be bound when tp.size > 1); with
     `lora`, frozen with peft adapters (dsx3d.models.lora)."""
-    builder = LayerBuilder(config, resolve_family(config), tp, source, lora)
+    builder = LayerBuilder(config, resolve_family(config), tp, source, lora=lora)
     return SequentialLM(builder, activation_checkpointing=activation_checkpointing, after_item=after_item)

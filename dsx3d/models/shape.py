@@ -5,7 +5,10 @@ The engine's stage split (`dsx3d.partition`), the checker (`model_dim`) and the 
 through this module, so they cannot disagree on what a layer costs.
 
 Parameters are split into *sharded* (linear weights, column-parallel biases, the vocab-parallel embedding
-and head: divided by tp) and *replicated* (norms, row-parallel biases: every TP rank holds them).
+and head: divided by tp), *replicated* (norms, row-parallel biases, routers: every TP rank holds them) and
+*experts* (the experts of MoE layers: divided by tp x ep). MoE models are counted layer by layer as the engine
+places them (experts modules, shared experts, dense layers) by walking a meta-device model with the engine's
+own plan interpreter.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ _ATTRIBUTE_NAMES = {
     "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
     "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
     "vocab_size": ("vocab_size",),
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok", "moe_k"),
 }
 
 
@@ -73,24 +78,46 @@ def is_gated_mlp(config: Any) -> bool:
 
 @dataclass(frozen=True)
 class ParamCount:
-    """A parameter count split by how TP stores it."""
+    """A parameter count split by how TP (and EP) store it."""
 
     sharded: int = 0
     replicated: int = 0
+    experts: int = 0
+    """MoE experts: each of the tp x ep ranks of an expert group holds E / (tp x ep) of them."""
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated
+        return self.sharded + self.replicated + self.experts
 
-    def per_device(self, tp: int) -> float:
-        """Parameters one TP rank holds: sharded / tp + replicated."""
+    def dense_per_device(self, tp: int) -> float:
+        """Non-expert parameters one TP rank holds: sharded / tp + replicated (reduced over all DP ranks)."""
         return self.sharded / tp + self.replicated
 
+    def experts_per_device(self, tp: int, ep: int = 1) -> float:
+        """Expert parameters one rank holds (reduced over its expert-data-parallel group, dp / ep ranks)."""
+        return self.experts / (tp * ep)
+
+    def per_device(self, tp: int, ep: int = 1) -> float:
+        """Parameters one rank holds."""
+        return self.dense_per_device(tp) + self.experts_per_device(tp, ep)
+
     def __add__(self, other: ParamCount) -> ParamCount:
-        return ParamCount(self.sharded + other.sharded, self.replicated + other.replicated)
+        return ParamCount(
+            self.sharded + other.sharded, self.replicated + other.replicated, self.experts + other.experts
+        )
 
     def __mul__(self, k: int) -> ParamCount:
-        return ParamCount(self.sharded * k, self.replicated * k)
+        return ParamCount(self.sharded * k, self.replicated * k, self.experts * k)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer of a model whose layers differ (dense and MoE layers)."""
+
+    params: ParamCount
+    flop_params: int
+    """Parameters one token multiplies through (the router, shared experts and top-k routed experts)."""
+    moe: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,8 +145,6 @@ class ModelShape:
     """MLP width (per expert for MoE); 0 when unknown (a bare parameter count)."""
     gated_mlp: bool = True
     """gate, up and down (SwiGLU) rather than fc_in -> act -> fc_out."""
-    experts_per_token: int = 1
-    """MoE top-k (1 for dense MLPs)."""
     rms_norm: bool = True
     """RMSNorm (computed in fp32 by HF) rather than LayerNorm."""
     tp_forward_allreduces: float = 2
@@ -140,17 +165,44 @@ class ModelShape:
     """Values per token a decoder layer all-gathers forward (outputs of `colwise_gather_output` linears)."""
     tp_backward_gather_width: float = 0
     """... and backward (input gradients of `rowwise_split_input` linears)."""
+    tp_routing_allreduce_width: float = 0
+    """fp32 values per token a decoder layer all-reduces backward besides those: the routing weights (top-k
+    per token) entering an experts region."""
+    per_layer: tuple[LayerShape, ...] = ()
+    """Layer by layer, when layers differ (MoE models); empty: `num_layers` copies of `layer`."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    experts_per_token: int = 0
+    """k: routes per token and MoE layer."""
+    expert_width: int = 0
+    """The intermediate width of one expert."""
+
+    def layer_shapes(self, start: int = 0, count: int | None = None) -> list[LayerShape]:
+        """Decoder layers [start, start + count), each as a LayerShape."""
+        count = self.num_layers - start if count is None else count
+        if self.per_layer:
+            return list(self.per_layer[start : start + count])
+        return [LayerShape(self.layer, self.layer_flop_params)] * count
+
+    def layers_params(self, start: int = 0, count: int | None = None) -> ParamCount:
+        total = ParamCount()
+        for layer in self.layer_shapes(start, count):
+            total = total + layer.params
+        return total
+
+    def moe_layers(self, start: int = 0, count: int | None = None) -> int:
+        return sum(layer.moe for layer in self.layer_shapes(start, count))
 
     @property
     def total_params(self) -> int:
         """Unique parameters (a tied embedding/head counted once)."""
         head = 0 if self.tie_word_embeddings else self.head
-        return self.num_layers * self.layer.total + self.embedding + head + self.final_norm
+        return self.layers_params().total + self.embedding + head + self.final_norm
 
     @property
     def flop_params(self) -> int:
         """N in 6*N*tokens: decoder layers (active experts) and the head; the embedding lookup is free."""
-        return self.num_layers * self.layer_flop_params + self.head
+        return sum(layer.flop_params for layer in self.layer_shapes()) + self.head
 
     @property
     def attention_width(self) -> int:
@@ -203,15 +255,20 @@ def _layer_params(
     qkv = h * (heads + 2 * kv) * d
     out = heads * d * h
     mlp = (3 if gated else 2) * h * ffn
-    sharded = qkv + out + experts * mlp
-    replicated = 2 * h + (h * experts if experts > 1 else 0)
+    moe = experts > 1
+    sharded = qkv + out + (0 if moe else mlp)
+    replicated = 2 * h + (h * experts if moe else 0)
+    expert_params = experts * mlp if moe else 0
     if attn_bias:
         sharded += (heads + 2 * kv) * d
         replicated += h
     if mlp_bias:
-        sharded += experts * ((2 if gated else 1) * ffn)
-        replicated += experts * h
-    return ParamCount(sharded, replicated)
+        if moe:
+            expert_params += experts * ((2 if gated else 1) * ffn + h)
+        else:
+            sharded += (2 if gated else 1) * ffn
+            replicated += h
+    return ParamCount(sharded, replicated, expert_params)
 
 
 
@@ -226,6 +283,7 @@ class TPTraffic:
     grad_allreduce_params: float = 0
     forward_gather_width: float = 0
     backward_gather_width: float = 0
+    routing_allreduce_width: float = 0
     sequence_params: float = 0
     sequence_parallel_blocker: str | None = None
 
@@ -237,7 +295,8 @@ def tp_traffic(config: Any) -> TPTraffic:
     linears of one module (a TP region: attention, MLP) read one input and all-reduce its gradient once,
     backward; `colwise_gather_output` also all-gathers its output forward, `rowwise_split_input` its input
     gradient backward; `replicated_with_grad_allreduce` modules (q/k norms) all-reduce their weight
-    gradient. Modules kept whole (MoE experts, packed projections) send nothing. Families that mix layer
+    gradient; an experts region all-reduces its output forward, its input and its routing weights'
+    gradients backward. Modules kept whole (packed projections) send nothing. Families that mix layer
     kinds (linear and full attention, dense and MoE MLPs) get the mean over their layers. A family the
     engine cannot resolve gets a Llama layer's traffic.
 
@@ -302,7 +361,8 @@ def _tp_traffic(config: Any) -> TPTraffic:
     from torch import nn
 
     spec, layers = _meta_layers(config)
-    fwd = bwd = grad = fwd_gather = bwd_gather = seq = 0
+    top_k = model_dim(config, "num_experts_per_tok") or 1
+    fwd = bwd = grad = fwd_gather = bwd_gather = seq = routing = 0
     for i, layer in enumerate(layers):
         shardings = tp_plan.plan_modules(
             layer, f"{spec.layers_name}.{i}", spec.tp_plan, lambda m: isinstance(m, nn.Linear)
@@ -313,6 +373,8 @@ def _tp_traffic(config: Any) -> TPTraffic:
         for _, sub, sharding in shardings:
             if sharding.grad_allreduce:
                 grad += sum(p.numel() for p in sub.parameters())
+            elif sharding.experts:
+                fwd, bwd, routing = fwd + 1, bwd + 1, routing + top_k
             elif sharding.row:
                 fwd += 1
                 bwd_gather += sub.in_features if sharding.split_input else 0
@@ -320,7 +382,35 @@ def _tp_traffic(config: Any) -> TPTraffic:
                 fwd_gather += sub.out_features if sharding.gather_output else 0
     n = len(layers)
     blocker = tp_plan.sequence_parallel_blocker(layers, spec.layers_name, spec.tp_plan, lambda m: isinstance(m, nn.Linear))
-    return TPTraffic(fwd / n, bwd / n, grad / n, fwd_gather / n, bwd_gather / n, seq / n, blocker)
+    return TPTraffic(fwd / n, bwd / n, grad / n, fwd_gather / n, bwd_gather / n, routing / n, seq / n, blocker)
+
+
+def moe_layer_shapes(config: Any) -> tuple[LayerShape, ...]:
+    """Each decoder layer of an MoE model as the engine places it: the plan interpreter's experts modules
+    (split over tp x ep), column- and row-parallel linears (weights and column biases over tp; row biases,
+    routers, norms and modules kept whole replicated), on a meta-device model."""
+    from torch import nn
+
+    spec, layers = _meta_layers(config)
+    top_k = model_dim(config, "num_experts_per_tok") or 1
+    out = []
+    for i, layer in enumerate(layers):
+        total = sum(p.numel() for p in layer.parameters())
+        sharded = experts = active = 0
+        for _, sub, sharding in tp_plan.plan_modules(
+            layer, f"{spec.layers_name}.{i}", spec.tp_plan, lambda m: isinstance(m, nn.Linear)
+        ):
+            numel = sum(p.numel() for p in sub.parameters())
+            if sharding.experts:
+                experts += numel
+                active += numel // next(sub.parameters()).shape[0] * top_k
+            elif sharding.column:
+                sharded += numel
+            elif sharding.row:
+                sharded += sub.weight.numel()
+        params = ParamCount(sharded=sharded, replicated=total - sharded - experts, experts=experts)
+        out.append(LayerShape(params, total - experts + active, moe=experts > 0))
+    return tuple(out)
 
 
 def shape_from_hf_config(config: Any) -> ModelShape:
@@ -342,8 +432,8 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         ) from None
     kv = int(_get(config, "num_key_value_heads", "n_head_kv", default=heads))
     d = int(_get(config, "head_dim", default=h // heads))
-    experts = int(_get(config, "num_local_experts", "num_experts", "n_routed_experts", default=1))
-    top_k = int(_get(config, "num_experts_per_tok", default=1)) if experts > 1 else 1
+    experts = model_dim(config, "num_experts") or 1
+    top_k = (model_dim(config, "num_experts_per_tok") or 1) if experts > 1 else 1
     ffn = int(
         _get(
             config,
@@ -368,10 +458,23 @@ def shape_from_hf_config(config: Any) -> ModelShape:
     )
     per_expert = (3 if gated else 2) * h * ffn
     tp = tp_traffic(plan_source)
+    per_layer: tuple[LayerShape, ...] = ()
+    if experts > 1:
+        try:
+            per_layer = moe_layer_shapes(plan_source)
+        except Exception:  # a family the engine cannot build: E equal experts in every layer, as below
+            per_layer = ()
+    if per_layer:
+        layer = max((s.params for s in per_layer), key=lambda c: c.total)
     return ModelShape(
         num_layers=layers,
         layer=layer,
         layer_flop_params=layer.total - (experts - top_k) * per_expert,
+        per_layer=per_layer,
+        num_experts=experts if experts > 1 else 0,
+        experts_per_token=top_k if experts > 1 else 0,
+        expert_width=ffn if experts > 1 else 0,
+        tp_routing_allreduce_width=tp.routing_allreduce_width,
         embedding=vocab * h,
         head=vocab * h,
         final_norm=h,
@@ -384,7 +487,6 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         model_type=model_type,
         ffn_size=ffn,
         gated_mlp=gated,
-        experts_per_token=top_k,
         rms_norm=_get(config, "layer_norm_eps", "layer_norm_epsilon", "norm_eps") is None,
         tp_forward_allreduces=tp.forward_allreduces,
         tp_backward_allreduces=tp.backward_allreduces,

@@ -7,7 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
-Shard = tuple[torch.Tensor, int | None, int]  # (tensor, partition dim or None, tp rank)
+from dsx3d.models.weights import shard_of
+
+Shard = tuple[torch.Tensor, int | None, int]  # (tensor, partition dim or None, index along it)
 
 
 def local_shape(param: nn.Parameter) -> tuple[int, ...]:
@@ -17,18 +19,19 @@ def local_shape(param: nn.Parameter) -> tuple[int, ...]:
 
 
 def local_hf_shards(module: nn.Module, tp_rank: int) -> dict[str, Shard]:
-    """{hf_name: (tensor, dim, tp_rank)} for every parameter this rank owns (materialize() names them)."""
+    """{hf_name: (tensor, dim, index)} for every parameter this rank owns (materialize() names them): the
+    index of a TP shard is its TP rank, of an expert shard its slot over ep x tp."""
     out: dict[str, Shard] = {}
     for p in module.parameters():
         name = getattr(p, "hf_name", None)
         if name is not None and name not in out:
-            dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
-            out[name] = (p.detach().float().clone(), dim, tp_rank)
+            dim, index = shard_of(p, tp_rank) or (None, tp_rank)
+            out[name] = (p.detach().float().clone(), dim, index)
     return out
 
 
 def merge_shards(per_rank: list[dict[str, Shard]], sizes: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """Full tensors from every rank's shards: TP shards concatenated in tp order along their dim and trimmed
+    """Full tensors from every rank's shards: shards concatenated in index order along their dim and trimmed
     to the real size (vocab padding removed); replicated tensors taken once."""
     sizes = sizes or {}
     pieces: dict[str, dict[int, torch.Tensor]] = {}

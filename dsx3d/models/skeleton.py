@@ -60,10 +60,14 @@ class _HiddenStub(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.hidden: torch.Tensor | None = None
+        self.router_logits: tuple[torch.Tensor, ...] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
         assert self.hidden is not None
-        return _StubOutput(last_hidden_state=self.hidden)
+        out = _StubOutput(last_hidden_state=self.hidden)
+        if self.router_logits is not None:
+            out.router_logits = self.router_logits  # an MoE family's CausalLM computes its aux loss from them
+        return out
 
 
 class _EmbeddingStub(nn.Module):
@@ -183,10 +187,19 @@ class Skeleton:
         self._cache_key = (input_ids, dtype)
         return self._cached_calls
 
-    def head(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Last stage: the CausalLM's own forward on the final hidden states (after the epilogue)."""
+    def head(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, router_logits: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Last stage: the CausalLM's own forward on the final hidden states (after the epilogue). Given the
+        router logits of every layer (stacked), the forward also computes the family's auxiliary loss; with
+        its language-model loss replaced by zero (`dsx3d.models.moe.no_lm_loss`), returns (logits, the
+        terms the family adds to its loss)."""
         self._stub.hidden = hidden
+        self._stub.router_logits = None if router_logits is None else tuple(router_logits.unbind(0))
         try:
-            return self.lm(input_ids=input_ids, use_cache=False).logits
+            if router_logits is None:
+                return self.lm(input_ids=input_ids, use_cache=False).logits
+            out = self.lm(input_ids=input_ids, labels=input_ids, use_cache=False)
+            return out.logits, out.loss
         finally:
-            self._stub.hidden = None
+            self._stub.hidden = self._stub.router_logits = None

@@ -2,8 +2,10 @@
 
 A Hugging Face `base_model_tp_plan` maps module-name patterns ("layers.*.self_attn.q_proj") to styles. dsx3d
 shards on plain tensors the styles below; a module whose style it does not implement (packed projections,
-MoE expert containers, MLA) stays whole on every TP rank together with its children: its input is the full
-residual stream, so each TP rank computes the same output and gets the same, full gradient.
+MLA) stays whole on every TP rank together with its children: its input is the full residual stream, so
+each TP rank computes the same output and gets the same, full gradient. An MoE experts module
+(`moe_tp_experts`) is split by experts over the TP (and expert-parallel) ranks as one unit
+(`dsx3d.distributed.expert_parallel`); the plan's styles for its weight tensors are not read.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ ROW_STYLES = ("rowwise", "rowwise_split_input")
 GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 """A whole parameter on every TP rank that sees only its rank's heads (q/k norms): gradients summed over TP."""
 
-SUPPORTED_TP_STYLES = frozenset({*COLUMN_STYLES, *ROW_STYLES, GRAD_ALLREDUCE})
+EXPERTS = "moe_tp_experts"
+"""An MoE experts module: its (E, ...) weights split by experts; routed tokens in, partial sums out (g)."""
+
+SUPPORTED_TP_STYLES = frozenset({*COLUMN_STYLES, *ROW_STYLES, GRAD_ALLREDUCE, EXPERTS})
 
 
 @lru_cache(maxsize=4096)
@@ -62,6 +67,10 @@ class Sharding:
         return self.style == GRAD_ALLREDUCE
 
     @property
+    def experts(self) -> bool:
+        return self.style == EXPERTS
+
+    @property
     def gather_output(self) -> bool:
         return self.style == "colwise_gather_output"
 
@@ -75,7 +84,7 @@ def sharding_for(style: str | None, *, is_linear: bool) -> Sharding | None:
     left as it is; its children may still be sharded, unless `keeps_whole` says otherwise."""
     if style is None or style not in SUPPORTED_TP_STYLES:
         return None
-    if style == GRAD_ALLREDUCE or is_linear:
+    if style in (GRAD_ALLREDUCE, EXPERTS) or is_linear:
         return Sharding(style)
     return None
 
@@ -85,7 +94,7 @@ def keeps_whole(style: str | None, *, is_linear: bool) -> bool:
     not a linear, or an unimplemented style) stays whole on every TP rank, children included."""
     if style is None:
         return False
-    return style not in SUPPORTED_TP_STYLES or (style != GRAD_ALLREDUCE and not is_linear)
+    return style not in SUPPORTED_TP_STYLES or (style not in (GRAD_ALLREDUCE, EXPERTS) and not is_linear)
 
 
 def plan_modules(
@@ -93,7 +102,7 @@ def plan_modules(
 ) -> list[tuple[str, Any, Sharding]]:
     """(name inside `module`, submodule, sharding) for every submodule the plan shards, parents before
     children; `rel_name` is `module`'s name relative to the base model ("layers.3"). Subtrees that
-    `keeps_whole` are skipped entirely. The engine swaps in TP layers from this list; the estimator counts
+    `keeps_whole` are skipped entirely, and so are the insides of an experts module (split as one unit). The engine swaps in TP layers from this list; the estimator counts
     the same list on a meta-device model, so both read the plan identically."""
     out: list[tuple[str, Any, Sharding]] = []
     whole: list[str] = []
@@ -109,6 +118,8 @@ def plan_modules(
         sharding = sharding_for(style, is_linear=linear)
         if sharding is not None:
             out.append((sub_name, sub, sharding))
+            if sharding.experts:
+                whole.append(sub_name)
     return out
 
 
@@ -162,6 +173,8 @@ def sequence_parallel_blockers(
         if inside(name, [r for r in regions if r != name]):
             reasons.append(f"{rel_name}.{name} is a TP region inside another one")
     for name, _, sharding in shardings:
+        if sharding.experts:
+            reasons.append(f"{rel_name}.{name} holds MoE experts, which run on the whole sequence")
         if sharding.row and not inside(name, regions):
             reasons.append(f"{rel_name}.{name} is row-parallel outside any module with column-parallel linears")
     for name, sub in layer.named_modules():

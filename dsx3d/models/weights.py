@@ -57,11 +57,26 @@ def _padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
+SHARD_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shard_slot", "allreduce", "group_name")
+"""What a sharded parameter carries: DeepSpeed's TP marks, dsx3d's expert slot, DeepSpeed's MoE marks."""
+
+
+def shard_of(param: torch.Tensor, tp_rank: int) -> tuple[int, int] | None:
+    """(dim, index) of a parameter that holds piece `index` of equal pieces of the full tensor along `dim`:
+    an expert shard's slot (`shard_slot`, over ep x tp), a TP shard's TP rank; None for a whole tensor."""
+    dim = getattr(param, "partition_dim", None)
+    if dim is None:
+        return None
+    if hasattr(param, "shard_slot"):
+        return dim, param.shard_slot  # type: ignore[attr-defined]
+    return (dim, tp_rank) if getattr(param, "tensor_model_parallel", False) else None
+
+
 def materialize(module: nn.Module, prefix: str, source: WeightSource, tp_rank: int, aliases: dict[str, str] | None = None) -> None:
     """Replace every meta parameter of `module` with its shard read from `source` under `prefix + name`.
 
-    A sharded parameter (marked `tensor_model_parallel` with `partition_dim`) of local length n along its
-    dim takes rows [tp_rank * n, (tp_rank + 1) * n) of the full tensor, zero-padded past its end.
+    A sharded parameter (`shard_of`: piece i of length n along its dim) takes rows [i * n, (i + 1) * n) of
+    the full tensor, zero-padded past its end (vocab padding).
     """
     aliases = aliases or {}
     for sub_name, sub in module.named_modules():
@@ -72,10 +87,11 @@ def materialize(module: nn.Module, prefix: str, source: WeightSource, tp_rank: i
             name = aliases.get(full, full)
             if not source.has(name):
                 raise UserError.single("model", name, "the weights lack this tensor", "check that the checkpoint matches the config")
-            if getattr(param, "tensor_model_parallel", False):
-                dim = param.partition_dim
+            shard = shard_of(param, tp_rank)
+            if shard is not None:
+                dim, index = shard
                 n = param.shape[dim]
-                tensor = _padded(source.load(name, dim, tp_rank * n, (tp_rank + 1) * n), dim, n)
+                tensor = _padded(source.load(name, dim, index * n, (index + 1) * n), dim, n)
             else:
                 tensor = source.load(name)
             if tuple(tensor.shape) != tuple(param.shape):
@@ -88,7 +104,7 @@ def materialize(module: nn.Module, prefix: str, source: WeightSource, tp_rank: i
             data = tensor.detach().to(param.dtype, copy=not getattr(source, "fresh_tensors", False))
             new = nn.Parameter(data, requires_grad=param.requires_grad)
             new.hf_name = name  # type: ignore[attr-defined]
-            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            for attr in SHARD_ATTRS:
                 if hasattr(param, attr):
                     setattr(new, attr, getattr(param, attr))
             sub._parameters[pname] = new

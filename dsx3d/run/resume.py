@@ -36,10 +36,12 @@ class SavedLayout:
     pp: int
     bounds: list[int] | None = None
     """Stage boundaries over the pipeline items (None in tags written before dsx3d recorded them)."""
+    ep: int = 1
 
     def describe(self) -> str:
         split = f" (stage bounds {self.bounds})" if self.bounds else ""
-        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}{split}"
+        expert = f" x ep {self.ep}" if self.ep > 1 else ""
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}{expert}{split}"
 
 
 def layout_record(layout: Layout, bounds: list[int], recipe: Recipe) -> dict[str, Any]:
@@ -48,6 +50,7 @@ def layout_record(layout: Layout, bounds: list[int], recipe: Recipe) -> dict[str
         "dp": layout.dp,
         "tp": layout.tp,
         "pp": layout.pp,
+        **({"ep": layout.ep} if layout.ep > 1 else {}),  # absent at ep 1: earlier tags still read the same
         "world_size": layout.world_size,
         "stage_bounds": [int(b) for b in bounds],
         "seq_len": recipe.train.seq_len,
@@ -62,7 +65,9 @@ def read_saved(tag_dir: Path) -> tuple[SavedLayout | None, Recipe | None]:
     try:
         data = json.loads((tag_dir / LAYOUT_FILE).read_text())
         bounds = data.get("stage_bounds")
-        layout = SavedLayout(int(data["dp"]), int(data["tp"]), int(data["pp"]), list(bounds) if bounds else None)
+        layout = SavedLayout(
+            int(data["dp"]), int(data["tp"]), int(data["pp"]), list(bounds) if bounds else None, int(data.get("ep", 1))
+        )
     except (OSError, ValueError, KeyError, TypeError):
         pass
     recipe = None
@@ -139,10 +144,31 @@ def plan_resume(
     if saved_layout is None:
         notes.append(f"{tag} has no readable {LAYOUT_FILE}: assuming it was written at this layout")
     else:
-        now = SavedLayout(layout.dp, layout.tp, layout.pp, list(bounds))
+        now = SavedLayout(layout.dp, layout.tp, layout.pp, list(bounds), layout.ep)
         moved = (saved_layout.dp, saved_layout.tp, saved_layout.pp) != (now.dp, now.tp, now.pp) or (
             saved_layout.bounds is not None and saved_layout.bounds != now.bounds
         )
+        if moved and (saved_layout.pp == 1) != (now.pp == 1):
+            problems.append(
+                Problem(
+                    f"--resume {tag}",
+                    f"{saved_layout.describe()} -> {now.describe()}",
+                    "pp = 1 runs on DeepSpeed's regular engine and pp > 1 on its pipeline engine; their "
+                    "checkpoints name the parameters differently and cannot be resharded into each other",
+                    "resume with a pipeline if the checkpoint has one (or without, if not), or export the "
+                    "checkpoint (dsx3d export) and start a new run from the HF model",
+                )
+            )
+        if (moved or saved_layout.ep != now.ep) and (saved_layout.ep > 1 or now.ep > 1):
+            problems.append(
+                Problem(
+                    f"--resume {tag}",
+                    f"{saved_layout.describe()} -> {now.describe()}",
+                    "experts split over EP ranks cannot be resharded (DeepSpeed's universal conversion does not "
+                    "know dsx3d's expert files)",
+                    "resume at the layout the checkpoint was written with",
+                )
+            )
         if moved:
             if recipe.zero.stage == 0:
                 problems.append(

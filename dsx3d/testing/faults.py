@@ -33,21 +33,37 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def no_column_input_grad_allreduce() -> contextlib.AbstractContextManager[None]:
-    """Column-parallel linears forget Megatron's f: their input gradient is never summed over TP."""
-    from dsx3d.distributed.tensor_parallel.context import TPContext
+    """Column-parallel linears forget Megatron's f: the summed input gradient of a TP region entry is never
+    reduced over TP (with sequence parallelism each rank keeps its own rows of its partial sum)."""
+    from dsx3d.distributed.tensor_parallel import regions
+    from dsx3d.distributed.tensor_parallel.mappings import own_rows
 
-    def enter_region(self: Any, x: torch.Tensor, *, training: bool) -> torch.Tensor:
-        self.random.enter_sharded(x, training)
-        return x
+    class _Done:
+        def wait(self) -> None:
+            pass
 
-    return _patched(TPContext, "enter_region", enter_region)
+    def launch(self: Any) -> None:
+        assert self._partial is not None
+        buf = own_rows(self._partial, self.group).movedim(-2, 0) if self.gather else self._partial
+        self._partial = None
+        self._launched = (buf, _Done())
+
+    return _patched(regions.RegionEntry, "_launch", launch)
 
 
 def no_row_output_allreduce() -> contextlib.AbstractContextManager[None]:
-    """Row-parallel linears forget Megatron's g: each rank keeps its partial sum."""
+    """Row-parallel linears forget Megatron's g: each rank keeps its partial sum (with sequence parallelism,
+    its own rows of it)."""
     from dsx3d.distributed.tensor_parallel.context import TPContext
+    from dsx3d.distributed.tensor_parallel.mappings import split_to_sequence
 
-    def exit_region(self: Any, y: torch.Tensor) -> torch.Tensor:
+    def exit_region(self: Any, y: torch.Tensor, *, training: bool = False, scatter: bool | None = None) -> torch.Tensor:
+        if scatter is None:
+            scatter = self.sequence_parallel and self.depth <= 1
+        if scatter and self.size > 1:
+            out = split_to_sequence(y, self.group)
+            self.random.enter_sharded(out, training)
+            return out
         self.random.leave_sharded()
         return y
 
@@ -132,6 +148,39 @@ def no_qk_norm_grad_allreduce() -> contextlib.AbstractContextManager[None]:
     return _patched(pipe_layers, "all_reduce_grad_hook", lambda group: lambda g: g)
 
 
+def experts_reduced_over_all_dp_ranks() -> contextlib.AbstractContextManager[None]:
+    """Expert shards lack DeepSpeed's expert marks: their gradients are averaged over the whole DP group, so
+    each EP rank's experts are mixed with the other EP ranks' (different) experts."""
+    from dataclasses import replace
+
+    from dsx3d.distributed.expert_parallel import experts
+
+    original = experts.mark_expert_shard
+
+    def mark(param: torch.nn.Parameter, slot: int, ctx: Any) -> None:
+        original(param, slot, replace(ctx, ep=1))
+
+    return _patched(experts, "mark_expert_shard", mark)
+
+
+def routing_weight_grad_not_summed_over_tp() -> contextlib.AbstractContextManager[None]:
+    """The experts region enters the hidden states but not the routing weights: the router's gradient keeps
+    only this TP rank's experts' share."""
+    from dsx3d.distributed.expert_parallel.experts import _ExpertsRegion
+
+    def enter(self: Any, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ctx.tp.enter_partial(x, training=self.module_ref[0].training), w
+
+    return _patched(_ExpertsRegion, "enter", enter)
+
+
+def aux_loss_lost_between_stages() -> contextlib.AbstractContextManager[None]:
+    """Router logits do not travel between stages, so the last stage computes no auxiliary loss."""
+    from dsx3d.models import moe
+
+    return _patched(moe, "adds_auxiliary_loss", lambda config, skeleton: False)
+
+
 @dataclass(frozen=True)
 class Fault:
     description: str
@@ -139,10 +188,16 @@ class Fault:
     """(dp, tp, pp) where the defect matters."""
     config: Callable[[], PretrainedConfig]
     patch: Callable[[], contextlib.AbstractContextManager[None]]
+    ep: int = 1
 
 
 def _llama() -> PretrainedConfig:
     return tiny_config("llama", tie_word_embeddings=False)
+
+
+def _moe() -> PretrainedConfig:
+    """Mixtral: top-2 of 8 experts, fused 3D expert weights, with its load-balancing loss."""
+    return tiny_config("mixtral", num_local_experts=8, output_router_logits=True)
 
 
 FAULTS: dict[str, Fault] = {
@@ -172,5 +227,14 @@ FAULTS: dict[str, Fault] = {
     ),
     "q/k norm gradient not all-reduced": Fault(
         "replicated_with_grad_allreduce ignored", (1, 2, 1), lambda: tiny_config("qwen3"), no_qk_norm_grad_allreduce
+    ),
+    "expert gradients reduced over every DP rank": Fault(
+        "experts of different EP ranks averaged together", (2, 1, 2), _moe, experts_reduced_over_all_dp_ranks, ep=2
+    ),
+    "routing-weight gradient not summed over TP": Fault(
+        "the router learns from one TP rank's experts only", (1, 2, 1), _moe, routing_weight_grad_not_summed_over_tp
+    ),
+    "auxiliary loss lost between stages": Fault(
+        "the load-balancing loss is left out when the layers span stages", (1, 1, 2), _moe, aux_loss_lost_between_stages
     ),
 }

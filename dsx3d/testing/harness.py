@@ -87,7 +87,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     out = Path(workdir)
     for r in hung:
-        os.kill(procs[r].pid, signal.SIGUSR1)
+        pid = procs[r].pid
+        if pid is not None:  # started, so always set
+            os.kill(pid, signal.SIGUSR1)
     if hung:
         time.sleep(1.0)
     for p in procs:

@@ -1,17 +1,20 @@
-"""Communication per step by group type (TP, PP, DP), counted, against the estimator's analytic volumes.
+"""Communication per step by group type (TP, EP, PP, DP), counted, against the estimator's analytic volumes.
 
 Every call this process makes into torch.distributed is counted by `bench.counting` (a hook on the
 ProcessGroup methods all collectives and p2p calls end in, DeepSpeed's included) with its group's ranks and
 its buffer size, during `--steps` optimizer steps after one warm-up step (the first step also exchanges
 tensor shapes once). A call is attributed to a group type by its ranks, from the layout: the TP (slice)
-groups, the DP groups, send/recv between adjacent stages of a pipeline (PP), all-reduces over a (first,
-last) stage pair (tied embedding); broadcasts over a pipe group (the loss), the model-parallel group
+groups, the DP groups (and, with expert parallelism, the expert-data-parallel groups over which expert
+gradients are reduced), all-to-alls over the EP groups (EP), send/recv between adjacent stages of a pipeline
+(PP), all-reduces over a (first, last) stage pair (tied embedding); broadcasts over a pipe group (the loss), the model-parallel group
 (pp x tp: gradient-norm scalars) and the world are reported separately. Bytes are those one rank sends,
 ring-counted (`CommRecord.sent_bytes`), the estimator's unit. TP and PP must agree exactly with
 `dsx3d.estimate` per stage; DP is compared too (DeepSpeed also all-reduces two 4-byte scalars over DP, the
-gradient norm's partial sum and the loss, which the estimator leaves out).
+gradient norm's partial sum and the loss, which the estimator leaves out). EP bytes depend on where the
+router sends the tokens: the estimator assumes routes spread evenly, so EP is compared, not required equal
+(counted: the rows each all-to-all sends to other ranks, and the per-expert counts exchanged before them).
 
-    python -m scripts.bench.comm [--quick] [--dp 2 --tp 2 --pp 2] [--checkpointing] [--family qwen3] [--no-write]
+    python -m scripts.bench.comm [--quick] [--dp 2 --tp 2 --pp 2] [--ep 2] [--checkpointing] [--family qwen3] [--no-write]
     python -m scripts.bench.comm --sweep     # every family with plans, quick (about 10 minutes on 2 cores)
 """
 
@@ -36,7 +39,9 @@ def classify(record: Any, layout: Any) -> str:
         return "pp" if same_pipe else "other"
     if len(ranks) == 1:
         return "other"
-    for kind, groups in (("tp", layout.tp_groups()), ("dp", layout.dp_groups())):
+    if record.op == "all_to_all" and any(ranks == set(g) for g in layout.ep_groups()):
+        return "ep"
+    for kind, groups in (("tp", layout.tp_groups()), ("dp", layout.dp_groups() + layout.edp_groups())):
         if any(ranks == set(g) for g in groups):
             return kind
     # the tied embedding/head gradient is all-reduced over (first, last) stage pairs, which are whole pipe
@@ -57,14 +62,16 @@ def worker(
     rank: int,
     work: bc.Workload,
     state: dict[str, torch.Tensor],
-    dims: tuple[int, int, int],
+    dims: tuple[int, ...],
     steps: int,
     ckpt: bool,
 ) -> dict[str, Any]:
     from scripts.bench.counting import CommCounter
 
-    dp, tp, pp = dims
-    contender = bc.dsx3d_contender("dsx3d", work, state, dp=dp, tp=tp, pp=pp, activation_checkpointing=ckpt)
+    dp, tp, pp, ep = (*dims, 1)[:4]
+    contender = bc.dsx3d_contender(
+        "dsx3d", work, state, dp=dp, tp=tp, pp=pp, ep=ep, activation_checkpointing=ckpt
+    )
     engine = contender.engine
     batches = bc.make_batches(work, steps + 1)
     with CommCounter() as counter:
@@ -90,39 +97,25 @@ def worker(
     return {"rank": rank, "stage": engine.placement.pp, "layers": layers, "per_kind": dict(per_kind)}
 
 
-def analytic(work: bc.Workload, dims: tuple[int, int, int], stage_layers: list[int], ckpt: bool) -> Any:
-    from dsx3d.estimate import Setup, estimate, shape_from_hf_config
-
-    dp, tp, pp = dims
-    setup = Setup(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        zero_stage=1,
-        dtype=work.dtype,
-        micro_batch_size=work.micro_batch,
-        seq_len=work.seq_len,
-        grad_accum=work.micro_batches(dp),
-        activation_checkpointing=ckpt,
-        stage_layers=tuple(stage_layers),
-    )
-    return estimate(shape_from_hf_config(work.config), setup)
+def analytic(work: bc.Workload, dims: tuple[int, ...], stage_layers: list[int], ckpt: bool) -> Any:
+    return bc.estimate_for(work, dims, stage_layers, activation_checkpointing=ckpt)
 
 
 def run(
     quick: bool,
-    dims: tuple[int, int, int] = (2, 2, 2),
+    dims: tuple[int, ...] = (2, 2, 2),
     steps: int | None = None,
     ckpt: bool = False,
     family: str | None = None,
+    config_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Measure and compare; returns the result (also what the smoke test asserts on). `family`: a
     model_type whose `dsx3d.models.families.tiny_config` replaces the benchmark's Llama (other TP plans, tying)."""
     from dsx3d.models.families import tiny_config
 
     steps = steps or (1 if quick else 3)
-    dp, tp, pp = dims
-    config = bc.bench_config(quick) if family is None else tiny_config(family)
+    dp, tp, pp, ep = (*dims, 1)[:4]
+    config = bc.bench_config(quick) if family is None else tiny_config(family, **(config_overrides or {}))
     work = bc.Workload(config, micro_batch=2, seq_len=16 if quick else 128, global_batch=2 * dp * 2 * pp)
     warm_up()
     state = bc.make_state(work.config)
@@ -134,17 +127,18 @@ def run(
     for r in per_rank:
         predicted = est.stages[r["stage"]].comm_bytes
         row: dict[str, Any] = {"rank": r["rank"], "stage": r["stage"]}
-        for kind in ("tp", "pp", "dp", "tied"):
+        for kind in ("tp", "ep", "pp", "dp", "tied"):
             measured = r["per_kind"].get(kind, {}).get("sent_bytes", 0.0)
             row[kind] = {
                 "measured": measured,
                 "analytic": predicted.get(kind, 0.0),
                 "equal": math.isclose(measured, predicted.get(kind, 0.0), rel_tol=1e-9, abs_tol=1e-6),
             }
-        row["other"] = {k: v for k, v in r["per_kind"].items() if k not in ("tp", "pp", "dp", "tied")}
+        row["other"] = {k: v for k, v in r["per_kind"].items() if k not in ("tp", "ep", "pp", "dp", "tied")}
         row["ops"] = {k: v["ops"] for k, v in r["per_kind"].items()}
         rows.append(row)
     exact = {kind: all(row[kind]["equal"] for row in rows) for kind in ("tp", "pp", "dp", "tied")}
+    ep_ratio = [row["ep"]["measured"] / row["ep"]["analytic"] for row in rows if row["ep"]["analytic"]]
     dp_ratio = [row["dp"]["measured"] / row["dp"]["analytic"] for row in rows if row["dp"]["analytic"]]
     # scalars the model leaves out: ZeRO-1's gradient-norm partial sum (4 bytes, every stage) and the loss
     # (4 bytes, last stage), both all-reduced over DP
@@ -158,6 +152,7 @@ def run(
             "dp": dp,
             "tp": tp,
             "pp": pp,
+            "ep": ep,
             "stage_layers": stage_layers,
             "activation_checkpointing": ckpt,
         },
@@ -173,6 +168,7 @@ def run(
         "exact": exact,
         "dp_measured_over_analytic": [bc.rounded(x, 6) for x in dp_ratio],
         "dp_excess_bytes": [bc.rounded(x, 6) for x in dp_excess],
+        "ep_measured_over_analytic": [bc.rounded(x, 4) for x in ep_ratio],
         "ranks": rows,
     }
 
@@ -208,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (an MoE --family)")
     parser.add_argument("--steps", type=int, default=None, help="counted steps (default 3, quick 1)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
     parser.add_argument(
@@ -230,10 +227,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         bc.emit("communication_sweep", swept, write=not args.no_write)
         return swept
-    result = run(args.quick, (args.dp, args.tp, args.pp), args.steps, args.checkpointing, args.family)
+    result = run(args.quick, (args.dp, args.tp, args.pp, args.ep), args.steps, args.checkpointing, args.family)
     key = (
         "communication"
         + (f"_{args.family}" if args.family else "")
+        + (f"_ep{args.ep}" if args.ep > 1 else "")
         + ("_checkpointing" if args.checkpointing else "")
     )
     bc.emit(key, result, write=not args.no_write)

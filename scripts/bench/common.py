@@ -98,6 +98,27 @@ def bench_config(quick: bool, **overrides: Any) -> Any:
     )
 
 
+def estimate_for(work: Workload, dims: tuple[int, ...], stage_layers: list[int], **setup: Any) -> Any:
+    """dsx3d's estimate of `work` at layout `dims` = (dp, tp, pp[, ep]) with ZeRO-1 and the measured split;
+    `setup` adds or overrides Setup fields (activation_checkpointing, flash_attention, ...)."""
+    from dsx3d.estimate import Setup, estimate, shape_from_hf_config
+
+    dp, tp, pp, ep = (*dims, 1)[:4]
+    fields: dict[str, Any] = dict(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        zero_stage=1,
+        dtype=work.dtype,
+        micro_batch_size=work.micro_batch,
+        seq_len=work.seq_len,
+        grad_accum=work.micro_batches(dp),
+        stage_layers=tuple(stage_layers),
+    )
+    return estimate(shape_from_hf_config(work.config), Setup(**{**fields, **setup}))
+
+
 def make_state(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:
     """The HF model's initial weights (every contender starts from them)."""
     from transformers import AutoModelForCausalLM

@@ -6,9 +6,10 @@ torch.distributed function ends in, so it sees DeepSpeed's calls too, whichever 
 cached at start-up. It does not see what C++ calls directly (DDP's reducer).
 
 Buffer bytes per call (`CommRecord.nbytes`): all-reduce, broadcast, reduce, send and recv the tensor;
-all-gather the gathered output (group size x input); reduce-scatter the input being scattered. `sent_bytes`
-turns a record into the bytes one rank sends with ring algorithms, the unit of `dsx3d.estimate`:
-all-reduce 2(g-1)/g of the buffer, all-gather and reduce-scatter (g-1)/g, send all of it, recv nothing.
+all-gather the gathered output (group size x input); reduce-scatter the input being scattered; all-to-all the
+input, of which `local_bytes` stay on this rank (its own split). `sent_bytes` turns a record into the bytes
+one rank sends with ring algorithms, the unit of `dsx3d.estimate`: all-reduce 2(g-1)/g of the buffer,
+all-gather and reduce-scatter (g-1)/g, all-to-all what goes to other ranks, send all of it, recv nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class CommRecord:
     ranks: tuple[int, ...]
     """Global ranks of the group; for send/recv (this rank, peer) as global ranks."""
     nbytes: int
+    local_bytes: int | None = None
+    """all-to-all: bytes of the input this rank sends to itself (None: assume an even split)."""
 
     @property
     def group_size(self) -> int:
@@ -45,6 +48,8 @@ class CommRecord:
             return 0.0
         if self.op == "all_reduce":
             return 2 * (g - 1) / g * self.nbytes
+        if self.op == "all_to_all" and self.local_bytes is not None:
+            return float(self.nbytes - self.local_bytes)
         if self.op in ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"):
             return (g - 1) / g * self.nbytes
         return float(self.nbytes)
@@ -83,6 +88,17 @@ _METHODS: dict[str, tuple[str, Callable[[tuple], int]]] = {
 }
 
 
+def _local_split_bytes(pg: Any, args: tuple) -> int | None:
+    """alltoall_base(output, input, output_splits, input_splits): the rows of the input this rank keeps."""
+    if len(args) < 4 or not isinstance(args[1], torch.Tensor):
+        return None
+    tensor, splits, me = args[1], list(args[3]), pg.rank()
+    row = tensor[0].numel() * tensor.element_size() if tensor.dim() and tensor.shape[0] else 0
+    if not splits:  # even split
+        return tensor.numel() * tensor.element_size() // max(pg.size(), 1)
+    return int(splits[me]) * row
+
+
 def _group_ranks(pg: Any) -> tuple[int, ...]:
     try:
         return tuple(dist.get_process_group_ranks(pg))
@@ -106,7 +122,8 @@ class CommCounter:
             if op in ("send", "recv") and len(args) >= 2:
                 # send/recv take a group-local peer rank; record (this rank, peer) globally
                 ranks = (dist.get_rank(), ranks[int(args[1])])
-            self.records.append(CommRecord(op, ranks, size(args)))
+            local = _local_split_bytes(pg, args) if op == "all_to_all" else None
+            self.records.append(CommRecord(op, ranks, size(args), local))
             return original(pg, *args, **kwargs)
 
         return wrapper

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from dsx3d.distributed.tensor_parallel.mappings import (
+    copy_to_tp,
     gather_last_dim,
     reduce_from_tp,
     reduce_scatter_to_sequence,
@@ -145,6 +146,18 @@ class TPContext:
         full, _ = self._entry(x, gather=self.on_shards)
         self.random.enter_sharded(x, training)
         return full
+
+    def enter_partial(self, x: torch.Tensor, *, training: bool) -> torch.Tensor:
+        """Replicated `x` feeds per-rank computation that is not a column-parallel projection (MoE experts:
+        each rank runs the routes to its own experts), so the gradient reaching `x` through autograd is
+        partial over TP and is all-reduced (Megatron's f as such, no shared entry). Not on sequence shards:
+        models with such regions run without sequence parallelism (`tp_plan.sequence_parallel_blockers`)."""
+        if self.size == 1:
+            return x
+        if self.on_shards:
+            raise RuntimeError("sequence parallelism: a partial-gradient TP region got a sequence shard")
+        self.random.enter_sharded(x, training)
+        return copy_to_tp(x, self.group)
 
     def column_linear(
         self,
