@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "same layout, fp32 ZeRO-1, read from the DeepSpeed engine",
         "layout": dict(zip(("dp", "tp", "pp"), layout, strict=True)),
         "lora": LORA,
-        "model_params": full[0]["params"],
+        "rank0_params": full[0]["params"],
         "full": {k: [r[k] for r in full] for k in keys},
         "lora_run": {k: [r[k] for r in lora] for k in keys},
         "ratio_lora_over_full": {
