@@ -121,8 +121,8 @@ def replicated_grad_counted_tp_times() -> contextlib.AbstractContextManager[None
 
     original = LayerBuilder._own
 
-    def own(self: Any, module: torch.nn.Module, rel_name: str) -> torch.nn.Module:
-        out = original(self, module, rel_name)
+    def own(self: Any, module: torch.nn.Module, rel_name: str, *args: Any) -> torch.nn.Module:
+        out = original(self, module, rel_name, *args)
         for name, p in out.named_parameters():
             if "norm" in name and not getattr(p, "tensor_model_parallel", False):
                 p.tensor_model_parallel = True  # type: ignore[attr-defined]
