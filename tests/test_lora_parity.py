@@ -51,3 +51,10 @@ def test_lora_parity(model: str, layout: tuple[int, int, int], zero: int) -> Non
     dp, tp, pp = layout
     config = tiny_config("qwen3", tie_word_embeddings=True) if model == "qwen3-tied" else tiny_config("llama", tie_word_embeddings=False)
     _assert_lora_parity(ParityCase(config, dp=dp, tp=tp, pp=pp, zero_stage=zero, steps=3, lora=LORA))
+
+
+@sweep
+def test_lora_parity_without_sequence_parallelism() -> None:
+    """Plain TP (activations replicated outside the regions): the column entry is an identity, not a gather."""
+    config = tiny_config("qwen3", tie_word_embeddings=True)
+    _assert_lora_parity(ParityCase(config, dp=1, tp=2, pp=2, steps=3, sequence_parallel=False, lora=LORA))

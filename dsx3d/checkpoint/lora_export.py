@@ -88,6 +88,8 @@ def export_adapter(engine: Engine3D, out_dir: str | Path, tokenizer: Any = None,
             staging = staging_dir(out)
             config = copy.deepcopy(lora.config)
             config.inference_mode = True
+            if not config.base_model_name_or_path:  # where the base came from, when it was a checkpoint
+                config.base_model_name_or_path = getattr(engine.hf_config, "_name_or_path", None) or None
             config.save_pretrained(str(staging))
             tensors = {peft_saved_name(n): t.to(dtype or torch.float32).contiguous() for n, t in sorted(state.items())}
             save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
