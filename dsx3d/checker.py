@@ -623,6 +623,14 @@ def _tracking_packages(c: _Context) -> Iterator[Problem]:
             )
 
 
+def _lora(c: _Context) -> Iterator[Problem]:
+    """model.lora: targets that exist and are decoder-layer linears, a peft config dsx3d can train
+    (`dsx3d.lora_rules`), checked before any process starts."""
+    from dsx3d.lora_rules import lora_problems
+
+    yield from lora_problems(c.recipe, c.hf_config)
+
+
 RULES: list[Rule] = [
     _model_dimensions,
     _seq_len_vs_positions,
@@ -650,6 +658,7 @@ RULES: list[Rule] = [
     _sequence_parallel,
     _model_builds,
     _tracking_packages,
+    _lora,
 ]
 
 # Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.

@@ -29,6 +29,7 @@ from dsx3d.errors import UserError
 from dsx3d.grad_clip import install_fp32_clipping
 from dsx3d.hf_config import load_hf_config
 from dsx3d.layout import Layout, RankPlacement
+from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline, release_last_stage_outputs
 from dsx3d.models.sequential import SequentialLM, build_sequential
 from dsx3d.models.shape import model_dim
@@ -152,6 +153,15 @@ def _zero3_partitioner(ds_config: dict[str, Any], mpu: DataTensorParallelGroups)
     return partition
 
 
+def lora_spec(recipe: Recipe) -> LoraSpec | None:
+    """peft's config for the recipe's `model.lora` (None: full fine-tuning)."""
+    if recipe.model.lora is None:
+        return None
+    from dsx3d.models.lora import peft_config_from
+
+    return LoraSpec(peft_config_from(recipe.model.lora), recipe.train.seed)
+
+
 def _expert_param_groups(module: StagedPipelineModule, params: list[Any]) -> list[dict[str, Any]]:
     """Expert parameters split over the EP group get their own optimizer groups (DeepSpeed's `moe` groups),
     which ZeRO partitions over the expert-data-parallel group; the groups are registered first."""
@@ -206,6 +216,7 @@ def build_engine(
     source = source if source is not None else default_weight_source(recipe, hf_config)
     module: StagedPipelineModule | SequentialLM
     mpu: DataTensorParallelGroups | None = None
+    lora = lora_spec(recipe)
     if layout.pp > 1:
         module = build_pipeline(
             hf_config,
@@ -215,6 +226,7 @@ def build_engine(
             stage_layers=recipe.parallel.stage_layers,
             activation_checkpointing=recipe.train.activation_checkpointing,
             sequence_parallel=recipe.parallel.sequence_parallel,
+            lora=lora,
         )
     else:
         mpu = DataTensorParallelGroups(layout.tp_groups(), layout.dp_groups())
@@ -228,6 +240,7 @@ def build_engine(
             source,
             activation_checkpointing=recipe.train.activation_checkpointing,
             after_item=_zero3_partitioner(ds_config, mpu),
+            lora=lora,
         )
     import deepspeed
 

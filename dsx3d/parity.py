@@ -99,6 +99,9 @@ class ParityCase:
     stage_layers: list[int] | None = None
     sequence_parallel: bool = True
     """parallel.sequence_parallel (takes effect with tp > 1)"""
+    lora: dict[str, Any] | None = None
+    """A recipe's model.lora section: both sides train peft LoRA adapters on the frozen model (the reference
+    is `peft.get_peft_model` on the same HF model; only the adapters are compared)."""
 
     @property
     def world_size(self) -> int:
@@ -160,7 +163,21 @@ def build_reference(case: ParityCase) -> torch.nn.Module:
 
     torch.manual_seed(case.seed)
     model = AutoModelForCausalLM.from_config(case.config)
+    if case.lora is not None:
+        from peft import get_peft_model
+
+        from dsx3d.models.lora import peft_config_from
+        from dsx3d.recipe import LoraSection
+
+        model = get_peft_model(model, peft_config_from(LoraSection(**case.lora)))
     return model.float()
+
+
+def hf_name(name: str) -> str:
+    """A reference parameter's name as the 3D side calls it (`dsx3d.models.lora.hf_param_name`)."""
+    from dsx3d.models.lora import hf_param_name
+
+    return hf_param_name(name)
 
 
 @dataclass
@@ -303,6 +320,10 @@ def case_recipe(case: ParityCase) -> Recipe:
     """The recipe that runs `case` through the same engine builder as `dsx3d train`."""
     model_cfg = {k: v for k, v in case.config.to_diff_dict().items() if not k.startswith("_")}
     model_cfg["model_type"] = case.config.model_type
+    if case.lora is not None:
+        model_cfg = {"config": model_cfg, "lora": case.lora}
+    else:
+        model_cfg = {"config": model_cfg}
     deepspeed: dict[str, Any] = {}
     if case.optimizer == "sgd":
         deepspeed = {
@@ -311,7 +332,7 @@ def case_recipe(case: ParityCase) -> Recipe:
         }
     return recipe_from_dict(
         {
-            "model": {"config": model_cfg},
+            "model": model_cfg,
             "parallel": {
                 "dp": case.dp,
                 "tp": case.tp,
@@ -376,8 +397,8 @@ def run_parity(
     from dsx3d.testing.harness import run_ranks
 
     model = build_reference(case) if model is None else model.float()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {hf_name(k): v.detach().clone() for k, v in model.state_dict().items()}
+    initial = {hf_name(n): p.detach().clone() for n, p in model.named_parameters()}
     batches = make_batches(case)
     t0 = time.perf_counter()
     try:
@@ -392,6 +413,8 @@ def run_parity(
             f"transformers itself cannot train this config on one process ({type(err).__name__}: {first})",
             "fix the config so that the plain HF model runs (head counts, sizes), then verify it",
         ) from None
+    ref.snapshots = [{hf_name(n): t for n, t in snap.items()} for snap in ref.snapshots]
+    ref.adam_slack = {hf_name(n): t for n, t in ref.adam_slack.items()}
     t1 = time.perf_counter()
     results = run_ranks(_rank_worker, case.world_size, case, state, batches, timeout_s=timeout_s)
     t2 = time.perf_counter()

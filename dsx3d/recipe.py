@@ -100,6 +100,29 @@ class _Section(BaseModel):
         return value
 
 
+class LoraSection(_Section):
+    """LoRA fine-tuning through peft: the base model is frozen and only the adapters train."""
+
+    r: Annotated[StrictInt, Field(ge=1, le=1 << 16)] = 8
+    """Adapter rank."""
+    alpha: Annotated[StrictFloat | StrictInt, Field(gt=0, le=1 << 20)] = 16
+    """peft's lora_alpha: the adapter's output is scaled by alpha / r."""
+    dropout: Annotated[StrictFloat, Field(ge=0, lt=1)] = 0.0
+    """Dropout on the adapter's input."""
+    target_modules: Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=256)] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"]
+    )
+    """Linear layers of the decoder layers to adapt, by name or name suffix (peft's matching): q_proj,
+    k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, ..."""
+    init_lora_weights: StrictBool = True
+    """peft's default initialisation (B = 0, so training starts at the base model); false draws B like A."""
+    peft_config: Path_ | None = None
+    """A directory holding a saved peft adapter_config.json (LoraConfig); replaces the keys above."""
+    merge_on_export: StrictBool = False
+    """At the end of the run also write OUTPUT_DIR/hf/: the model with the adapters merged in (Hugging Face
+    format). The adapters alone (peft's format) are always written to OUTPUT_DIR/adapter/."""
+
+
 class ModelSection(_Section):
     name_or_path: Path_ | None = None
     """A local HF checkpoint directory (or a hub id where the network allows)."""
@@ -107,6 +130,8 @@ class ModelSection(_Section):
     """An HF config as a mapping with `model_type`, for training from scratch."""
     trust_remote_code: StrictBool = False
     """Allow code shipped with a checkpoint to run. Off unless the recipe says so."""
+    lora: LoraSection | None = None
+    """Train LoRA adapters (peft) instead of the whole model; see README: LoRA / frozen parameters."""
 
     @field_validator("config")
     @classmethod

@@ -28,6 +28,7 @@ import torch
 from deepspeed.utils import logger as ds_logger
 
 from dsx3d.checkpoint.export import export_hf
+from dsx3d.checkpoint.lora_export import export_adapter
 from dsx3d.data import MicroBatchStream
 from dsx3d.data.prepare import build_rank_data
 from dsx3d.data.stream import EvalBatches
@@ -112,7 +113,7 @@ def train(
         end = max(start, min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps))
         losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info, eval_batches)
         if end == recipe.train.steps:
-            _finish(engine, paths, tokenizer, info)
+            _finish(engine, paths, tokenizer, info, recipe)
         return TrainResult(start, end, losses)
 
 
@@ -236,10 +237,16 @@ def _client_state(step: int, stream: MicroBatchStream, engine: Engine3D) -> dict
     }
 
 
-def _finish(engine: Engine3D, paths: RunPaths, tokenizer: Any, info: RankInfo) -> None:
+def _finish(engine: Engine3D, paths: RunPaths, tokenizer: Any, info: RankInfo, recipe: Recipe) -> None:
     if info.rank == 0 and plot_loss(paths.metrics, paths.loss_plot, f"{paths.root.name}: loss"):
         log.info("loss curve: %s", paths.loss_plot)
-    exported = export_hf(engine, paths.hf, tokenizer=tokenizer)
+    lora = recipe.model.lora
+    if lora is not None:  # the adapters in peft's format; the merged model on request
+        exported = export_adapter(engine, paths.adapter, tokenizer)
+        if lora.merge_on_export:
+            exported = export_hf(engine, paths.hf, tokenizer=tokenizer, merge_lora=True)
+    else:
+        exported = export_hf(engine, paths.hf, tokenizer=tokenizer)
     if info.rank == 0:
         log.info(
             "done: %s", exported

@@ -31,3 +31,15 @@ def test_moe_tp_bytes_exact_and_all_to_all_counted() -> None:
         assert row["tp"]["measured"] == pytest.approx(row["tp"]["analytic"], rel=1e-12, abs=0), row
         assert 0.5 < row["ep"]["measured"] / row["ep"]["analytic"] < 2.0, row
     assert result["layout"]["ep"] == 2
+
+
+def test_lora_bench_measures_adapters_only() -> None:
+    """scripts/bench/lora.py in quick mode at tp 2: LoRA's optimizer state and gradients are those of the
+    adapters alone (fp32 Adam: two moments), a small fraction of full fine-tuning's."""
+    from scripts.bench import lora as bench_lora
+
+    r = bench_lora.main(["--quick", "--layout", "1,2,1", "--no-write"])
+    for run in ("full", "lora_run"):
+        for trainable, state, grads in zip(*(r[run][k] for k in ("trainable_params", "optimizer_state_bytes", "grad_bytes")), strict=True):
+            assert grads == 4 * trainable and 8 * trainable <= state <= 8 * trainable + 64, (run, r[run])
+    assert 0 < r["ratio_lora_over_full"]["optimizer_state_bytes"] < 0.5, r["ratio_lora_over_full"]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dsx3d.checkpoint.lora_export import merged_weights
 from dsx3d.checkpoint.names import expected_params, meta_model, to_hub_names
 from dsx3d.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -38,6 +39,7 @@ from dsx3d.checkpoint.writer import (
 )
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
+from dsx3d.models.lora import is_adapter_name
 from dsx3d.models.shards import local_shape
 
 if TYPE_CHECKING:
@@ -51,12 +53,13 @@ Described = tuple[str, str, tuple[int, ...], int | None, bool]
 
 def describe_params(module: nn.Module) -> list[Described]:
     """This rank's parameters in module order, once each. The layer key is the pipeline item holding it
-    ("3" for the third pipeline layer, "tied_modules.embed" for the tied embedding)."""
+    ("3" for the third pipeline layer, "tied_modules.embed" for the tied embedding). LoRA adapters are not
+    part of the HF model (`dsx3d.checkpoint.lora_export` writes them)."""
     out: list[Described] = []
     seen: set[str] = set()
     for pname, p in module.named_parameters():
         name = getattr(p, "hf_name", None)
-        if name is None or name in seen:
+        if name is None or name in seen or is_adapter_name(name):
             continue
         seen.add(name)
         parts = pname.split(".")
@@ -112,11 +115,13 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    merge_lora: bool = False,
 ) -> Path:
     """Write the run's model as a Hugging Face checkpoint in `out_dir` (replaced atomically). A collective:
     every rank of the job calls it. `tokenizer` is a tokenizer object or a directory of tokenizer files;
     `dtype` defaults to the run's compute dtype. Files are written on the stage ranks' filesystems, so
-    multi-node exports need `out_dir` on a shared filesystem."""
+    multi-node exports need `out_dir` on a shared filesystem. With LoRA the base weights are written, with
+    `merge_lora` with the adapters merged in (W + s B A)."""
     out = Path(out_dir).absolute()
     dtype = dtype or run_dtype(engine)
     model = meta_model(engine.hf_config)
@@ -142,7 +147,7 @@ def export_hf(
     if isinstance(staging, UserError):
         raise staging
 
-    error = _write_stage(engine, stages, files, model, full, dtype, staging)
+    error = _write_stage(engine, stages, files, model, full, dtype, staging, merge_lora)
     errors = [str(e) for e in comm.all_gather_object(error) if e]
     if comm.get_rank() == 0 and not errors:
         try:
@@ -176,6 +181,7 @@ def _write_stage(
     full: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     staging: Path,
+    merge_lora: bool = False,
 ) -> str | None:
     """This rank's part: gather its stage's TP shards layer by layer (dp rank 0 only; for experts split over
     an EP group, every rank of the first EP group) and, on the stage's writer, stream them to the stage's
@@ -190,6 +196,7 @@ def _write_stage(
     builder = engine.module.dsx3d_builder
     tp_group, ep_group = builder.tp.group, builder.experts.group
     params = {getattr(p, "hf_name", None): p for p in engine.module.parameters()}
+    merged = merged_weights(engine.module) if merge_lora else {}
     layers = iter(stages[place.pp])
     error: str | None = None
     for f in (f for f in files if f.segment == place.pp):
@@ -206,7 +213,7 @@ def _write_stage(
                 for name, _, _, dim, expert in layer:
                     if place.dp != 0 and not expert:
                         continue
-                    t = params[name].detach().to(dtype)
+                    t = (merged[name]() if name in merged else params[name].detach()).to(dtype)
                     if dim is not None and layout.tp > 1:
                         parts = comm.gather_to(t, layout.rank_of(pp=place.pp, dp=place.dp, tp=0), tp_group)
                         if parts is not None:

@@ -289,6 +289,12 @@ def export_checkpoint(
     tag_dir = resolve_tag_dir(Path(checkpoint_dir), tag)
     check_replaceable(Path(out_dir).absolute(), "export", "OUT_DIR")
     recipe, config = run_config(tag_dir, trust_remote_code)
+    if recipe.model.lora is not None:
+        raise UserError.single(
+            "CHECKPOINT_DIR", str(tag_dir), "a LoRA run's checkpoint (model.lora): dsx3d export converts full "
+            "fine-tuning checkpoints", "use the adapters the run writes to OUTPUT_DIR/adapter (and the merged "
+            "model in OUTPUT_DIR/hf with model.lora.merge_on_export), or finish the run with dsx3d train --resume",
+        )
     problems = dimension_problems(config, "model.config")
     if problems:
         raise UserError(problems)

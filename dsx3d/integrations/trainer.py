@@ -52,8 +52,10 @@ from dsx3d.integrations.batches import (
 )
 from dsx3d.integrations.last_stage import LastStageLoss, VocabShard, capture_for
 from dsx3d.integrations.layout_source import layout_source, load_layout, model_config_mapping
+from dsx3d.integrations.peft_model import lora_from_peft_model
 from dsx3d.integrations.trainer_args import reconcile, unsupported_args
 from dsx3d.layout import Layout, RankPlacement
+from dsx3d.models.lora import hf_param_name
 from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -171,9 +173,17 @@ class Trainer(transformers.Trainer):
                     f"launch {layout.world_size} processes, or regenerate the config for {world}",
                 )
             )
+        lora_problems = lora_from_peft_model(model, recipe)
+        problems += lora_problems
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        if frozen:
-            problems.append(Problem("model parameters with requires_grad=False", frozen[:5], "dsx3d.Trainer trains every parameter", "unfreeze them"))
+        if frozen and recipe.model.lora is None and not lora_problems:
+            problems.append(
+                Problem(
+                    "model parameters with requires_grad=False", frozen[:5],
+                    "dsx3d.Trainer trains every parameter, or only the LoRA adapters of a peft model",
+                    "unfreeze them, or wrap the model with peft.get_peft_model(model, LoraConfig(...))",
+                )
+            )
         if problems:
             raise UserError(problems)
         _align_accelerate_state(args)
@@ -254,7 +264,7 @@ class Trainer(transformers.Trainer):
 
     def _param_groups(self, module: torch.nn.Module) -> list[dict[str, Any]]:
         """HF's grouping (create_optimizer): weight decay on every parameter but biases and norms."""
-        decay_names = set(self.get_decay_parameter_names(self._hf_model))
+        decay_names = {hf_param_name(n) for n in self.get_decay_parameter_names(self._hf_model)}
         decay: list[torch.nn.Parameter] = []
         no_decay: list[torch.nn.Parameter] = []
         for p in module.parameters():
@@ -571,7 +581,12 @@ class Trainer(transformers.Trainer):
             f".{out.name}.dsx3d-export-{uuid.uuid4().hex[:8]}" if comm.get_rank() == 0 else None
         )
         tmp = out.parent / str(staging)
-        export_hf(self._engine(), tmp, tokenizer=tokenizer)
+        if self._dsx3d.recipe.model.lora is not None:  # a PeftModel: its adapters, in peft's format
+            from dsx3d.checkpoint.lora_export import export_adapter
+
+            export_adapter(self._engine(), tmp, tokenizer=tokenizer)
+        else:
+            export_hf(self._engine(), tmp, tokenizer=tokenizer)
         if comm.get_rank() == 0:
             _move_export(tmp, out)
             torch.save(self.args, out / transformers.trainer.TRAINING_ARGS_NAME)
@@ -669,7 +684,7 @@ def _weight_source(model: Any, seed: int) -> Any:
     from dsx3d.models.weights import StateDictSource
 
     if not _is_meta(model):
-        return StateDictSource({k: v.detach() for k, v in model.state_dict().items()})
+        return StateDictSource({hf_param_name(k): v.detach() for k, v in model.state_dict().items()})
     if _local_checkpoint(model):
         return None
     log.warning(
@@ -713,7 +728,7 @@ def _load_trained_weights(engine: Any, model: Any) -> None:
     if engine.placement.dp != 0:
         shards = {}
     gathered: list[Any] = comm.all_gather_object(shards)
-    params = dict(model.named_parameters())
+    params = {hf_param_name(n): p for n, p in model.named_parameters()}  # a PeftModel: HF names
     sizes = {name: params[name].shape[dim] for ranks in gathered for name, (_, dim, _) in ranks.items() if dim is not None and name in params}
     merged = merge_shards(gathered, sizes)
     missing = sorted(set(params) - set(merged))

@@ -28,8 +28,9 @@ from dsx3d.distributed.tensor_parallel.layers import (
     mark_sharded,
 )
 from dsx3d.distributed.tensor_parallel.mappings import all_reduce_grad_hook
-from dsx3d.models import moe, tp_plan
+from dsx3d.models import lora, moe, tp_plan
 from dsx3d.models.family import FamilySpec
+from dsx3d.models.lora import LoraSpec
 from dsx3d.models.shape import dropout_probabilities
 from dsx3d.models.skeleton import Skeleton, with_hidden
 from dsx3d.models.weights import WeightSource, materialize
@@ -51,9 +52,12 @@ class LayerBuilder:
         tp: TPContext,
         source: WeightSource,
         experts: ExpertContext | None = None,
+        lora: LoraSpec | None = None,
     ):
         self.config, self.plan, self.tp, self.source = config, plan, tp, source
         self.experts = experts if experts is not None else ExpertContext(tp)
+        self.lora = lora
+        """With LoRA, every parameter read from the weights is frozen and decoder layers get peft adapters."""
         self.skeleton = Skeleton(config, plan)
         self.skeleton.lm.loss_function = moe.no_lm_loss  # the last stage computes the LM loss on vocab shards
         self.router_logits = moe.adds_auxiliary_loss(config, self.skeleton)
@@ -121,6 +125,8 @@ class LayerBuilder:
             if not (whole or getattr(sub, "_dsx3d_on_shards", False)):
                 continue
             for p in sub.parameters(recurse=whole):
+                if not p.requires_grad:  # frozen (LoRA): no gradient to reduce
+                    continue
                 if id(p) not in hooked and (whole or not getattr(p, "tensor_model_parallel", False)):
                     hooked.add(id(p))
                     p.register_hook(all_reduce_grad_hook(self.tp.group))
@@ -128,6 +134,9 @@ class LayerBuilder:
     def _own(self, module: nn.Module, rel_name: str, on_sequence: bool = True) -> nn.Module:
         self._shard(module, rel_name, on_sequence)
         materialize(module, f"{self.base_prefix}{rel_name}.", self.source, self.tp.rank)
+        if self.lora is not None:
+            lora.freeze(module)
+            lora.inject(module, f"{self.base_prefix}{rel_name}.", self.lora, self.tp, self.source)
         self._hook_replicated(module)
         return module
 
@@ -143,6 +152,8 @@ class LayerBuilder:
         if self.tp.size > 1:
             self.vocab_embedding = VocabParallelEmbedding(embedding, self.tp, self.padded_vocab)  # type: ignore[arg-type]
         materialize(embedding, f"{self.base_prefix}{self.plan.embed_name}.", self.source, self.tp.rank)
+        if self.lora is not None:
+            lora.freeze(embedding)
         return embedding
 
     def prologue_extra_names(self) -> list[str]:
@@ -174,6 +185,8 @@ class LayerBuilder:
             for p in holder.parameters():
                 mark_sharded(p, 0)
         materialize(holder, f"{self.plan.head_name}.", self.source, self.tp.rank)
+        if self.lora is not None:
+            lora.freeze(holder)
         return holder._parameters["weight"], holder._parameters.get("bias")  # type: ignore[return-value]
 
     def release_source(self) -> None:

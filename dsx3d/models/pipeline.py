@@ -25,6 +25,7 @@ from dsx3d.distributed.expert_parallel.groups import ExpertGroups, create_expert
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.layout import Layout
 from dsx3d.models.family import FamilySpec, resolve_family
+from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipe_layers import (
     DecoderLayerPipe,
     EmbeddingPipe,
@@ -47,6 +48,14 @@ class StagedPipelineModule(PipelineModule):
         self.__dict__["_dsx3d_tp"] = tp
         self.__dict__["dsx3d_builder"] = builder
         super().__init__(layers, **kwargs)
+
+    def allreduce_tied_weight_gradients(self) -> None:
+        """DeepSpeed's, skipping a frozen tied weight (LoRA), which has no gradient."""
+        for key, tied in self.tied_comms.items():
+            for attr_name in tied["weight_attr"]:
+                weight = self._recursive_getattr(self.tied_modules[key], attr_name)
+                if weight.grad is not None:
+                    comm.all_reduce_sum(weight.grad, tied["group"])
 
     def _partition_layers(self, method: str = "") -> None:
         self.parts = list(self._dsx3d_bounds)
@@ -154,6 +163,7 @@ def build_pipeline(
     stage_layers: list[int] | None = None,
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
+    lora: LoraSpec | None = None,
 ) -> StagedPipelineModule:
     """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed).
     `sequence_parallel` takes effect with tp > 1 for families that allow it (`LayerBuilder`)."""
@@ -166,7 +176,7 @@ def build_pipeline(
     if layout.ep > 1:
         groups = create_expert_groups(layout.ep_groups(), layout.edp_groups(), rank)
         experts.group, experts.group_name = groups.ep_group, groups.name
-    builder = LayerBuilder(config, plan, tp, source, experts)
+    builder = LayerBuilder(config, plan, tp, source, experts, lora)
     bounds = stage_bounds(config, layout.pp, seq_len, stage_layers)
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.models.family import resolve_family
+from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipe_layers import (
     DecoderLayerPipe,
     EmbeddingPipe,
@@ -105,7 +106,9 @@ def build_sequential(
     *,
     activation_checkpointing: bool = False,
     after_item: Callable[[nn.Module], None] | None = None,
+    lora: LoraSpec | None = None,
 ) -> SequentialLM:
-    """This rank's whole model, TP-sharded over `tp` (whose group must be bound when tp.size > 1)."""
-    builder = LayerBuilder(config, resolve_family(config), tp, source)
+    """This rank's whole model, TP-sharded over `tp` (whose group must be bound when tp.size > 1); with
+    `lora`, frozen with peft adapters (dsx3d.models.lora)."""
+    builder = LayerBuilder(config, resolve_family(config), tp, source, lora=lora)
     return SequentialLM(builder, activation_checkpointing=activation_checkpointing, after_item=after_item)

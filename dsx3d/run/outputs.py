@@ -8,7 +8,9 @@ OUTPUT_DIR/tokenizer/          the tokenizer (save_pretrained)
 OUTPUT_DIR/metrics.jsonl       one JSON object per logged step
 OUTPUT_DIR/loss.png            the loss curve, drawn at the end
 OUTPUT_DIR/checkpoints/        see dsx3d.checkpoint.training_format
-OUTPUT_DIR/hf/                 the Hugging Face export at the end (with its own dsx3d_export.json)
+OUTPUT_DIR/hf/                 the Hugging Face export at the end (with its own dsx3d_export.json); LoRA
+                               runs: the merged model, with model.lora.merge_on_export only
+OUTPUT_DIR/adapter/            LoRA runs: the adapters in peft's format (with its own dsx3d_export.json)
 
 dsx3d only ever deletes what it wrote: a fresh start over an earlier run removes the files the run's
 manifest names, the checkpoint files of the training-checkpoint format and the files an export's manifest
@@ -38,7 +40,7 @@ log = logging.getLogger("dsx3d")
 
 ROOT_FILES = ("recipe.yaml", "ds_config.json", "placement.json", "metrics.jsonl", "loss.png")
 """Files rank 0 writes at the top of the run directory (named in its manifest)."""
-_OWNED_DIRS = ("checkpoints", "hf", "tokenizer")
+_OWNED_DIRS = ("checkpoints", "hf", "adapter", "tokenizer")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,11 @@ class RunPaths:
     @property
     def hf(self) -> Path:
         return self.root / "hf"
+
+    @property
+    def adapter(self) -> Path:
+        """LoRA runs: the adapters in peft's format (dsx3d.checkpoint.lora_export)."""
+        return self.root / "adapter"
 
 
 def output_dir_problem(path: str | Path, *, cwd: Path | None = None, home: Path | None = None) -> str | None:
@@ -145,11 +152,12 @@ def earlier_run(paths: RunPaths) -> EarlierRun:
     bad = set(foreign_files(paths.checkpoints))
     for rel in files_under(paths.checkpoints):
         (foreign if rel in bad else ours).append(f"checkpoints/{rel}")
-    strangers = set(unknown_files(paths.hf, "export")) if paths.hf.is_dir() else set()
-    for rel in files_under(paths.hf):
-        (foreign if rel in strangers else ours).append(f"hf/{rel}")
-    if paths.hf.exists() and not paths.hf.is_dir():
-        foreign.append("hf")
+    for export in (paths.hf, paths.adapter):
+        strangers = set(unknown_files(export, "export")) if export.is_dir() else set()
+        for rel in files_under(export):
+            (foreign if rel in strangers else ours).append(f"{export.name}/{rel}")
+        if export.exists() and not export.is_dir():
+            foreign.append(export.name)
     if paths.checkpoints.exists() and not paths.checkpoints.is_dir():
         foreign.append("checkpoints")
     return EarlierRun(ours, foreign, read_latest(paths.checkpoints) if paths.checkpoints.is_dir() else None)

@@ -169,6 +169,16 @@ def plan_resume(
                     "resume at the layout the checkpoint was written with",
                 )
             )
+        if moved and recipe.model.lora is not None:
+            problems.append(
+                Problem(
+                    f"--resume {tag}",
+                    f"{saved_layout.describe()} -> {now.describe()}",
+                    "a LoRA run's checkpoint resumes at the layout it was written with (its adapters are not "
+                    "resharded through DeepSpeed's universal checkpoint)",
+                    "resume at the layout the checkpoint was written with",
+                )
+            )
         if moved:
             if recipe.zero.stage == 0:
                 problems.append(

@@ -413,12 +413,38 @@ COMMANDS = """### Reproducing
     python -m scripts.bench.comm            # also --checkpointing, --family qwen3 --dp 1, ...
     python -m scripts.bench.memory
     python -m scripts.bench.moe             # MoE: expert bytes per rank, estimator memory (about 5 min)
+    python -m scripts.bench.lora            # LoRA vs full fine-tuning: optimizer and gradient bytes per rank
     python -m scripts.bench.comm --family mixtral --ep 2    # MoE TP and all-to-all bytes
     python -m scripts.bench.report          # this section, from scripts/bench/results.json
     bash scripts/bench/gpu.sh               # on a CUDA machine
 
 Each script prints its result as JSON and merges it into scripts/bench/results.json (`--no-write` to skip).
 """
+
+
+def lora(r: dict[str, Any]) -> list[str]:
+    lay, cfg = r["layout"], r["lora"]
+    out = [f"### LoRA against full fine-tuning: optimizer and gradient memory per rank (dp{lay['dp']} tp{lay['tp']} pp{lay['pp']})", ""]
+    out += _header(r)
+    out += [
+        f"Model: the tiny benchmark Llama (7.1M parameters), fp32, ZeRO-1; LoRA rank {cfg['r']} on "
+        f"{', '.join(cfg['target_modules'])}. Bytes read from the DeepSpeed engine at the optimizer step of each rank "
+        "(Adam's moments; the fp32 partitions the optimizer updates; the gradients present), largest rank:",
+        "",
+        "| figure | full fine-tuning | LoRA | LoRA / full |",
+        "|---|---|---|---|",
+    ]
+    names = {
+        "optimizer_state_bytes": "optimizer state (Adam moments)",
+        "optimizer_param_bytes": "optimizer's fp32 parameter partitions",
+        "grad_bytes": "gradients",
+        "trainable_params": "trainable parameters (count)",
+    }
+    for key, name in names.items():
+        full, mine = max(r["full"][key]), max(r["lora_run"][key])
+        out.append(f"| {name} | {full:,} | {mine:,} | **{r['ratio_lora_over_full'][key]:.4f}** |")
+    out.append("")
+    return out
 
 
 def render(results: dict[str, Any]) -> str:
@@ -440,9 +466,20 @@ def render(results: dict[str, Any]) -> str:
         "tp_minimum": tp_minimum,
         "estimator_memory": memory,
         "moe": moe,
+        "lora_memory": lora,
         "gpu": gpu,
     }
-    order = ["overhead", "alternatives", "tp_minimum", "bubble", "communication", "estimator_memory", "moe", "gpu"]
+    order = [
+        "overhead",
+        "alternatives",
+        "tp_minimum",
+        "bubble",
+        "communication",
+        "estimator_memory",
+        "moe",
+        "lora_memory",
+        "gpu",
+    ]
 
     def rank(key: str) -> tuple[int, str]:
         return next((i for i, prefix in enumerate(order) if key.startswith(prefix)), len(order)), key

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,41 @@ from dsx3d.distributed.tensor_parallel.mappings import (
 )
 from dsx3d.distributed.tensor_parallel.random import TPRandom
 from dsx3d.distributed.tensor_parallel.regions import RegionEntry, enter, region_linear
+
+
+@dataclass(frozen=True)
+class LoraPath:
+    """One LoRA adapter on a TP projection: y += scaling * B A dropout(x), with x the projection's input.
+
+    Column-parallel (y_r = W_r x + s B_r A x, r = this rank's output columns): A (rank, in) is replicated,
+    B_r (out/t, rank) is this rank's rows of B. z = A x is replicated; dz_r = B_r^T dy_r is partial over TP,
+    so dA = dz_r^T x must be summed over TP (a gradient hook, `dsx3d.models.lora`) and the input gradient
+    A^T dz_r is partial like W_r^T dy_r: the down projection is one more consumer of the region entry
+    (`region_linear`), so its part is summed with the projections' before the entry's one collective.
+    Row-parallel (y = g(W_r x_r + s B A_r x_r)): A_r (rank, in/t) is this rank's columns of A and B (out,
+    rank) is replicated; B is linear, so the sum over ranks of B A_r x_r is B A x and the term joins the
+    partial sums before the exit's reduction; dB = dy^T z_r is partial (summed over TP), dA_r is local."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    dropout: nn.Module
+
+    def _mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The scaled dropout mask (None without dropout): applied through the entry's autograd function."""
+        if isinstance(self.dropout, nn.Identity) or not self.dropout.training:
+            return None
+        return self.dropout(torch.ones_like(x))
+
+    def column_term(self, full: torch.Tensor, entry: RegionEntry) -> torch.Tensor:
+        """(b, s, in) @ (in, rank) -> z, replicated; z @ (rank, out/t) -> this rank's columns."""
+        z = region_linear(full, self.a, None, entry, self._mask(full))
+        return torch.nn.functional.linear(z, self.b) * self.scaling
+
+    def row_term(self, x_local: torch.Tensor) -> torch.Tensor:
+        """(b, s, in/t) @ (in/t, rank) @ (rank, out): this rank's partial sum, reduced with the projection's."""
+        z = torch.nn.functional.linear(self.dropout(x_local), self.a)
+        return torch.nn.functional.linear(z, self.b) * self.scaling
 
 
 @dataclass
@@ -132,12 +167,14 @@ class TPContext:
         *,
         training: bool,
         gather_output: bool = False,
+        lora: Sequence[LoraPath] = (),
     ) -> torch.Tensor:
         """A column-parallel projection (b, s, in) @ (in, out/t) -> (b, s, out/t) inside a region: `x` is an
         entered input, or is entered here (memoized). `gather_output` all-gathers the output columns, which
-        leaves the result replicated (no per-rank dropout stream)."""
+        leaves the result replicated (no per-rank dropout stream). `lora`: adapters added to this rank's
+        columns before any gather (`LoraPath`)."""
         if self.size == 1:
-            return torch.nn.functional.linear(x, weight, bias)
+            return torch.nn.functional.linear(x, weight, bias)  # LoRA at tp = 1 is peft's own layer
         if self.on_shards and not self._is_entered(x):
             raise RuntimeError(
                 "sequence parallelism: a column-parallel linear was called on a sequence shard outside its "
@@ -149,6 +186,8 @@ class TPContext:
             entry = RegionEntry(self.group, False, self.overlap)
             full = enter(x, entry)
         y = region_linear(full, weight, bias, entry)
+        for path in lora:
+            y = y + path.column_term(full, entry)
         if gather_output:
             return gather_last_dim(y, self.group)
         self.random.enter_sharded(x, training)

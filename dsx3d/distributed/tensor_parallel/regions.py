@@ -109,24 +109,29 @@ class _Enter(torch.autograd.Function):
 
 
 class _RegionLinear(torch.autograd.Function):
-    """y = x W^T + b on an entry's output x: (..., in) @ (in, out/t) -> (..., out/t)."""
+    """y = (x * mask) W^T + b on an entry's output x: (..., in) @ (in, out/t) -> (..., out/t). `mask` (a
+    scaled dropout mask, LoRA's down projection) is None for the projections themselves."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, entry: RegionEntry):
+    def forward(ctx, x, weight, bias, entry: RegionEntry, mask=None):
         ctx.entry = entry
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
+        xm = x if mask is None else x * mask
+        ctx.save_for_backward(xm, weight, mask)
         entry.consumers += 1
-        return F.linear(x, weight, bias)
+        return F.linear(xm, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        ctx.entry.contribute(grad.matmul(weight))  # (..., out/t) @ (out/t, in): partial over TP
+        xm, weight, mask = ctx.saved_tensors
+        dx = grad.matmul(weight)  # (..., out/t) @ (out/t, in): partial over TP
+        ctx.entry.contribute(dx if mask is None else dx * mask)
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_weight = g2.t().matmul(x.reshape(-1, x.shape[-1]))  # (out/t, n) @ (n, in), overlaps the collective
-        grad_bias = g2.sum(0) if ctx.has_bias else None
-        return None, grad_weight, grad_bias, None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # frozen base weights (LoRA) need none
+            grad_weight = g2.t().matmul(xm.reshape(-1, xm.shape[-1]))  # (out/t, n) @ (n, in), overlaps the collective
+        grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return None, grad_weight, grad_bias, None, None
 
 
 def enter(x: torch.Tensor, entry: RegionEntry) -> torch.Tensor:
@@ -134,6 +139,10 @@ def enter(x: torch.Tensor, entry: RegionEntry) -> torch.Tensor:
 
 
 def region_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, entry: RegionEntry
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    entry: RegionEntry,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _RegionLinear.apply(x, weight, bias, entry)
+    return _RegionLinear.apply(x, weight, bias, entry, mask)
