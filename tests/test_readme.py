@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import typing
+
 from pydantic import BaseModel
 
 from dsx3d.recipe import Recipe
@@ -17,6 +19,10 @@ def _schema_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
     keys: set[str] = set()
     for name, field in model.model_fields.items():
         annotation = field.annotation
+        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) == 1:  # an optional section (`X | None`): its row, then its keys
+            keys.add(f"{prefix}{name}")
+            annotation = models[0]
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             keys |= _schema_keys(annotation, f"{prefix}{name}.")
         else:
