@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU benchmark in one command (never part of CI): bf16 throughput and MFU of a 1B-class Llama through dsx3d
-# at tp=1 pp=1 vs the plain HF model, same process. Needs one CUDA GPU; fits in about 8 minutes on an H200
+# at tp=1 pp=1 vs the plain HF model, same process; then the memory estimator against max_memory_allocated. Needs one CUDA GPU; fits in about 8 minutes on an H200
 # (set-up included when no pip download is needed; the measurement itself takes 1-2 minutes).
 #
 #   bash scripts/bench/gpu.sh [bench_gpu.py options]      e.g. --rounds 8 --micro-batch 4 --seq-len 2048
@@ -47,4 +47,9 @@ if [ -z "$PY" ]; then
 fi
 echo "[bench_gpu] python: $PY ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'))" >&2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
-exec timeout 450 "$PY" -m scripts.bench.gpu "$@"
+timeout 450 "$PY" -m scripts.bench.gpu "$@"
+# issue 12: the estimator's peak per stage against torch.cuda.max_memory_allocated on this GPU (world size 1,
+# bf16 and fp32, DeepSpeed's default bucket); DSX3D_GPU_MEMORY=0 skips it
+if [ "${DSX3D_GPU_MEMORY:-1}" != 0 ]; then
+  timeout 300 "$PY" -m scripts.bench.memory --device cuda >&2
+fi

@@ -400,7 +400,9 @@ METHODS = """### How the figures are measured
   memory census above on an MoE model with and without expert parallelism.
 - **GPU** (`bash scripts/bench/gpu.sh`): bf16 tokens/s and MFU of a 1.1B Llama (Llama-3.2-1B's shape,
   32k vocabulary, untied) through dsx3d at tp=1 pp=1 against `deepspeed.initialize` on the plain HF model
-  with the same JSON and against the plain HF model with torch AdamW in bf16, alternated in one process.
+  with the same JSON and against the plain HF model with torch AdamW in bf16, alternated in one process;
+  then `scripts/bench/memory.py --device cuda`: the estimator's peak against `torch.cuda.max_memory_allocated`
+  at world size 1 (bf16 and fp32, 1-2B-class shapes, DeepSpeed's default bucket); `DSX3D_GPU_MEMORY=0` skips it.
 """
 
 
