@@ -315,6 +315,17 @@ def tp_minimum(r: dict[str, Any]) -> list[str]:
                 f"| {name} | {c} | {row['step_s']:.3f} | {row['wall_over_before']['median']:.3f} | {row['cpu_over_before']['median']:.3f} | "
                 f"{row['wall_over_deepspeed']['median']:.3f} | {row['cpu_over_deepspeed']['median']:.3f} | {row['max_abs_loss_diff_vs_before']:.1e} |"
             )
+    sp_cpu = [t["contenders"]["sp"]["cpu_over_before"]["median"] for t in r["timing"] if "sp" in t["contenders"]]
+    shared_cpu = [t["contenders"]["shared+overlap"]["cpu_over_before"]["median"] for t in r["timing"] if "shared+overlap" in t["contenders"]]
+    if sp_cpu and shared_cpu:
+        out += [
+            "",
+            f"One input-gradient collective per distinct input (`shared`, `+overlap`) takes {min(shared_cpu):.2f}-{max(shared_cpu):.2f}x "
+            f"the CPU of the engine before. Sequence parallelism (`sp`, the default) costs {min(sp_cpu):.2f}-{max(sp_cpu):.2f}x here: "
+            "on gloo a reduce-scatter plus an all-gather (and the copies that cut and join the shards) cost more than the "
+            "all-reduce they replace, while on NCCL they move the same bytes (Korthikanti et al. 2022). What it buys is below: "
+            "activation memory and pipeline bytes. On a CPU box `parallel.sequence_parallel: false` is the faster setting.",
+        ]
     mem = r.get("memory")
     if mem:
         msg = mem["hidden_message_bytes"]

@@ -38,7 +38,7 @@ class _TPLora(PeftLoraLinear):
         ]
 
     def merge(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("dsx3d merges LoRA into the exported model (export.merge_lora), not in place")
+        raise NotImplementedError("dsx3d merges LoRA into the exported model (model.lora.merge_on_export), not in place")
 
 
 class ColumnParallelLora(_TPLora):
