@@ -4,9 +4,8 @@ it does not (a key added to dsx3d.recipe without a row, or a row left after a ke
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
 import typing
+from pathlib import Path
 
 from pydantic import BaseModel
 
