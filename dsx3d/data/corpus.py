@@ -343,25 +343,31 @@ def select_columns(ds: datasets.Dataset, data: DataSection, plain_text: bool = F
 # --- save_to_disk folders ----------------------------------------------------------------------------
 
 
+def load_saved_split(data: DataSection, path: Path) -> datasets.Dataset:
+    """The `data.split` of the save_to_disk folder `path` (memory-mapped: opening it reads the metadata, not
+    the records); a folder holding one Dataset is taken whole."""
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as err:
+        raise UserError.single(
+            "data.source", data.source, f"cannot read this save_to_disk folder ({err})", "fix or re-save the dataset"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if data.split not in ds:
+            raise UserError.single(
+                "data.split", data.split, f"{data.source} has splits {', '.join(ds)}", "set data.split to one of them"
+            )
+        ds = ds[data.split]
+    return ds
+
+
 def _saved_corpus(data: DataSection, path: Path) -> Corpus:
     stats = [(str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*")) if p.is_file()]
     fingerprint = digest("disk-v1", str(path.resolve()), stats, source_columns(data), data.format, data.split)
     size = sum(s[1] for s in stats)
 
     def load() -> datasets.Dataset:
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except Exception as err:
-            raise UserError.single(
-                "data.source", data.source, f"cannot read this save_to_disk folder ({err})", "fix or re-save the dataset"
-            ) from None
-        if isinstance(ds, datasets.DatasetDict):
-            if data.split not in ds:
-                raise UserError.single(
-                    "data.split", data.split, f"{data.source} has splits {', '.join(ds)}", "set data.split to one of them"
-                )
-            ds = ds[data.split]
-        return select_columns(ds, data)
+        return select_columns(load_saved_split(data, path), data)
 
     return Corpus(data.source, fingerprint, load, large=size >= LARGE_BYTES)
 

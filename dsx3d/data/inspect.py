@@ -25,6 +25,7 @@ from dsx3d.data.corpus import (
     check_source,
     eval_data,
     is_saved_dataset,
+    load_saved_split,
     local_files,
     source_columns,
 )
@@ -69,18 +70,7 @@ def view_source(data: DataSection) -> SourceView | None:
 
 
 def _view_saved(data: DataSection, path: Path) -> SourceView:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))  # memory-mapped: reads the metadata, not the records
-    except Exception as err:
-        raise UserError.single(
-            "data.source", data.source, f"cannot read this save_to_disk folder ({err})", "fix or re-save the dataset"
-        ) from None
-    if isinstance(ds, datasets.DatasetDict):
-        if data.split not in ds:
-            raise UserError.single("data.split", data.split, f"{data.source} has splits {', '.join(ds)}", "set data.split to one of them")
-        ds = ds[data.split]
+    ds = load_saved_split(data, path)
     rows = [dict(r) for r in ds.select(range(min(PEEK_ROWS, ds.num_rows)))]
     return SourceView(rows, ds.num_rows, None)
 
