@@ -98,9 +98,11 @@ def bench_config(quick: bool, **overrides: Any) -> Any:
     )
 
 
-def estimate_for(work: Workload, dims: tuple[int, ...], stage_layers: list[int], **setup: Any) -> Any:
-    """dsx3d's estimate of `work` at layout `dims` = (dp, tp, pp[, ep]) with ZeRO-1 and the measured split;
-    `setup` adds or overrides Setup fields (activation_checkpointing, flash_attention, ...)."""
+def estimate_for(
+    work: Workload, dims: tuple[int, ...], stage_layers: list[int], hardware: Any = None, **setup: Any
+) -> Any:
+    """dsx3d's estimate of `work` at layout `dims` = (dp, tp, pp[, ep]) with ZeRO-1 and the measured split, on
+    `hardware` (default `Hardware()`); `setup` adds or overrides Setup fields (activation_checkpointing, ...)."""
     from dsx3d.estimate import Setup, estimate, shape_from_hf_config
 
     dp, tp, pp, ep = (*dims, 1)[:4]
@@ -116,7 +118,7 @@ def estimate_for(work: Workload, dims: tuple[int, ...], stage_layers: list[int],
         grad_accum=work.micro_batches(dp),
         stage_layers=tuple(stage_layers),
     )
-    return estimate(shape_from_hf_config(work.config), Setup(**{**fields, **setup}))
+    return estimate(shape_from_hf_config(work.config), Setup(**{**fields, **setup}), hardware)
 
 
 def make_state(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:

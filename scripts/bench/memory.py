@@ -294,24 +294,18 @@ def rss_worker(rank: int, point: Point, state: dict[str, torch.Tensor], steps: i
 
 
 def predicted(point: Point, stage_layers: list[int], cpu: bool) -> Any:
-    from dsx3d.estimate import Hardware, Setup, estimate, shape_from_hf_config
+    from dsx3d.estimate import Hardware
 
-    setup = Setup(
-        dp=point.dp,
-        tp=point.tp,
-        pp=point.pp,
-        zero_stage=1,
-        dtype=point.dtype,
-        micro_batch_size=point.micro_batch,
-        seq_len=point.seq_len,
-        grad_accum=point.micro_batches,
+    return bc.estimate_for(
+        point.work(point.config()),
+        (point.dp, point.tp, point.pp),
+        stage_layers,
+        hardware=Hardware(optimizer_temporaries=2 if cpu else 1),
         activation_checkpointing=point.checkpointing,
-        stage_layers=tuple(stage_layers),
         flash_attention=True,  # HF's sdpa: a fused kernel on CPU and GPU alike
         sequence_parallel=point.sequence_parallel,
         reduce_bucket_size=point.reduce_bucket_size,
     )
-    return estimate(shape_from_hf_config(point.config()), setup, Hardware(optimizer_temporaries=2 if cpu else 1))
 
 
 def _by_stage(ranks: list[dict[str, Any]], key: str) -> dict[int, float]:
