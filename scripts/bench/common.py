@@ -121,6 +121,21 @@ def estimate_for(
     return estimate(shape_from_hf_config(work.config), Setup(**{**fields, **setup}), hardware)
 
 
+def model_summary(config: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What a result records of its model: parameters, hidden size, layers, vocabulary."""
+    return {
+        "params": sum(t.numel() for t in state.values()),
+        "hidden": config.hidden_size,
+        "layers": config.num_hidden_layers,
+        "vocab": config.vocab_size,
+    }
+
+
+def workload_summary(work: Workload) -> dict[str, Any]:
+    """What a result records of its workload: micro-batch, sequence length, global batch, dtype."""
+    return {"micro_batch": work.micro_batch, "seq_len": work.seq_len, "global_batch": work.global_batch, "dtype": work.dtype}
+
+
 def make_state(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:
     """The HF model's initial weights (every contender starts from them)."""
     from transformers import AutoModelForCausalLM

@@ -176,18 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "what": "step time: dsx3d before issue 12 / shared TP entries / + overlap / + sequence parallelism / "
         "DeepSpeed's own TP layers (sync, tp_overlap_comm), same ranks, alternated; activation memory and "
         "pipeline bytes per message with and without sequence parallelism",
-        "model": {
-            "params": sum(v.numel() for v in state.values()),
-            "hidden": config.hidden_size,
-            "layers": config.num_hidden_layers,
-            "vocab": config.vocab_size,
-        },
-        "workload": {
-            "micro_batch": work.micro_batch,
-            "seq_len": work.seq_len,
-            "global_batch": work.global_batch,
-            "dtype": work.dtype,
-        },
+        "model": bc.model_summary(config, state),
+        "workload": bc.workload_summary(work),
         "timing": results,
         "memory": mem,
     }
