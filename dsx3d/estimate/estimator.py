@@ -212,9 +212,9 @@ def _stage(
         moe_layers=moe_layers,
         ep=setup.ep,
     )
+    partition = dense / setup.dp + experts / (setup.dp // setup.ep) if setup.zero_stage >= 1 else per_device
     transients = memory.transient_bytes(
-        dense + experts * setup.ep,  # so that / dp gives the dense partition plus the experts' over dp / ep
-        dp=setup.dp,
+        partition,
         zero_stage=setup.zero_stage,
         dtype=setup.dtype,
         fp32_grad_accum=setup.grad_accum_fp32,

@@ -300,17 +300,17 @@ class Transients:
 
 
 def transient_bytes(
-    params_per_device: float,
+    partition: float,
     *,
-    dp: int,
     zero_stage: int,
     dtype: str,
     fp32_grad_accum: bool,
     reduce_bucket_size: float,
     optimizer_temporaries: float,
 ) -> Transients:
+    """`partition`: the parameters this rank's optimizer steps on (with ZeRO >= 1 its share of each group's
+    parameters over that group's data-parallel ranks; without ZeRO all it holds)."""
     kind = optimizer_kind(zero_stage=zero_stage, dtype=dtype, fp32_grad_accum=fp32_grad_accum)
-    partition = params_per_device / (dp if zero_stage >= 1 else 1)
     adam = optimizer_temporaries * 4 * partition
     if kind != "zero":
         return Transients(kind, optimizer_step=adam)
