@@ -38,7 +38,7 @@ def _value_for(param: str, steps: int) -> Any:
     if param.endswith("_steps"):
         return max(1, steps // 3)
     if param == "min_lr":
-        return LR / 10
+        return 1e-5  # below every learning rate the tests draw
     if param.endswith(("_rate", "_ratio")):
         return 0.1
     return 0.5
@@ -89,11 +89,11 @@ def run_sets(rank: int, out: Path, sets: list[dict[str, Any]], ds_config: Path |
 
     import dsx3d
 
+    cls = dsx3d.Trainer if ds_config is not None else transformers.Trainer  # first: it lets deepspeed= name a recipe
     results: list[Any] = []
     for i, overrides in enumerate(sets):
         extra = {"deepspeed": str(ds_config)} if ds_config is not None else {}
-        args = training_args(out / f"set{i}", learning_rate=LR, **extra, **overrides)
-        cls = dsx3d.Trainer if ds_config is not None else transformers.Trainer
+        args = training_args(out / f"set{i}", **{"learning_rate": LR, **extra, **overrides})
         try:
             trainer = cls(model=tiny_llama(), args=args, train_dataset=train_set(), eval_dataset=eval_set())
         except UserError as err:
