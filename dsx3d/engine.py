@@ -199,7 +199,8 @@ def build_engine(
     DeepSpeed engine. The process group must exist (dsx3d.distributed.comm.init_distributed); the world size
     is the group's. `param_groups` splits the model's
     parameters into optimizer groups (the Trainer drop-in exempts biases and norms from weight decay, as HF
-    does); by default every trainable parameter is in one group. `check_data` adds the checker's rules on the
+    does); by default every trainable parameter is in one group. A top-level `ds_overrides` key set to None
+    removes that section. `check_data` adds the checker's rules on the
     recipe's data pipeline (for `dsx3d train`, which reads it)."""
     world = comm.get_world_size()
     hf_config = hf_config if hf_config is not None else load_hf_config(recipe.model)
@@ -212,6 +213,7 @@ def build_engine(
         from dsx3d.ds_config import deep_merge
 
         ds_config = deep_merge(ds_config, ds_overrides)
+        ds_config = {k: v for k, v in ds_config.items() if v is not None}  # an override of None removes the section
     placement = layout.placement(comm.get_rank())
     source = source if source is not None else default_weight_source(recipe, hf_config)
     module: StagedPipelineModule | SequentialLM

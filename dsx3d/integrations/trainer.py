@@ -77,11 +77,12 @@ class EngineOptimizer(torch.optim.Optimizer):
     LR scheduler sets the learning rate the engine steps with. Live, not a copy of the list: loading a checkpoint
     replaces the engine optimizer's groups (torch's load_state_dict builds new dicts), and a view of the old ones
     would leave the engine at the loaded rate while HF's scheduler moved on. step() and zero_grad() do nothing:
-    the engine steps and clears the real optimizer."""
+    the engine steps and clears the real optimizer. `defaults` are the optimizer's settings, as HF's own
+    optimizer would hold them (HF's polynomial schedule starts from defaults["lr"])."""
 
-    def __init__(self, live_groups: Callable[[], list[dict[str, Any]]]):
+    def __init__(self, live_groups: Callable[[], list[dict[str, Any]]], defaults: dict[str, Any]):
         self._live: Callable[[], list[dict[str, Any]]] | None = None
-        super().__init__([torch.zeros(1, requires_grad=True)], {})  # torch's bookkeeping, on a placeholder
+        super().__init__([torch.zeros(1, requires_grad=True)], defaults)  # torch's bookkeeping, on a placeholder
         self._live = live_groups
 
     @property  # type: ignore[override]
@@ -239,15 +240,12 @@ class Trainer(transformers.Trainer):
                 state.recipe,
                 hf_config=self._hf_model.config,
                 source=state.source,
-                ds_overrides={"optimizer": optimizer},
+                # HF's scheduler (over EngineOptimizer) sets the learning rate, any of HF's schedules: DeepSpeed
+                # builds none, so none steps as well or sets a warm-up start of its own
+                ds_overrides={"optimizer": optimizer, "scheduler": None},
                 param_groups=self._param_groups,
             )
             state.source = None  # the weights are in the engine now; a state-dict source can go
-            # HF's scheduler (over EngineOptimizer) sets the learning rate. DeepSpeed's, built from the config,
-            # must not step as well, and the rate it set at construction (its warm-up start) must not stay.
-            state.engine.ds_engine.lr_scheduler = None
-            for group in state.engine.ds_engine.optimizer.param_groups:
-                group["lr"] = args.learning_rate
             state.loss = _install_loss(state.engine, self.compute_loss_func)
             state.rows = state.recipe.train.micro_batch_size
         return state.engine
@@ -279,7 +277,9 @@ class Trainer(transformers.Trainer):
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             ds_engine = self._engine().ds_engine
-            self.optimizer = EngineOptimizer(lambda: ds_engine.optimizer.param_groups)
+            args = self.args
+            defaults = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon, "weight_decay": args.weight_decay}
+            self.optimizer = EngineOptimizer(lambda: ds_engine.optimizer.param_groups, defaults)
         return self.optimizer
 
     def _prepare_for_training(

@@ -4,8 +4,13 @@ DeepSpeed JSON) both name.
 Each shared value is given in one place and taken by the other: a TrainingArguments field left at its HF default
 counts as not given. When both sides give it and disagree, one problem names every key and value involved.
 When neither gives it, the layout's default decides the five values the layout fixes (micro-batch,
-accumulation, clipping, dtype, activation checkpointing) and HF's default decides the optimizer and schedule
-(dsx3d.Trainer runs HF's scheduler). After `reconcile`, TrainingArguments and the recipe hold the same values.
+accumulation, clipping, dtype, activation checkpointing) and HF's default decides the optimizer and schedule.
+
+Values are compared in TrainingArguments' terms, so every value HF accepts can be agreed on. The optimizer's
+and the schedule's values are HF's to use (dsx3d.Trainer builds the engine's optimizer from TrainingArguments
+and runs HF's own scheduler, DeepSpeed's none): the recipe takes a copy where its own fields can hold it (HF
+has schedules, warm-up ratios and ranges the recipe does not), for `dsx3d check` and the logs, and nothing
+reads that copy to train. The layout's five values must fit the recipe, which the engine is built from.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from dsx3d.errors import Problem
 from dsx3d.recipe import Recipe, TrainSection
 
@@ -24,7 +31,8 @@ log = logging.getLogger("dsx3d")
 Claim = tuple[str, Any]
 """(where a value is given, for messages: "r.yaml: train.micro_batch_size", the value)."""
 
-# the recipe's schedule names and HF's SchedulerType values for the same curve
+# the recipe's (and DeepSpeed's, through layout_source.DS_SCHEDULERS) schedule names as HF's SchedulerType values
+# for the same curve; HF has more, which the recipe cannot name
 RECIPE_TO_HF_SCHEDULE = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
 HF_TO_RECIPE_SCHEDULE = {v: k for k, v in RECIPE_TO_HF_SCHEDULE.items()}
 SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
@@ -42,7 +50,11 @@ class Shared:
     read: Callable[[Any], Any]
     """The HF value in the recipe's terms, or None when left at HF's default."""
     write: Callable[[Any, Any], None]
-    """Set the HF fields to a value in the recipe's terms."""
+    """Set the HF fields to a value in the terms `read` returns."""
+    from_layout: Callable[[Any], Any] = lambda v: v
+    """A layout claim (in the recipe's terms) in the terms `read` returns."""
+    to_recipe: Callable[[Any], Any] = lambda v: v
+    """The agreed value as the recipe's train.`field`, or None where the recipe has no such value."""
 
 
 def _hf_default(name: str) -> Any:
@@ -88,30 +100,42 @@ def _write_betas(args: Any, value: Any) -> None:
     args.adam_beta1, args.adam_beta2 = (float(v) for v in value)
 
 
+def _read_clip(args: Any) -> float | None:
+    value = args.max_grad_norm  # HF clips only when it is a positive number: None and 0 (or below) do not clip
+    return None if value == _hf_default("max_grad_norm") else float(value) if value is not None and value > 0 else 0.0
+
+
 def _read_schedule(args: Any) -> str | None:
+    """The SchedulerType's value (any of HF's), None when left at HF's default."""
     name = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
-    return None if name == _hf_default("lr_scheduler_type") else HF_TO_RECIPE_SCHEDULE.get(name, f"{name} (HF)")
+    return None if name == _hf_default("lr_scheduler_type") else name
 
 
 def _write_schedule(args: Any, value: str) -> None:
     from transformers.trainer_utils import SchedulerType
 
-    args.lr_scheduler_type = SchedulerType(RECIPE_TO_HF_SCHEDULE[value])
+    args.lr_scheduler_type = SchedulerType(value)
+
+
+def _warmup_to_recipe(value: Any) -> int | None:
+    """HF's warm-up (steps, or below 1 a ratio of the training steps) as the recipe's whole steps, if it is one."""
+    return int(value) if value >= 1 or value == 0 else None  # HF's get_warmup_steps truncates steps >= 1
 
 
 SHARED: list[Shared] = [
     Shared("micro_batch_size", "per_device_train_batch_size", True, *_plain("per_device_train_batch_size", int)),
     Shared("gradient_accumulation_steps", "gradient_accumulation_steps", True, *_plain("gradient_accumulation_steps", int)),
-    Shared("grad_clip", "max_grad_norm", True, *_plain("max_grad_norm", float)),
+    Shared("grad_clip", "max_grad_norm", True, _read_clip, _plain("max_grad_norm")[1]),
     Shared("dtype", "bf16/fp16", True, _read_dtype, _write_dtype),
     Shared("activation_checkpointing", "gradient_checkpointing", True, _read_checkpointing, _write_checkpointing),
     Shared("lr", "learning_rate", False, *_plain("learning_rate", float)),
     Shared("weight_decay", "weight_decay", False, *_plain("weight_decay", float)),
     Shared("betas", "adam_beta1/adam_beta2", False, _read_betas, _write_betas),
     Shared("eps", "adam_epsilon", False, *_plain("adam_epsilon", float)),
-    Shared("warmup_steps", "warmup_steps", False, *_plain("warmup_steps")),
+    Shared("warmup_steps", "warmup_steps", False, *_plain("warmup_steps"), to_recipe=_warmup_to_recipe),
     Shared("steps", "max_steps", False, *_plain("max_steps", int)),
-    Shared("lr_schedule", "lr_scheduler_type", False, _read_schedule, _write_schedule),
+    Shared("lr_schedule", "lr_scheduler_type", False, _read_schedule, _write_schedule,
+           from_layout=lambda v: RECIPE_TO_HF_SCHEDULE.get(v, v), to_recipe=HF_TO_RECIPE_SCHEDULE.get),
     Shared("seed", "seed", False, *_plain("seed", int)),
 ]
 
@@ -132,24 +156,24 @@ def reconcile(args: Any, recipe: Recipe, layout_claims: dict[str, list[Claim]]) 
     problems: list[Problem] = []
     agreed: dict[str, Any] = {}
     for shared in SHARED:
-        claims = list(layout_claims.get(shared.field, []))
+        claims = [(key, value, shared.from_layout(value)) for key, value in layout_claims.get(shared.field, [])]
         hf_value = shared.read(args)
         if hf_value is not None:
-            claims.insert(0, (f"TrainingArguments.{shared.hf_key}", hf_value))
-        if any(not _same(v, claims[0][1]) for _, v in claims[1:]):
-            (key, value), rest = claims[0], claims[1:]
+            claims.insert(0, (f"TrainingArguments.{shared.hf_key}", hf_value, hf_value))
+        if any(not _same(v, claims[0][2]) for _, _, v in claims[1:]):
+            (key, value, _), rest = claims[0], claims[1:]
             problems.append(
                 Problem(
                     key,
                     value,
-                    "disagrees with " + ", ".join(f"{k} = {v!r}" for k, v in rest),
+                    "disagrees with " + ", ".join(f"{k} = {v!r}" for k, v, _ in rest),
                     "give the value in one place (the other takes it over) or the same value in each",
                 )
             )
         elif claims:
-            agreed[shared.field] = claims[0][1]
+            agreed[shared.field] = claims[0][2]
         elif shared.layout_decides:
-            agreed[shared.field] = getattr(recipe.train, shared.field)
+            agreed[shared.field] = shared.from_layout(getattr(recipe.train, shared.field))
     if "min_lr" in recipe.train.model_fields_set and recipe.train.min_lr != 0:
         problems.append(
             Problem(
@@ -159,6 +183,8 @@ def reconcile(args: Any, recipe: Recipe, layout_claims: dict[str, list[Claim]]) 
                 "remove train.min_lr, and use lr_scheduler_type='cosine_with_min_lr' with lr_scheduler_kwargs={'min_lr': ...}",
             )
         )
+    train, misfits = _recipe_train(recipe.train, agreed)
+    problems += misfits
     if problems:
         return recipe, problems
     for shared in SHARED:
@@ -167,9 +193,29 @@ def reconcile(args: Any, recipe: Recipe, layout_claims: dict[str, list[Claim]]) 
                 where = layout_claims[shared.field][0][0] if layout_claims.get(shared.field) else "the layout's default"
                 log.info("dsx3d.Trainer: TrainingArguments.%s = %r, from %s", shared.hf_key, agreed[shared.field], where)
             shared.write(args, agreed[shared.field])
-    known = {k: v for k, v in agreed.items() if k != "lr_schedule" or v in RECIPE_TO_HF_SCHEDULE}
-    train = TrainSection.model_validate({**recipe.train.model_dump(), **known})
     return recipe.model_copy(update={"train": train}), []
+
+
+def _recipe_train(train: TrainSection, agreed: dict[str, Any]) -> tuple[TrainSection, list[Problem]]:
+    """The recipe's train section with the agreed values it can hold. A layout value it cannot hold is a problem
+    (the engine is built from it); an optimizer or schedule value stays HF's alone (nothing trains from the copy)."""
+    values = train.model_dump()
+    problems: list[Problem] = []
+    for shared in SHARED:
+        if shared.field not in agreed:
+            continue
+        value = shared.to_recipe(agreed[shared.field])
+        if value is None:
+            continue
+        try:
+            TrainSection.model_validate({**values, shared.field: value})
+        except ValidationError as err:
+            if shared.layout_decides:
+                why = "; ".join(e["msg"] for e in err.errors())
+                problems.append(Problem(f"TrainingArguments.{shared.hf_key}", agreed[shared.field], f"outside the layout's range ({why})", f"use a value the recipe's train.{shared.field} takes"))
+            continue
+        values[shared.field] = value
+    return TrainSection.model_validate(values), problems
 
 
 def unsupported_args(args: Any) -> list[Problem]:
