@@ -107,7 +107,7 @@ class _State:
     source: Any
     engine: Any = None
     loss: LastStageLoss | None = None
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     eval_steps: int = 0
     rows: int = 0
     """The micro-batch rows the pipeline last exchanged activations for (train and eval sizes may differ)."""
@@ -508,7 +508,8 @@ class Trainer(transformers.Trainer):
         for _ in range(steps):
             real = [b for _, b in zip(range(m), batches, strict=False)]
             micro = [to_micro_batch(b, rows, seq) for b in real]
-            micro += [empty_micro_batch(rows, seq)] * (m - len(micro))
+            packed = bool(micro) and not isinstance(micro[0][0], torch.Tensor)
+            micro += [empty_micro_batch(rows, seq, packed)] * (m - len(micro))
             kept += [(torch.as_tensor(b["labels"]), torch.as_tensor(b["input_ids"])) for b in real]
             local_tokens += sum(count_targets(labels) for _, labels in micro)
             total_loss += engine.eval_loss(iter(micro)) * m * self.layout.dp  # the engine averages over micro x dp
