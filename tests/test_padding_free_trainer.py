@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import ACCUM, MICRO, SEQ, VOCAB, step_values, tiny_llama, training_args, write_ds_config
+from trainer_helpers import ACCUM, SEQ, VOCAB, step_values, tiny_llama, training_args, write_ds_config
 
 from dsx3d.errors import UserError
 from dsx3d.integrations.batches import to_micro_batch
