@@ -1,7 +1,8 @@
 """TRL's SFTTrainer as a face of dsx3d.Trainer (`class PipelinedSFT(dsx3d.Trainer, trl.SFTTrainer)`): with
 packing=True at dp1 x tp2 x pp2, per-step loss, gradient norm, mean_token_accuracy, entropy and num_tokens
 equal plain SFTTrainer with packing=True on one process; SFTConfig options that would be skipped and other
-TRL trainers are refused by name."""
+TRL trainers are refused by name, and SFTConfig's bf16 / gradient_checkpointing defaults meet the layout's
+values like any TrainingArguments value."""
 
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ def _refused(rank: int, work: Path, ds_config: Path, base: str, overrides: dict[
         ("SFTTrainer", {"loss_type": "dft"}, ["SFTConfig.loss_type"]),
         ("SFTTrainer", {"activation_offloading": True}, ["SFTConfig.activation_offloading"]),
         ("DPOTrainer", {}, ["DPOTrainer"]),
+        # SFTConfig's default counts as given: against a layout without activation checkpointing it disagrees
+        # (bf16=True, its other default, meets the layout's dtype the same way; HF refuses it on a CPU first)
+        ("SFTTrainer", {"gradient_checkpointing": True}, ["gradient_checkpointing"]),
     ],
 )
 def test_skipped_sft_options_and_other_trl_trainers_are_refused(tmp_path: Path, base, overrides, names) -> None:
