@@ -18,7 +18,12 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from dsx3d.errors import UserError
-from dsx3d.integrations.padding_free import PACKED_KEYS, empty_packed_micro_batch, is_padding_free, packed_micro_batch
+from dsx3d.integrations.padding_free import (
+    PACKED_KEYS,
+    empty_packed_micro_batch,
+    is_padding_free,
+    packed_micro_batch,
+)
 
 IGNORE_INDEX = -100
 ACCEPTED_KEYS = frozenset({"input_ids", "labels", "attention_mask"})
