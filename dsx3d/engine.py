@@ -39,8 +39,9 @@ from dsx3d.recipe import Recipe
 
 log = logging.getLogger("dsx3d")
 
-MicroBatch = tuple[torch.Tensor, Any]
-"""(input_ids, labels) or, for masked rows, (input_ids, (labels, norm)) (dsx3d.data.stream)."""
+MicroBatch = tuple[Any, Any]
+"""(input_ids, labels) or, for masked rows, (input_ids, (labels, norm)) (dsx3d.data.stream); for packed rows
+input_ids is (input_ids, position_ids) (dsx3d.models.packed)."""
 
 
 @dataclass

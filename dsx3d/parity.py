@@ -29,6 +29,7 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -223,6 +224,7 @@ def _propagated_change(
     slack: dict[str, torch.Tensor],
     t: int,
     base_loss: float,
+    accumulate: Callable[..., float] = _accumulate_grads,
 ) -> tuple[dict[str, torch.Tensor], float, float]:
     """max over probes of |g(W + p) - g(W)| per element, p = the slack so far with random signs, then with
     every sign +1, then -1: how much the earlier steps' admissible weight differences change this step's
@@ -248,7 +250,7 @@ def _propagated_change(
         for _, p in named:
             p.grad = None
         rng = torch.get_rng_state()
-        loss = _accumulate_grads(case, model, batch)
+        loss = accumulate(case, model, batch)
         torch.set_rng_state(rng)
         square = 0.0
         with torch.no_grad():
@@ -269,8 +271,12 @@ def _propagated_change(
     return change, loss_out, norm_out
 
 
-def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tensor) -> Reference:
-    """Plain HF on one process: mean loss over the global batch, global-norm clipping, the optimizer."""
+def run_reference(
+    case: ParityCase, model: torch.nn.Module, batches: Any, accumulate: Callable[..., float] = _accumulate_grads
+) -> Reference:
+    """Plain HF on one process: mean loss over the global batch, global-norm clipping, the optimizer.
+    `accumulate(case, model, batch)` backpropagates one step's loss and returns it (default: `batches` of
+    token ids, each sequence its own example)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = _optimizer(case, [p for _, p in named])
     criteria = CRITERIA[case.dtype]
@@ -283,14 +289,14 @@ def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tenso
             ref.snapshots.append({n: p.detach().clone() for n, p in named})
         opt.zero_grad(set_to_none=True)
         rng = torch.get_rng_state()
-        total = _accumulate_grads(case, model, batch)
+        total = accumulate(case, model, batch)
         after = torch.get_rng_state()
         propagated: dict[str, torch.Tensor] = {}
         moved_loss, moved_norm = total, None
         if case.optimizer != "sgd" and ref.adam_slack:
             torch.set_rng_state(rng)
             propagated, moved_loss, moved_norm = _propagated_change(
-                case, model, named, batch, ref.adam_slack, t, total
+                case, model, named, batch, ref.adam_slack, t, total, accumulate
             )
             torch.set_rng_state(after)
         max_norm = case.grad_clip if case.grad_clip > 0 else float("inf")

@@ -245,7 +245,11 @@ class DataSection(_Section):
     """text: documents packed into blocks, loss on every token. chat: conversations (data.messages_field)
     rendered by the tokenizer's chat template, loss on assistant tokens only. instruction: prompt/response
     pairs (data.prompt_field, data.response_field) as a user turn and an assistant turn of the chat
-    template, loss on the response only. chat and instruction pad each example to train.seq_len (no packing)."""
+    template, loss on the response only. chat and instruction pad each example to train.seq_len, unless
+    data.packing."""
+    packing: StrictBool = False
+    """chat and instruction: lay whole examples back to back into rows of train.seq_len (best fit), with
+    position_ids restarting at every example so attention stays inside each; less padding, same loss."""
     messages_field: Annotated[StrictStr, Field(min_length=1)] = "messages"
     """data.format chat: the column holding a list of {role, content} messages."""
     prompt_field: Annotated[StrictStr, Field(min_length=1)] = "prompt"

@@ -215,7 +215,7 @@ def _train_steps(
             seconds, grad_norm = time.perf_counter() - began, engine.grad_norm
             evaluating = eval_batches is not None and _evaluates_at(recipe, step)
             eval_loss = evaluate(engine, eval_batches) if evaluating else None  # type: ignore[arg-type]
-            reporter.step(step, loss, lr, grad_norm, seconds, eval_loss)
+            reporter.step(step, loss, lr, grad_norm, seconds, eval_loss, padding=stream.padding_fraction(step - 1))
             losses.append(loss)
             if train.save_interval and step % train.save_interval == 0:
                 ckpt.save(step, _client_state(step, stream, engine))

@@ -29,6 +29,7 @@ from dsx3d.data.corpus import (
     local_files,
     source_columns,
 )
+from dsx3d.data.sft_packing import packing_problems
 from dsx3d.errors import Problem, UserError
 from dsx3d.recipe import DataSection, Recipe
 
@@ -242,4 +243,5 @@ def data_problems(recipe: Recipe, dp: int) -> list[Problem]:
     if data.eval_source is not None:  # any non-empty held-out source fills a batch: size 0 stands for "no check"
         problems += _renamed(_source_problems(recipe, eval_data(data), 0))
     problems += _template_problems(recipe)
+    problems += packing_problems(data)
     return problems

@@ -22,6 +22,7 @@ from dsx3d.data.chat import IGNORE_INDEX, chat_template_for, missing_template_pr
 from dsx3d.data.corpus import Corpus, eval_data, renamed_for_eval, resolve_corpus, split_held_out
 from dsx3d.data.packing import PackedTokens, cut_blocks, pack_corpus
 from dsx3d.data.sft import cached_examples
+from dsx3d.data.sft_packing import pack_examples, packing_problems
 from dsx3d.data.stream import EvalBatches, MicroBatchStream
 from dsx3d.data.tokenizer import TRAINED, resolve_tokenizer
 from dsx3d.errors import UserError
@@ -38,6 +39,10 @@ class Rows:
     """(num_rows, seq_len) token ids."""
     labels: np.ndarray | None
     """(num_rows, seq_len) labels with -100 where no loss (chat, instruction); None: the labels are the ids."""
+    positions: np.ndarray | None = None
+    """(num_rows, seq_len) position_ids of packed examples (data.packing), None otherwise."""
+    lengths: np.ndarray | None = None
+    """(num_rows,) tokens before each row's padding (chat, instruction), None for text blocks."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,10 @@ class PreparedData:
     """(num_blocks, train.seq_len) labels of chat and instruction rows; None for text (labels = ids)."""
     eval_rows: Rows | None = None
     """The held-out rows (data.eval_source or data.eval_fraction), None without."""
+    positions: np.ndarray | None = None
+    """(num_blocks, train.seq_len) position_ids of packed examples (data.packing), None otherwise."""
+    lengths: np.ndarray | None = None
+    """(num_blocks,) tokens before each row's padding (chat, instruction), None for text blocks."""
 
 
 def resolve_cache_dir(recipe: Recipe, cache_dir: str | Path | None = None) -> Path:
@@ -66,6 +75,9 @@ def prepare_data(
     line per part on what it did."""
     start = time.perf_counter()
     data = recipe.data
+    problems = packing_problems(data)
+    if problems:
+        raise UserError(problems)
     cache = resolve_cache_dir(recipe, cache_dir)
     corpus = resolve_corpus(data, cache)
     tokenizer, tokenizer_how = resolve_tokenizer(recipe, corpus, cache)
@@ -83,7 +95,7 @@ def prepare_data(
         except UserError as err:
             raise renamed_for_eval(err) from None
     warn = logging.WARNING if log_level <= logging.INFO else logging.DEBUG  # said once, by the preparing rank
-    packed, rows, what = _rows(recipe, train_corpus, tokenizer, template, cache, warn=warn)
+    packed, rows, what = _rows(recipe, train_corpus, tokenizer, template, cache, warn=warn, pack=data.packing)
     log.log(log_level, "data %s: %s; tokenizer: %s; %.1f s", corpus.source, what, tokenizer_how, time.perf_counter() - start)
     eval_rows = None
     if eval_corpus is not None:
@@ -92,7 +104,7 @@ def prepare_data(
         except UserError as err:
             raise renamed_for_eval(err) from None
         log.log(log_level, "held-out data %s: %s", data.eval_source or f"{data.eval_fraction:g} of data.source", what)
-    return PreparedData(tokenizer, packed, rows.input_ids, rows.labels, eval_rows)
+    return PreparedData(tokenizer, packed, rows.input_ids, rows.labels, eval_rows, rows.positions, rows.lengths)
 
 
 def _rows(
@@ -103,9 +115,12 @@ def _rows(
     cache: Path,
     keep_tail: bool = False,
     warn: int = logging.WARNING,
+    pack: bool = False,
 ) -> tuple[PackedTokens | None, Rows, str]:
     """`keep_tail` (held-out text): the tokens that fill no whole block become one more block, padded with
-    labels -100, so that every held-out token is evaluated."""
+    labels -100, so that every held-out token is evaluated. `pack` (data.packing, training rows of chat and
+    instruction data): whole examples packed into rows (dsx3d.data.sft_packing); held-out rows stay one
+    example each (the evaluation loss is the same per-token mean either way)."""
     seq_len = recipe.train.seq_len
     if template is None:
         packed = pack_corpus(corpus, tokenizer, cache)
@@ -138,7 +153,13 @@ def _rows(
             "train.seq_len", seq_len, f"no example of {corpus.source} has an assistant token within the first {seq_len} tokens",
             "raise train.seq_len",
         )
-    return None, Rows(ex.input_ids, ex.labels), what
+    if pack and ex.lengths is not None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        rows = pack_examples(np.asarray(ex.input_ids), np.asarray(ex.labels), ex.lengths, int(pad))
+        padding = 1 - float(rows.lengths.sum()) / rows.input_ids.size
+        what += f"; packed into {len(rows.input_ids)} rows ({padding:.1%} padding)"
+        return None, Rows(rows.input_ids, rows.labels, rows.positions, rows.lengths), what
+    return None, Rows(ex.input_ids, ex.labels, None, ex.lengths), what
 
 
 @dataclass(frozen=True)
@@ -156,7 +177,7 @@ def build_rank_data(
     prepared = prepare_data(recipe, cache_dir, log_level=logging.DEBUG)
     train = recipe.train
     global_batch = train.micro_batch_size * train.gradient_accumulation_steps * dp
-    what = "blocks" if prepared.labels is None else "examples"
+    what = "blocks" if prepared.labels is None else ("packed rows" if prepared.positions is not None else "examples")
     if len(prepared.blocks) < global_batch:
         raise UserError.single(
             "data.source",
@@ -174,6 +195,8 @@ def build_rank_data(
         train.seed,
         start_step,
         labels=prepared.labels,
+        positions=prepared.positions,
+        lengths=prepared.lengths,
     )
     eval_batches = None
     if prepared.eval_rows is not None:

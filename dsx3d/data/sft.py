@@ -1,4 +1,5 @@
-"""Chat and instruction data as fixed-length rows: one example per row, padded, never packed.
+"""Chat and instruction data as fixed-length rows: one example per row, padded (data.packing: several whole
+examples per row, dsx3d.data.sft_packing).
 
 Each example (a conversation, or a prompt and its response) is rendered and masked by dsx3d.data.chat,
 cut to train.seq_len if longer (`truncated` in the log), and padded on the right to train.seq_len with the
@@ -40,14 +41,17 @@ class Examples:
     truncated: int
     without_loss: int
     cached: bool
+    lengths: np.ndarray | None = None
+    """(num_examples,) int32: the tokens of each example before its padding (None: not recorded)."""
 
 
 def encode_examples(
     dataset: datasets.Dataset, data: DataSection, tokenizer: PreTrainedTokenizerBase, template: str, seq_len: int
-) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(input_ids, labels, truncated, without_loss) of every row of `dataset` (columns as dsx3d.data.corpus names them)."""
+) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray]:
+    """(input_ids, labels, truncated, without_loss, lengths) of every row of `dataset` (columns as
+    dsx3d.data.corpus names them); lengths: each example's tokens before its padding."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows_ids, rows_labels, truncated, without_loss = [], [], 0, 0
+    rows_ids, rows_labels, lengths, truncated, without_loss = [], [], [], 0, 0
     for index, row in enumerate(dataset):
         messages = example_messages(row, data)
         problem = message_problem(messages)
@@ -62,11 +66,13 @@ def encode_examples(
         if all(t == IGNORE_INDEX for t in labels[1:]):  # position 0 is never predicted
             without_loss += 1
         fill = seq_len - len(ids)
+        lengths.append(len(ids))
         rows_ids.append(ids + [pad] * fill)
         rows_labels.append(labels + [IGNORE_INDEX] * fill)
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     input_ids = np.asarray(rows_ids, dtype=dtype).reshape(-1, seq_len)
-    return input_ids, np.asarray(rows_labels, dtype=np.int32).reshape(-1, seq_len), truncated, without_loss
+    labels_out = np.asarray(rows_labels, dtype=np.int32).reshape(-1, seq_len)
+    return input_ids, labels_out, truncated, without_loss, np.asarray(lengths, dtype=np.int32)
 
 
 def cached_examples(
@@ -78,16 +84,19 @@ def cached_examples(
     cache_dir: Path,
 ) -> Examples:
     """The corpus's rows, from the cache or encoded now (and then cached)."""
-    key = digest("sft-v2", corpus.fingerprint, tokenizer_fingerprint(tokenizer), template, data.format, seq_len)
+    key = digest("sft-v3", corpus.fingerprint, tokenizer_fingerprint(tokenizer), template, data.format, seq_len)
     base = cache_dir / "examples" / key
     ids_path, labels_path, meta_path = base.with_suffix(".ids.npy"), base.with_suffix(".labels.npy"), base.with_suffix(".json")
+    lengths_path = base.with_suffix(".lengths.npy")
     cached = meta_path.is_file()  # written last: present = complete
     if not cached:
-        input_ids, labels, truncated, without_loss = encode_examples(corpus.load(), data, tokenizer, template, seq_len)
+        input_ids, labels, truncated, without_loss, lengths = encode_examples(corpus.load(), data, tokenizer, template, seq_len)
         save_npy_atomic(ids_path, input_ids)
         save_npy_atomic(labels_path, labels)
+        save_npy_atomic(lengths_path, lengths)
         save_json_atomic(meta_path, {"truncated": truncated, "without_loss": without_loss, "source": corpus.source})
     meta = json.loads(meta_path.read_text())
     return Examples(
-        np.load(ids_path, mmap_mode="r"), np.load(labels_path, mmap_mode="r"), int(meta["truncated"]), int(meta["without_loss"]), cached
+        np.load(ids_path, mmap_mode="r"), np.load(labels_path, mmap_mode="r"), int(meta["truncated"]), int(meta["without_loss"]), cached,
+        np.load(lengths_path),
     )

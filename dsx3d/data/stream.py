@@ -25,6 +25,10 @@ sum(token losses) / norm; DeepSpeed averages it over the grad_accum micro-batche
 step's loss and gradient are sum(token losses of the global batch) / N, exactly what one process computes
 on the whole batch (HF's `num_items_in_batch`). A mean per micro-batch would weight the tokens of a
 micro-batch with few of them more. N is counted from the data every rank holds: no communication.
+
+Packed rows (data.packing) also carry position_ids restarting at 0 at every example: their input is then
+(input_ids, position_ids) (dsx3d.models.packed). With `lengths` (the real tokens of each row), the stream
+says which fraction of a step's tokens is padding (`padding_fraction`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ import torch
 IGNORE_INDEX = -100
 Labels = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """The labels, or (labels, norm) for masked rows (module docstring)."""
-Batch = tuple[torch.Tensor, Labels]
+Batch = tuple[Any, Labels]
+"""(input_ids or (input_ids, position_ids), labels)."""
 
 
 def counted_tokens(labels: np.ndarray) -> np.ndarray:
@@ -68,8 +73,14 @@ class MicroBatchStream(Iterator[Batch]):
         seed: int,
         start_step: int = 0,
         labels: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+        lengths: np.ndarray | None = None,
     ):
         self.blocks = blocks.numpy() if isinstance(blocks, torch.Tensor) else blocks  # (num_blocks, seq_len)
+        self.positions = positions
+        """(num_blocks, seq_len) position_ids of packed rows, or None (each row one sequence)."""
+        self.lengths = lengths
+        """(num_blocks,) tokens before each row's padding, or None: rows without padding (text blocks)."""
         self.labels = labels
         """(num_blocks, seq_len) labels with -100 where no loss, or None: the labels are the inputs."""
         self.counted = counted_tokens(labels) if labels is not None else None
@@ -121,10 +132,21 @@ class MicroBatchStream(Iterator[Batch]):
         """Micro-batch `k` of this rank at `step`, without moving the stream."""
         first = (k * self.dp + self.dp_rank) * self.micro_batch_size
         indices = self._step_indices(step)
-        ids, labels = self._samples(indices[first : first + self.micro_batch_size])
+        mine = indices[first : first + self.micro_batch_size]
+        ids, labels = self._samples(mine)
+        inputs: Any = ids
+        if self.positions is not None:
+            inputs = (ids, torch.from_numpy(np.asarray(self.positions[mine], dtype=np.int64)))
         if self.counted is None:
-            return ids, labels
-        return ids, with_norm(labels, int(self.counted[indices].sum()), self.grad_accum * self.dp)
+            return inputs, labels
+        return inputs, with_norm(labels, int(self.counted[indices].sum()), self.grad_accum * self.dp)
+
+    def padding_fraction(self, step: int) -> float:
+        """The fraction of the tokens of `step`'s global batch that are padding (0 for text blocks)."""
+        if self.lengths is None:
+            return 0.0
+        indices = self._step_indices(step)
+        return 1.0 - float(np.asarray(self.lengths)[indices].sum()) / (len(indices) * self.seq_len)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All B samples of `step` as (input_ids, labels): rank d's micro-batch k is rows

@@ -1,5 +1,7 @@
 """Data for the pipeline: HF batches (dicts from a collator) become fixed-shape (input_ids, labels) micro-batches,
-sharded by data-parallel rank only, since TP and PP peers must read identical micro-batches.
+sharded by data-parallel rank only, since TP and PP peers must read identical micro-batches. Padding-free
+batches (position_ids marking documents) become packed ((input_ids, position_ids), labels) micro-batches
+(dsx3d.integrations.padding_free).
 
 The order matches a plain single-process `transformers.Trainer`: accelerate's seedable random sampler (seeded
 by `data_seed`, else `seed`, plus the epoch), cut into micro-batches, micro-batch j going to DP rank j % dp
@@ -16,6 +18,12 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from dsx3d.errors import UserError
+from dsx3d.integrations.padding_free import (
+    PACKED_KEYS,
+    empty_packed_micro_batch,
+    is_padding_free,
+    packed_micro_batch,
+)
 
 IGNORE_INDEX = -100
 ACCEPTED_KEYS = frozenset({"input_ids", "labels", "attention_mask"})
@@ -35,6 +43,10 @@ def to_micro_batch(
     The stages run no attention mask. Under causal attention that is exact for right padding: a real token never
     attends to a later position, so only the pads' own outputs change, and those are never scored as long as the
     labels after the first pad are ignored (`_check_right_padded`)."""
+    if is_padding_free(batch):
+        extra_keys = sorted(k for k in batch if k not in ACCEPTED_KEYS | PACKED_KEYS)
+        if not extra_keys:
+            return packed_micro_batch(batch, micro_batch_size, seq_len)  # type: ignore[return-value]
     extra = sorted(k for k in batch if k not in ACCEPTED_KEYS)
     if extra:
         raise UserError.single(
@@ -70,8 +82,11 @@ def to_micro_batch(
     return out_ids, out_labels
 
 
-def empty_micro_batch(micro_batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A micro-batch that scores nothing: evaluation pads the ranks that run out of data with it."""
+def empty_micro_batch(micro_batch_size: int, seq_len: int, packed: bool = False) -> tuple[Any, torch.Tensor]:
+    """A micro-batch that scores nothing: evaluation pads the ranks that run out of data with it (`packed`: in
+    the shape of padding-free micro-batches, dsx3d.integrations.padding_free)."""
+    if packed:
+        return empty_packed_micro_batch(micro_batch_size, seq_len)
     return torch.zeros(micro_batch_size, seq_len, dtype=torch.long), torch.full(
         (micro_batch_size, seq_len), IGNORE_INDEX
     )

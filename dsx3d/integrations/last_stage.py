@@ -23,6 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from dsx3d.distributed import comm
 from dsx3d.distributed.tensor_parallel.mappings import gather_last_dim
 from dsx3d.integrations.batches import count_targets
+from dsx3d.integrations.trl_face import token_statistics
 
 
 def argmax_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -80,9 +81,13 @@ class LastStageLoss:
         """m * dp: DeepSpeed's divisor."""
         self.capture: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
         self.captured: list[Any] = []
+        self.stats: list[torch.Tensor] | None = None
+        """When a list, training appends each micro-batch's token statistics (dsx3d.integrations.trl_face)."""
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.training:
+            if self.stats is not None:
+                self.stats.append(token_statistics(logits, labels, self.shard))
             if self.compute_loss_func is None:
                 return self.mean_loss(logits, labels) * (count_targets(labels) * self.scale / max(self.step_tokens, 1))
             return self._user_loss(logits, labels, self.step_tokens) * self.scale

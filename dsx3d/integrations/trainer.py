@@ -42,7 +42,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
-from dsx3d.integrations import patches
+from dsx3d.integrations import patches, trl_face
 from dsx3d.integrations.batches import (
     DataParallelBatchSampler,
     ShardedDataLoader,
@@ -108,8 +108,10 @@ class _State:
     source: Any
     engine: Any = None
     loss: LastStageLoss | None = None
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     eval_steps: int = 0
+    batch_tokens: int = 0
+    """With TRL's SFTTrainer: the tokens of this step's batches so far, as it counts them (trl_face)."""
     rows: int = 0
     """The micro-batch rows the pipeline last exchanged activations for (train and eval sizes may differ)."""
 
@@ -162,7 +164,7 @@ class Trainer(transformers.Trainer):
         hidden = getattr(model.config.get_text_config(), "hidden_size", None)
         recipe, claims = load_layout(layout_source(args.deepspeed), _model_section(model), hidden)
         recipe, disagreements = reconcile(args, recipe, claims)
-        problems += disagreements + unsupported_args(args)
+        problems += disagreements + unsupported_args(args) + trl_face.refusals(type(self), args)
         world = comm.get_world_size()
         layout = recipe.layout(world)
         if layout.world_size != world:
@@ -410,6 +412,9 @@ class Trainer(transformers.Trainer):
         step's loss is returned at the boundary and 0 before it, so HF's running sum is the per-step loss."""
         state, train = self._dsx3d, self._dsx3d.recipe.train
         state.pending.append(to_micro_batch(inputs, train.micro_batch_size, train.seq_len))
+        sft = trl_face.sft_trainer_class(type(self)) is not None
+        if sft:
+            state.batch_tokens += trl_face.batch_tokens(inputs)
         if len(state.pending) < train.gradient_accumulation_steps:
             return torch.zeros((), device=self.args.device)
         micro, state.pending = state.pending, []
@@ -419,7 +424,12 @@ class Trainer(transformers.Trainer):
         state.loss.training = True
         state.loss.step_tokens = self._count_over_dp(sum(count_targets(labels) for _, labels in micro))
         state.loss.scale = train.gradient_accumulation_steps * self.layout.dp
+        state.loss.stats = [] if sft else None
         loss = engine.train_step(iter(micro))
+        if sft:
+            tokens, state.batch_tokens = self._count_over_dp(state.batch_tokens), 0
+            trl_face.record_step(self, state.loss.stats or [], len(micro), tokens, contributes=state.placement.tp == 0)
+            state.loss.stats = None
         return torch.tensor(loss, device=self.args.device)
 
     def _count_over_dp(self, local: int) -> int:
@@ -508,7 +518,8 @@ class Trainer(transformers.Trainer):
         for _ in range(steps):
             real = [b for _, b in zip(range(m), batches, strict=False)]
             micro = [to_micro_batch(b, rows, seq) for b in real]
-            micro += [empty_micro_batch(rows, seq)] * (m - len(micro))
+            packed = bool(micro) and not isinstance(micro[0][0], torch.Tensor)
+            micro += [empty_micro_batch(rows, seq, packed)] * (m - len(micro))
             kept += [(torch.as_tensor(b["labels"]), torch.as_tensor(b["input_ids"])) for b in real]
             local_tokens += sum(count_targets(labels) for _, labels in micro)
             total_loss += engine.eval_loss(iter(micro)) * m * self.layout.dp  # the engine averages over micro x dp

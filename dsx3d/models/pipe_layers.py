@@ -1,7 +1,8 @@
 """The pipeline layers: embedding prologue, decoder layers, epilogue (final norm) and the vocab-parallel head.
 
 Between stages travels the tuple (hidden_states, input_ids): a float tensor that feeds the next stage's
-graph, and the integer ids from which every stage recomputes the layer inputs (masks, rotary tables). With
+graph, and the integer ids from which every stage recomputes the layer inputs (masks, rotary tables); packed
+rows add their integer position_ids (`dsx3d.models.packed`). With
 sequence parallelism hidden_states is this TP rank's (b, s/t, h) shard of the sequence; the recorded layer
 calls (masks, rotary tables) stay whole-sequence, which is what the TP regions (attention) see. An MoE
 family with an auxiliary loss appends the router logits of the layers so far (`dsx3d.models.moe`), from the
@@ -28,7 +29,7 @@ from dsx3d.distributed.tensor_parallel.layers import (
     mark_sharded,
 )
 from dsx3d.distributed.tensor_parallel.mappings import all_reduce_grad_hook
-from dsx3d.models import lora, moe, tp_plan
+from dsx3d.models import lora, moe, packed, tp_plan
 from dsx3d.models.family import FamilySpec
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.shape import dropout_probabilities
@@ -198,7 +199,7 @@ class LayerBuilder:
 
     # -- running -------------------------------------------------------------------------------------------
 
-    def embed(self, input_ids: torch.Tensor, training: bool) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, training: bool, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states entering layer 0 (the base forward's prologue). With sequence parallelism, this
         rank's sequence shard: when the prologue after the lookup is token-wise (no learned positions, no
         extra modules), the embedding's partial lookups are reduce-scattered straight to the shard (half an
@@ -207,14 +208,14 @@ class LayerBuilder:
         tp = self.tp
         with tp.item(training=training):
             if not tp.sequence_parallel:
-                return self.skeleton.embed(input_ids, training=training)
+                return self.skeleton.embed(input_ids, training=training, position_ids=position_ids)
             if self._scatter_embedding is None:
                 self._scatter_embedding = not self.prologue_extra_names() and self.skeleton.prologue_is_tokenwise(
                     input_ids.shape[-1], tp.size
                 )
             assert self.vocab_embedding is not None  # tp > 1
             self.vocab_embedding.scatter = self._scatter_embedding
-            hidden = self.skeleton.embed(input_ids, training=training)
+            hidden = self.skeleton.embed(input_ids, training=training, position_ids=position_ids)
             return hidden if self._scatter_embedding else tp.scatter_sequence(hidden, training=training)
 
     def head(
@@ -247,8 +248,14 @@ class LayerBuilder:
         return loss if extra is None else loss + extra
 
 
+def embed_forward(builder: LayerBuilder, inputs: Any, training: bool) -> tuple[torch.Tensor, ...]:
+    """input_ids, or (input_ids, position_ids) for packed rows -> what travels to the first layer."""
+    input_ids, positions = packed.split_inputs(inputs)
+    return packed.pack(builder.embed(input_ids, training, positions), input_ids, positions, None)
+
+
 class EmbeddingPipe(nn.Module):
-    """input_ids -> (hidden_states entering layer 0, input_ids)."""
+    """input_ids [or (input_ids, position_ids)] -> (hidden_states entering layer 0, input_ids[, position_ids])."""
 
     def __init__(self, builder: LayerBuilder):
         super().__init__()
@@ -256,8 +263,8 @@ class EmbeddingPipe(nn.Module):
         self.embed = builder.own_embedding()
         self.extras = nn.ModuleList(builder.own_prologue_extras())
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.builder[0].embed(input_ids, training=self.training), input_ids
+    def forward(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+        return embed_forward(self.builder[0], inputs, self.training)
 
 
 class DecoderLayerPipe(nn.Module):
@@ -271,16 +278,16 @@ class DecoderLayerPipe(nn.Module):
         self.routers = moe.router_modules(builder.skeleton.base, self.layer, name) if builder.router_logits else []
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, input_ids, *carried = inputs
+        hidden, input_ids, positions, carried = packed.unpack(inputs)
         builder = self.builder[0]
-        call = builder.skeleton.layer_calls(input_ids, hidden.dtype)[self.index]
+        call = builder.skeleton.layer_calls(input_ids, hidden.dtype, positions)[self.index]
         args, kwargs = with_hidden(call, hidden)
         with builder.tp.item(hidden, training=self.training):  # no region open at either end
             with moe.capture_router_logits(self.routers) as router_logits:
                 out = self.layer(*args, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
-        logits = moe.append_router_logits(carried[0] if carried else None, router_logits)
-        return (hidden, input_ids) if logits is None else (hidden, input_ids, logits)
+        logits = moe.append_router_logits(carried, router_logits)
+        return packed.pack(hidden, input_ids, positions, logits)
 
 
 class EpiloguePipe(nn.Module):
@@ -308,8 +315,8 @@ class HeadPipe(nn.Module):
         self.lm_head = builder.install_head(*builder.head_params())
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
-        hidden, input_ids, *carried = inputs
-        return self.builder[0].head(hidden, input_ids, carried[0] if carried else None, training=self.training)
+        hidden, input_ids, _, router = packed.unpack(inputs)
+        return self.builder[0].head(hidden, input_ids, router, training=self.training)
 
 
 class TiedEmbeddingPipe(nn.Module):
@@ -324,10 +331,10 @@ class TiedEmbeddingPipe(nn.Module):
         if on_last_stage:
             builder.install_head(self.embed.weight)  # type: ignore[arg-type]
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.builder[0].embed(input_ids, training=self.training), input_ids
+    def forward(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+        return embed_forward(self.builder[0], inputs, self.training)
 
 
 def tied_head_forward(module: TiedEmbeddingPipe, inputs: Any) -> Any:
-    hidden, input_ids, *carried = inputs
-    return module.builder[0].head(hidden, input_ids, carried[0] if carried else None, training=module.training)
+    hidden, input_ids, _, router = packed.unpack(inputs)
+    return module.builder[0].head(hidden, input_ids, router, training=module.training)

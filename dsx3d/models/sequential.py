@@ -85,8 +85,9 @@ class SequentialLM(nn.Module):
     def _item(self, index: int) -> nn.Module:
         return self._modules[str(index)]  # type: ignore[return-value]
 
-    def forward(self, input_ids: torch.Tensor, labels: Any) -> torch.Tensor:
-        """`labels`: a tensor, or (labels, norm) for masked rows (dsx3d.data.stream)."""
+    def forward(self, input_ids: Any, labels: Any) -> torch.Tensor:
+        """`input_ids`: a tensor, or (input_ids, position_ids) for packed rows (dsx3d.models.packed).
+        `labels`: a tensor, or (labels, norm) for masked rows (dsx3d.data.stream)."""
         last = self._num_items - 1
         x: Any = self.tied_modules[TIED_KEY](input_ids) if self._tied else self._item(0)(input_ids)
         for i in range(1, last):

@@ -93,6 +93,14 @@ def with_hidden(call: LayerCall, hidden: torch.Tensor) -> LayerCall:
     return args, {**kwargs, "hidden_states": hidden}
 
 
+def _positions(position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {} if position_ids is None else {"position_ids": position_ids}
+
+
+def _same(a: Any, b: torch.Tensor) -> bool:
+    return a is not None and a.shape == b.shape and torch.equal(a, b)
+
+
 class Skeleton:
     """One per process. Owns the meta-device CausalLM; stage modules take the submodules they own from it."""
 
@@ -112,7 +120,7 @@ class Skeleton:
             layers[i] = _Recorder(layer, i, self._calls, self._stop_after)
         self._stub = _HiddenStub()
         setattr(self.lm, plan.base_prefix, self._stub)
-        self._cache_key: tuple[torch.Tensor, torch.dtype] | None = None
+        self._cache_key: tuple[torch.Tensor, torch.dtype, torch.Tensor | None] | None = None
         self._cached_calls: dict[int, LayerCall] = {}
 
     @property
@@ -131,12 +139,15 @@ class Skeleton:
             pass
         return dict(self._calls)
 
-    def embed(self, input_ids: torch.Tensor, training: bool = False) -> torch.Tensor:
+    def embed(
+        self, input_ids: torch.Tensor, training: bool = False, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Stage 0: the base forward up to the first layer, with the real (owned) embedding. In training,
-        the base model's own dropout before the first layer (embedding dropout) applies, as in HF."""
+        the base model's own dropout before the first layer (embedding dropout) applies, as in HF.
+        `position_ids`: packed rows (dsx3d.models.packed), as HF's forward takes them."""
         self._prologue_training(training)
         try:
-            return hidden_of(self._run_base(0, input_ids=input_ids)[0])
+            return hidden_of(self._run_base(0, input_ids=input_ids, **_positions(position_ids))[0])
         finally:
             self._prologue_training(False)
 
@@ -175,16 +186,26 @@ class Skeleton:
             if isinstance(child, nn.Dropout):
                 child.train(training)
 
-    def layer_calls(self, input_ids: torch.Tensor, dtype: torch.dtype) -> dict[int, LayerCall]:
+    def layer_calls(
+        self, input_ids: torch.Tensor, dtype: torch.dtype, position_ids: torch.Tensor | None = None
+    ) -> dict[int, LayerCall]:
         """How the base forward calls every layer for a micro-batch of this shape. Computed once per
-        micro-batch and stage (all owned layers share it): masks and rotary tables carry no gradient."""
+        micro-batch and stage (all owned layers share it): masks and rotary tables carry no gradient.
+        With `position_ids` restarting at 0 inside a row (packed documents), HF's mask utilities build a
+        causal mask per document and the rotary tables follow each document's positions."""
         key = self._cache_key
-        if key is not None and key[1] == dtype and key[0].shape == input_ids.shape and torch.equal(key[0], input_ids):
+        if (
+            key is not None
+            and key[1] == dtype
+            and _same(key[0], input_ids)
+            and (key[2] is None) == (position_ids is None)
+            and (position_ids is None or _same(key[2], position_ids))
+        ):
             return self._cached_calls
         b, s = input_ids.shape
         zeros = torch.zeros(b, s, self.config.get_text_config().hidden_size, dtype=dtype, device=input_ids.device)
-        self._cached_calls = self._run_base(self.num_layers - 1, inputs_embeds=zeros)
-        self._cache_key = (input_ids, dtype)
+        self._cached_calls = self._run_base(self.num_layers - 1, inputs_embeds=zeros, **_positions(position_ids))
+        self._cache_key = (input_ids, dtype, position_ids)
         return self._cached_calls
 
     def head(

@@ -68,6 +68,7 @@ def format_log_line(record: dict[str, Any], total_steps: int) -> str:
         f"lr {record['lr']:.3e} | grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
         f"{record['tflops_per_device']:.3g} TFLOP/s/device | elapsed {format_duration(record['elapsed_s'])} | "
         f"eta {format_duration(record['eta_s'])}"
+        + (f" | padding {record['padding_fraction']:.1%}" if "padding_fraction" in record else "")
         + (f" | eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
     )
 
@@ -80,7 +81,8 @@ class Reporter:
     Record fields: step, loss (of that step), loss_avg (mean since the previous record), lr (the rate the
     step used), grad_norm (global, before clipping), tokens_per_s and tflops_per_device (over the steps
     since the previous record), tokens (trained so far), step_time_s, elapsed_s (since this process
-    started training), eta_s, time (unix); and eval_loss at the steps that evaluated (the per-token mean
+    started training), eta_s, time (unix), padding_fraction (of the logged step's global batch: the share of its
+    tokens that are padding, 0 for text blocks); and eval_loss at the steps that evaluated (the per-token mean
     loss on the held-out data; an evaluation also forces a record at its step)."""
 
     def __init__(
@@ -103,7 +105,14 @@ class Reporter:
         self._seconds = 0.0
 
     def step(
-        self, step: int, loss: float, lr: float, grad_norm: float, seconds: float, eval_loss: float | None = None
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        seconds: float,
+        eval_loss: float | None = None,
+        padding: float | None = None,
     ) -> None:
         if self.metrics is None:
             return
@@ -130,6 +139,8 @@ class Reporter:
                 "eta_s": elapsed / (step - self.start_step) * (self.total_steps - step),
                 "time": time.time(),
             }
+            if padding is not None:
+                record["padding_fraction"] = padding
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
             self.metrics.write(record)

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.report_packing import packing
+
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
@@ -427,6 +429,7 @@ COMMANDS = """### Reproducing
     python -m scripts.bench.memory
     python -m scripts.bench.moe             # MoE: expert bytes per rank, estimator memory (about 5 min)
     python -m scripts.bench.lora            # LoRA vs full fine-tuning: optimizer and gradient bytes per rank
+    python -m scripts.bench.packing         # packed SFT rows vs padded examples: non-padding tokens/s
     python -m scripts.bench.comm --family mixtral --ep 2    # MoE TP and all-to-all bytes
     python -m scripts.bench.report          # this section, from scripts/bench/results.json
     bash scripts/bench/gpu.sh               # on a CUDA machine
@@ -480,6 +483,7 @@ def render(results: dict[str, Any]) -> str:
         "estimator_memory": memory,
         "moe": moe,
         "lora_memory": lora,
+        "packing": packing,
         "gpu": gpu,
     }
     order = [
@@ -491,6 +495,7 @@ def render(results: dict[str, Any]) -> str:
         "estimator_memory",
         "moe",
         "lora_memory",
+        "packing",
         "gpu",
     ]
 
