@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dsx3d.ds_optimizer import grad_accum_dtype
 from dsx3d.fsio import write_atomic
 from dsx3d.recipe import Recipe, TrainSection
 
@@ -59,9 +60,10 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
             "dtype": train.dtype,
         },
     }
-    if train.dtype == "bf16" and recipe.zero.stage >= 1:
+    accum = grad_accum_dtype(train.dtype, recipe.zero.stage)
+    if accum is not None:
         # Accumulate bf16 gradients in fp32. Without ZeRO DeepSpeed rejects this mix (NotImplementedError).
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["data_types"] = {"grad_accum_dtype": accum}
     overrides = resolve_auto(recipe.deepspeed, config, recipe.train, hidden_size)
     for section in ("optimizer", "scheduler"):
         # another optimizer or schedule than dsx3d's: its own parameters, not a mix with dsx3d's
