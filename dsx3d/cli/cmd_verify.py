@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--arch", default=None, help="model family with a built-in tiny config (default: llama)")
-    src.add_argument("--config", default=None, help="path to an HF config.json (or its directory)")
+    src.add_argument("--config", default=None, help="path to an HF config JSON file (any name) or a directory holding config.json")
     src.add_argument("--model", default=None, help="an HF checkpoint directory (small models only)")
     small = bounded_int(1, MAX_VERIFY_WORLD)
     p.add_argument("--dp", type=small, default=2)
@@ -71,7 +71,7 @@ def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, flo
         key, value = ("--model", args.model) if args.model else ("--config", args.config)
         path = Path(value)
         if not path.exists() or (args.model and not path.is_dir()):
-            what = "an HF checkpoint directory" if args.model else "an HF config.json (or its directory)"
+            what = "an HF checkpoint directory" if args.model else "an HF config JSON file (any name) or a directory holding config.json"
             raise UserError.single(key, value, "not found" if not path.exists() else "not a directory", f"pass {what}")
         try:
             config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
