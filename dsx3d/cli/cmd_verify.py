@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from dsx3d.cli.args import bounded_float, bounded_int
+from dsx3d.cli.json_output import emit
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
 from dsx3d.recipe import MAX_SEED
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         return 2 if err.root_error.startswith(f"{UserError.__module__}.{UserError.__name__}") else 1
     ok = all(r.ok for r in results)
     if args.json:
-        print(json.dumps({"ok": ok, "dropout_disabled": dropped, "runs": [r.to_dict() for r in results]}))
+        emit({"ok": ok, "dropout_disabled": dropped, "runs": [r.to_dict() for r in results]})
     else:
         for r in results:
             _print_table(r)
