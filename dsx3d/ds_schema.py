@@ -148,6 +148,21 @@ def _signature_problems(cls: Any, params: Any, path: str, skip: int, dropped: tu
             yield Problem(f"deepspeed.{path}.{key}", value, f"{cls.__name__} expects a number", "give a number")
 
 
+def _zero_optimizer_problems(config: dict[str, Any]) -> Iterator[Problem]:
+    """What ZeRO-1/2's optimizer asserts when it is built (runtime/zero/stage_1_and_2.py): its all-gather
+    buckets hold a whole number of 4-byte-aligned 16-bit pairs."""
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") not in (1, 2):
+        return
+    size = zero.get("allgather_bucket_size")
+    alignment = 2  # DeepSpeedZeroOptimizer.nccl_start_alignment_factor
+    if isinstance(size, int) and not isinstance(size, bool) and size % alignment:
+        yield Problem(
+            "deepspeed.zero_optimization.allgather_bucket_size", size,
+            f"ZeRO's optimizer requires a multiple of {alignment}", f"use {size + 1} (a multiple of {alignment})",
+        )
+
+
 def _optimizer_problems(config: dict[str, Any]) -> Iterator[Problem]:
     import torch
     from deepspeed.runtime import config as c
@@ -205,9 +220,23 @@ def _scheduler_problems(config: dict[str, Any]) -> Iterator[Problem]:
     yield from _signature_problems(cls, section.get("params", {}), "scheduler.params", 1)
 
 
+# DeepSpeed's cross-section refusals (`DeepSpeedConfig._do_error_check`, the fp16/bf16 assert) by the key
+# each is about; batch arithmetic is left to dsx3d's own rule (it writes the batch keys itself).
+_WHOLE_CONFIG_PATHS = (
+    ("bfloat16 and fp16", "bf16.enabled"),
+    ("zero stage", "zero_optimization.stage"),
+    ("fp16_master_weights_and_grads", "fp16.fp16_master_weights_and_grads"),
+    ("bf16_optimizer_states", "bf16.bf16_optimizer_states"),
+    ("bf16_master_weights_and_grads", "bf16.bf16_master_weights_and_grads"),
+    ("gradient_allreduce_op", "gradient_allreduce_op"),
+    ("train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu"),
+    ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+)
+
+
 def _whole_config_problems(config: dict[str, Any], dp: int) -> Iterator[Problem]:
     """DeepSpeed's own parse of the whole config and its cross-section checks (fp16 with bf16, ZeRO stage
-    bounds, master-weight options, batch arithmetic) with `dp` as its world."""
+    bounds, master-weight options) with `dp` as its world."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     parsed = DeepSpeedConfig.__new__(DeepSpeedConfig)  # __init__ would ask a process group for the world
@@ -216,10 +245,11 @@ def _whole_config_problems(config: dict[str, Any], dp: int) -> Iterator[Problem]
     parsed.world_size = dp
     try:
         parsed._initialize_params(copy.copy(config))
-        parsed._configure_train_batch_size()
         parsed._do_error_check()
     except Exception as err:  # AssertionError, ValueError, DeepSpeedConfigError, TypeError
-        yield Problem("deepspeed", None, f"DeepSpeed refuses the config: {_summary(err)}", "fix the key it names")
+        message = _summary(err)
+        path = next((p for needle, p in _WHOLE_CONFIG_PATHS if needle in message.lower()), "")
+        yield Problem(f"deepspeed.{path or 'config'}", _get(config, path) if path else None, f"DeepSpeed refuses the config: {message}", _FIX)
 
 
 def schema_problems(config: dict[str, Any], dp: int) -> list[Problem]:
@@ -235,6 +265,7 @@ def schema_problems(config: dict[str, Any], dp: int) -> list[Problem]:
             parse(config)
         except Exception as err:  # pydantic's ValidationError, TypeError, DeepSpeedConfigError, ...
             problems.extend(_problems_of(err, section, prefix, config))
+    problems.extend(_zero_optimizer_problems(config))
     problems.extend(_optimizer_problems(config))
     problems.extend(_scheduler_problems(config))
     if not problems:

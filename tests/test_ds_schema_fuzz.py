@@ -148,7 +148,7 @@ def test_accepted_configs_build_engines_refused_ones_name_a_path(tmp_path: Any) 
         errors = [p for p in check_recipe(recipe, data=False) if p.severity == "error"]
         if errors:
             refused.append(overrides)
-            assert all(p.key.startswith("deepspeed") for p in errors), (overrides, errors)
+            assert all(p.key.startswith("deepspeed.") for p in errors), (overrides, errors)
         elif overrides not in [o for o, _ in accepted]:
             accepted.append((overrides, recipe))
 
