@@ -610,6 +610,19 @@ def _shadowing_overrides(c: _Context) -> Iterator[Problem]:
         )
 
 
+def _deepspeed_schema(c: _Context) -> Iterator[Problem]:
+    """The final DeepSpeed config (dsx3d's, the recipe's `deepspeed:` merged in) through DeepSpeed's own
+    parsers (`dsx3d.ds_schema`): a value DeepSpeed refuses is an error here, not in every rank after launch."""
+    if not c.dp or c.world_size % (c.tp * c.pp):
+        return
+    from dsx3d.ds_schema import schema_problems
+
+    config = build_ds_config(c.recipe, c.world_size, hidden_size=c.dim("hidden_size"))
+    if auto_paths(config):
+        return  # `_auto_left` names them; DeepSpeed would refuse the strings
+    yield from schema_problems(config, c.dp)
+
+
 def _tracking_packages(c: _Context) -> Iterator[Problem]:
     """train.report_to backends drive the same DeepSpeed monitors (dsx3d.run.tracking); csv needs no package."""
     for backend in c.recipe.train.report_to:
@@ -652,6 +665,7 @@ RULES: list[Rule] = [
     _contradicting_overrides,
     _fp16,
     _auto_left,
+    _deepspeed_schema,
     _deepspeed_timers,
     _monitor_packages,
     _family_supported,

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dsx3d.ds_optimizer import grad_accum_dtype
 from dsx3d.fsio import write_atomic
 from dsx3d.recipe import Recipe, TrainSection
 
@@ -59,14 +60,20 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
             "dtype": train.dtype,
         },
     }
-    if train.dtype == "bf16" and recipe.zero.stage >= 1:
+    accum = grad_accum_dtype(train.dtype, recipe.zero.stage)
+    if accum is not None:
         # Accumulate bf16 gradients in fp32. Without ZeRO DeepSpeed rejects this mix (NotImplementedError).
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
-    overrides = resolve_auto(recipe.deepspeed, config, recipe.train, hidden_size)
+        config["data_types"] = {"grad_accum_dtype": accum}
+    return merge_overrides(config, resolve_auto(recipe.deepspeed, config, recipe.train, hidden_size))
+
+
+def merge_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` merged into a generated `config` (inputs untouched); an optimizer or schedule of another
+    type than the generated one brings its own parameters, not a mix with dsx3d's."""
+    config = dict(config)
     for section in ("optimizer", "scheduler"):
-        # another optimizer or schedule than dsx3d's: its own parameters, not a mix with dsx3d's
-        given = overrides.get(section)
-        if isinstance(given, dict) and given.get("type", config[section]["type"]) != config[section]["type"]:
+        given, ours = overrides.get(section), config.get(section)
+        if isinstance(given, dict) and isinstance(ours, dict) and given.get("type", ours.get("type")) != ours.get("type"):
             config.pop(section)
     merged = deep_merge(config, overrides)
     for key in _NEVER_EMIT:

@@ -211,9 +211,9 @@ def build_engine(
         raise UserError.single("parallel", f"dp*tp*pp={layout.world_size}", f"the job has {world} processes", "match the launcher's process count")
     ds_config = build_ds_config(recipe, world, hidden_size=model_dim(hf_config, "hidden_size"))
     if ds_overrides:
-        from dsx3d.ds_config import deep_merge
+        from dsx3d.ds_config import merge_overrides
 
-        ds_config = deep_merge(ds_config, ds_overrides)
+        ds_config = merge_overrides(ds_config, ds_overrides)
         ds_config = {k: v for k, v in ds_config.items() if v is not None}  # an override of None removes the section
     placement = layout.placement(comm.get_rank())
     source = source if source is not None else default_weight_source(recipe, hf_config)

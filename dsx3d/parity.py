@@ -330,12 +330,6 @@ def case_recipe(case: ParityCase) -> Recipe:
         model_cfg = {"config": model_cfg, "lora": case.lora}
     else:
         model_cfg = {"config": model_cfg}
-    deepspeed: dict[str, Any] = {}
-    if case.optimizer == "sgd":
-        deepspeed = {
-            "optimizer": {"type": "SGD", "params": {"lr": case.lr, "momentum": 0.0, "weight_decay": 0.0}},
-            "zero_allow_untested_optimizer": True,
-        }
     return recipe_from_dict(
         {
             "model": model_cfg,
@@ -364,9 +358,19 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "activation_checkpointing": case.activation_checkpointing,
             },
             "zero": {"stage": case.zero_stage},
-            "deepspeed": deepspeed,
         }
     )
+
+
+def case_ds_overrides(case: ParityCase) -> dict[str, Any]:
+    """What verify itself changes in the generated DeepSpeed config (the SGD run): merged by the engine
+    builder after the checker, so that it is not reported as a user's override of dsx3d's values."""
+    if case.optimizer != "sgd":
+        return {}
+    return {
+        "optimizer": {"type": "SGD", "params": {"lr": case.lr, "momentum": 0.0, "weight_decay": 0.0}},
+        "zero_allow_untested_optimizer": True,
+    }
 
 
 def _rank_worker(
@@ -375,7 +379,9 @@ def _rank_worker(
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
+    engine = build_engine(
+        case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case)
+    )
     losses, norms, shards = [], [], []
     for batch in batches:
         micro = iter(

@@ -1,16 +1,19 @@
 """`dsx3d` command line. Each subcommand lives in its own module with `register(subparsers)`.
 
-Bad input (a `UserError`) prints every problem on stderr and exits 2, with no traceback.
+Bad input (a `UserError`) prints every problem on stderr and exits 2, with no traceback. A command run with
+`--json` prints exactly one JSON object on stdout; everything else goes to stderr (`json_output`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
 
 from dsx3d import __version__
+from dsx3d.cli.json_output import json_mode
 from dsx3d.cli.registry import COMMANDS
 from dsx3d.errors import UserError
 
@@ -36,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with json_mode() if getattr(args, "json", False) else contextlib.nullcontext():
+            return int(args.func(args) or 0)
     except UserError as err:
         for problem in err.problems:
             print(str(problem), file=sys.stderr)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsx3d.cli.args import MAX_COUNT, MAX_HIDDEN, MAX_LAYERS, bounded_float, bounded_int
+from dsx3d.cli.json_output import emit
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
 from dsx3d.estimate import (
@@ -325,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     shape, setup, hw = build(args)
     result = estimate(shape, setup, hw)
     if args.json:
-        print(json.dumps({**result.to_dict(), "setup": asdict(setup), "hardware": asdict(hw)}))
+        emit({**result.to_dict(), "setup": asdict(setup), "hardware": asdict(hw)})
     else:
         print(render(result, setup))
     for note in result.assumptions:

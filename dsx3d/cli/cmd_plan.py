@@ -9,7 +9,6 @@ layout without a model.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from dsx3d.checker import check_recipe
 from dsx3d.cli import plan_auto
 from dsx3d.cli.args import degree, gpus_per_node, output_file, world_size
+from dsx3d.cli.json_output import emit
 from dsx3d.cli.registry import summary
 from dsx3d.errors import Problem, UserError
 from dsx3d.hf_config import load_hf_config
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             "--svg", args.svg, f"a world of {plan.layout.world_size} ranks is too large to draw", f"draw at most {MAX_DRAWN_RANKS}"
         )
     if args.json:
-        print(json.dumps(plan.describe()))
+        emit(plan.describe())
     else:
         print(render_plan(plan))
     if args.svg:

@@ -24,6 +24,7 @@ from dsx3d.recipe import Recipe, load_recipe
 from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, read_hostfile
 from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S, OWNER_ENV, Owner, set_parent_death_signal
 from dsx3d.run.outputs import RunPaths, add_start_mode, check_start, describe_removal
+from dsx3d.run.ports import with_master_port
 
 log = logging.getLogger("dsx3d")
 
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         rank_args += ["--pg-timeout-s", str(opts.pg_timeout_s)]
     if opts.hang_timeout_s is not None:
         rank_args += ["--hang-timeout-s", str(opts.hang_timeout_s)]
+    launcher_args = with_master_port(launcher_args, recipe, hostfile=opts.hostfile)
     cmd = launcher_command(
         args.recipe, recipe, hostfile=opts.hostfile, launcher_args=launcher_args, rank_args=rank_args
     )

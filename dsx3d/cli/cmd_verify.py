@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from dsx3d.cli.args import bounded_float, bounded_int
+from dsx3d.cli.json_output import emit
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
 from dsx3d.recipe import MAX_SEED
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--arch", default=None, help="model family with a built-in tiny config (default: llama)")
-    src.add_argument("--config", default=None, help="path to an HF config.json (or its directory)")
+    src.add_argument("--config", default=None, help="path to an HF config JSON file (any name) or a directory holding config.json")
     src.add_argument("--model", default=None, help="an HF checkpoint directory (small models only)")
     small = bounded_int(1, MAX_VERIFY_WORLD)
     p.add_argument("--dp", type=small, default=2)
@@ -71,7 +71,7 @@ def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, flo
         key, value = ("--model", args.model) if args.model else ("--config", args.config)
         path = Path(value)
         if not path.exists() or (args.model and not path.is_dir()):
-            what = "an HF checkpoint directory" if args.model else "an HF config.json (or its directory)"
+            what = "an HF checkpoint directory" if args.model else "an HF config JSON file (any name) or a directory holding config.json"
             raise UserError.single(key, value, "not found" if not path.exists() else "not a directory", f"pass {what}")
         try:
             config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         return 2 if err.root_error.startswith(f"{UserError.__module__}.{UserError.__name__}") else 1
     ok = all(r.ok for r in results)
     if args.json:
-        print(json.dumps({"ok": ok, "dropout_disabled": dropped, "runs": [r.to_dict() for r in results]}))
+        emit({"ok": ok, "dropout_disabled": dropped, "runs": [r.to_dict() for r in results]})
     else:
         for r in results:
             _print_table(r)

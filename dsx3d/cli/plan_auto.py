@@ -11,7 +11,6 @@ lost. `--json` prints one JSON object on stdout. The search and the model: `dsx3
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -20,6 +19,7 @@ import yaml
 
 from dsx3d.cli.args import bounded_int, output_file
 from dsx3d.cli.cmd_estimate import add_hardware_arguments, add_option, hardware_from, load_model, positive
+from dsx3d.cli.json_output import emit
 from dsx3d.errors import UserError
 from dsx3d.estimate import Setup, shape_from_hf_config
 from dsx3d.fsio import write_atomic
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.write_recipe and result.best is not None:
         _write_recipe(args.write_recipe, result.best, cluster, model, recipe)
     if args.json:
-        print(json.dumps(_as_json(result, args.top, shape.total_params)))
+        emit(_as_json(result, args.top, shape.total_params))
     else:
         print(render(result, args.top, cluster, shape.total_params, args.global_batch, seq_len))
     if result.best is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from dsx3d.ds_optimizer import grad_accum_dtype
 from dsx3d.errors import UserError
 from dsx3d.estimate import memory, timing
 from dsx3d.layout import Layout, bubble_fraction
@@ -65,8 +66,9 @@ class Setup:
     does by default); "even": equal layer counts (`memory.split_layers`)."""
     flash_attention: bool = False
     fp32_grad_accum: bool | None = None
-    """DeepSpeed's unsharded fp32 gradient buffer (BF16_Optimizer); None: what dsx3d's config does (bf16
-    with ZeRO >= 1 accumulates gradients in fp32)."""
+    """Gradient accumulation in fp32 (`data_types.grad_accum_dtype`); None: what dsx3d's config writes
+    (`ds_optimizer.grad_accum_dtype`: bf16 with ZeRO >= 1). The unsharded fp32 buffer it may cost is counted
+    only where DeepSpeed picks BF16_Optimizer (`ds_optimizer.keeps_fp32_grad_buffer`)."""
     reduce_bucket_size: float = 5e8
     """`zero_optimization.reduce_bucket_size` (DeepSpeed's default): ZeRO's gradient buckets, in elements."""
     sequence_parallel: bool = True
@@ -80,7 +82,7 @@ class Setup:
     def grad_accum_fp32(self) -> bool:
         if self.fp32_grad_accum is not None:
             return self.fp32_grad_accum
-        return self.dtype != "fp32" and self.zero_stage == 1
+        return grad_accum_dtype(self.dtype, self.zero_stage) == "fp32"
 
     @property
     def global_batch(self) -> int:

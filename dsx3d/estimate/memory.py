@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsx3d.ds_optimizer import keeps_fp32_grad_buffer
 from dsx3d.errors import UserError
 from dsx3d.models.shape import ModelShape, ParamCount
 
@@ -107,9 +108,8 @@ def model_state_bytes(
         optimizer_k = ADAM_K_MIXED
     params = width * num_params / (dp if zero_stage >= 3 else 1)
     grads = width * num_params / (dp if zero_stage >= 2 else 1)
-    if fp32_grad_accum and dtype != "fp32" and zero_stage == 1:
-        # BF16_Optimizer's fp32 accumulation buffer (DeepSpeed picks it for bf16 + fp32 accumulation at ZeRO-1
-        # only; ZeRO-2/3 keep their own fp32 partition, a transient here, and ZeRO-0 refuses the mix)
+    if _fp32_buffer(dtype, zero_stage, fp32_grad_accum):
+        # BF16_Optimizer's fp32 accumulation buffer (ZeRO-2/3 keep their own fp32 partition, a transient here)
         grads += 4 * num_params
     optimizer = optimizer_k * num_params / (dp if zero_stage >= 1 else 1)
     return StateBytes(params, grads, optimizer)
@@ -277,9 +277,13 @@ def optimizer_kind(*, zero_stage: int, dtype: str, fp32_grad_accum: bool) -> str
     accumulation, ZeRO-1), "zero" (stage_1_and_2.py / ZeRO-3) or "torch" (ZeRO-0: torch's AdamW as is)."""
     if zero_stage == 0:
         return "torch"
-    if dtype != "fp32" and fp32_grad_accum and zero_stage == 1:
-        return "bf16"
-    return "zero"
+    return "bf16" if _fp32_buffer(dtype, zero_stage, fp32_grad_accum) else "zero"
+
+
+def _fp32_buffer(dtype: str, zero_stage: int, fp32_grad_accum: bool) -> bool:
+    """Whether DeepSpeed picks BF16_Optimizer with its unsharded fp32 gradient buffer: bf16 with fp32
+    accumulation at ZeRO-1 only (`dsx3d.ds_optimizer`); fp16 with ZeRO keeps DeepSpeed's ZeRO optimizer."""
+    return keeps_fp32_grad_buffer(dtype, zero_stage, "fp32" if fp32_grad_accum else None, pipeline=False)
 
 
 @dataclass(frozen=True)
