@@ -62,6 +62,9 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
     if train.dtype == "bf16" and recipe.zero.stage >= 1:
         # Accumulate bf16 gradients in fp32. Without ZeRO DeepSpeed rejects this mix (NotImplementedError).
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+        # and reduce them over dp in fp32: DeepSpeed's default for bf16 is bf16 reductions, which round each
+        # micro-batch's sum over the DP ranks to 8 bits before it reaches the fp32 accumulator (ZeRO-2/3)
+        config["communication_data_type"] = "fp32"
     overrides = resolve_auto(recipe.deepspeed, config, recipe.train, hidden_size)
     for section in ("optimizer", "scheduler"):
         # another optimizer or schedule than dsx3d's: its own parameters, not a mix with dsx3d's
