@@ -9,8 +9,9 @@ for the well-conditioned tensors (a fault hides in it) or too tight for the ill-
 layout fails).
 
 So the reference measures it: at each step it runs the same model once more in bf16 exactly as the 3D side
-does (parameters cast to bf16 from the current fp32 weights, bf16 forward and backward, each micro-batch's
-gradient accumulated in fp32, the global norm and clipping in fp32). The distance of that shadow from the
+does (parameters cast to bf16 from the current fp32 weights, buffers such as rotary frequency tables left
+in fp32 as DeepSpeed's engine leaves them, bf16 forward and backward, each micro-batch's gradient
+accumulated in fp32, the global norm and clipping in fp32). The distance of that shadow from the
 fp32 reference is the round-off of one bf16 evaluation of this model on this data, per quantity; the 3D
 side rounds in a different order (TP shards, stage boundaries, reduction order), so its distance is
 another draw of the same size. verify allows `BF16_DRAWS` times the shadow's distance on top of fp32's
@@ -47,12 +48,29 @@ class Bf16Roundoff:
     """Elementwise |g_bf16 - g_ref| of the unclipped gradients (for Adam's amplification)."""
 
 
+def bf16_like_deepspeed(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """A copy of `model` (with `weights` by parameter name instead of its own, if given) cast as DeepSpeed's
+    engine casts a bf16 model: parameters to bf16, buffers kept in their dtype (a rotary `inv_freq` rounded to
+    bf16 would turn every position's angle by up to 2^-9 of itself, a different computation from the one the 3D
+    side runs)."""
+    shadow = copy.deepcopy(model)
+    for n, p in shadow.named_parameters():
+        if weights is not None and n in weights:
+            p.data = weights[n].clone()
+        if p.is_floating_point():
+            p.data = p.data.to(torch.bfloat16)
+    return shadow
+
+
 def bf16_shadow(
-    model: torch.nn.Module, accumulate: Callable[[torch.nn.Module], float]
+    model: torch.nn.Module,
+    accumulate: Callable[[torch.nn.Module], float],
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and fp32 gradients (unclipped) of `model`'s current weights run in bf16; `accumulate(m)` runs the
-    step's micro-batches through `m` and returns the mean loss (each micro-batch's backward into .grad)."""
-    shadow = copy.deepcopy(model).to(torch.bfloat16)
+    """Loss and fp32 gradients (unclipped) of `model`'s current weights (or the fp32 `weights` by name: the
+    shadow's own trajectory, `sgd_step`) run in bf16; `accumulate(m)` runs the step's micro-batches through `m`
+    and returns the mean loss (each micro-batch's backward into .grad)."""
+    shadow = bf16_like_deepspeed(model, weights)
     named = [(n, p) for n, p in shadow.named_parameters() if p.requires_grad]
     for _, p in named:
         p.grad = None
@@ -105,3 +123,15 @@ def record_step(
             {n: lr * float((clip_b * shadow_grads[n].double() - clip_ref * g.double()).norm()) for n, g in ref_grads.items()}
         )
         out.grad.append({n: (shadow_grads[n] - g).abs() for n, g in ref_grads.items()})
+
+
+def sgd_step(weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float, max_norm: float) -> None:
+    """The shadow's own SGD step on its fp32 master weights, clipped by its own norm (as the 3D side steps its
+    master copy): from the second step on, the shadow's distance from the reference then also holds what its
+    earlier round-off did to the weights this step starts from, as the 3D side's does. With SGD verify's
+    learning rate that propagated part dominates a later step's gradient norm."""
+    with torch.no_grad():
+        norm = sum(float(g.double().pow(2).sum()) for g in grads.values()) ** 0.5
+        clip = min(1.0, max_norm / (norm + 1e-6))
+        for n, g in grads.items():
+            weights[n].add_(g, alpha=-lr * clip)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from dsx3d.bf16_roundoff import BF16_DRAWS, BF16_U, Bf16Roundoff, bf16_shadow, record_step
+from dsx3d.bf16_roundoff import BF16_DRAWS, BF16_U, Bf16Roundoff, bf16_shadow, record_step, sgd_step
 from dsx3d.recipe import Recipe, recipe_from_dict
 from dsx3d.reference_clip import clip_by_exact_norm
 
@@ -288,6 +288,11 @@ def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tenso
     v = {n: torch.zeros_like(p) for n, p in named}
     beta2 = case.betas[1]
     model.train()
+    # SGD in bf16: the shadow follows its own trajectory (dsx3d.bf16_roundoff.sgd_step); AdamW measures the
+    # effect of earlier differences with its probes (_propagated_change) and runs the shadow from the reference
+    shadow_weights = None
+    if case.dtype == "bf16" and case.optimizer == "sgd":
+        shadow_weights = {n: p.detach().clone() for n, p in named}
     for t, batch in enumerate(batches, start=1):
         if case.optimizer == "sgd":
             ref.snapshots.append({n: p.detach().clone() for n, p in named})
@@ -312,7 +317,9 @@ def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tenso
         bf16_grad: dict[str, torch.Tensor] = {}
         if case.dtype == "bf16":
             torch.set_rng_state(rng)
-            shadow_loss, shadow_grads = bf16_shadow(model, lambda m: _accumulate_grads(case, m, batch))  # noqa: B023
+            shadow_loss, shadow_grads = bf16_shadow(
+                model, lambda m: _accumulate_grads(case, m, batch), shadow_weights  # noqa: B023
+            )
             torch.set_rng_state(after)
             rf = Bf16Roundoff()
             record_step(rf, total, norm, unclipped, shadow_loss, shadow_grads, case.lr, max_norm)
@@ -320,6 +327,8 @@ def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tenso
             ref.norm_slack[-1] += BF16_DRAWS * rf.norm[0]
             ref.update_slack.append({n: BF16_DRAWS * d for n, d in rf.update[0].items()})
             bf16_grad = rf.grad[0]
+            if shadow_weights is not None:
+                sgd_step(shadow_weights, shadow_grads, case.lr, max_norm)
         if case.optimizer != "sgd":
             for n, p in named:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
