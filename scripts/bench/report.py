@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.report_verify import verify_sweep
+
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
@@ -481,6 +483,7 @@ def render(results: dict[str, Any]) -> str:
         "moe": moe,
         "lora_memory": lora,
         "gpu": gpu,
+        "verify_sweep": verify_sweep,
     }
     order = [
         "overhead",
@@ -492,6 +495,7 @@ def render(results: dict[str, Any]) -> str:
         "moe",
         "lora_memory",
         "gpu",
+        "verify_sweep",
     ]
 
     def rank(key: str) -> tuple[int, str]:
