@@ -563,6 +563,7 @@ _OVERRIDE_SOURCES = {
     "dsx3d": "the layout dsx3d records (parallel, cluster, train)",
     "steps_per_print": "dsx3d's own logging",
     "data_types.grad_accum_dtype": "train.dtype (fp32 accumulation for bf16)",
+    "communication_data_type": "train.dtype (fp32 gradient reduction for bf16 with ZeRO)",
 }
 _OWN_RULES = {
     "train_batch_size",

@@ -64,6 +64,9 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
     if accum is not None:
         # Accumulate bf16 gradients in fp32. Without ZeRO DeepSpeed rejects this mix (NotImplementedError).
         config["data_types"] = {"grad_accum_dtype": accum}
+        # and reduce them over dp in fp32: DeepSpeed's default for bf16 is bf16 reductions, which round each
+        # micro-batch's sum over the DP ranks to 8 bits before it reaches the fp32 accumulator (ZeRO-2/3)
+        config["communication_data_type"] = "fp32"
     return merge_overrides(config, resolve_auto(recipe.deepspeed, config, recipe.train, hidden_size))
 
 

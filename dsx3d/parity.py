@@ -36,7 +36,9 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from dsx3d.bf16_roundoff import BF16_DRAWS, BF16_U, Bf16Roundoff, bf16_shadow, record_step, sgd_step
 from dsx3d.recipe import Recipe, recipe_from_dict
+from dsx3d.reference_clip import clip_by_exact_norm
 
 FP32_EPS = torch.finfo(torch.float32).eps
 """Spacing of fp32 numbers at 1.0 (2^-23): an element w is rounded to within FP32_EPS * |w|."""
@@ -59,15 +61,21 @@ class Criteria:
     """AdamW: gradient round-off of a tensor, relative to its largest gradient element."""
     weight_atol: float
     """AdamW: plus this much per element, relative to max(1, |w|)."""
+    stored_u: float = FP32_EPS / 2
+    """Unit round-off of the dtype the 3D side stores its parameters in: each weight it hands back is rounded
+    to within stored_u |w| (bf16: 2^-8; its fp32 master copy stays inside the optimizer)."""
 
 
 CRITERIA = {
     "fp32": Criteria(
         loss_rtol=1e-5, norm_rtol=1e-5, grad_rtol=1e-4, grad_floor=1e-6, roundoff=1e-5, weight_atol=1e-6
     ),
-    # bf16 compute against an fp32 reference: bf16's 8-bit mantissa
+    # bf16 compute against an fp32 reference: fp32's criterion (gradients are accumulated, clipped and applied
+    # in fp32) plus what bf16 itself does to each compared quantity, measured on the reference
+    # (dsx3d.bf16_roundoff), plus each stored weight's rounding to bf16
     "bf16": Criteria(
-        loss_rtol=5e-2, norm_rtol=5e-2, grad_rtol=5e-2, grad_floor=1e-3, roundoff=1e-2, weight_atol=1e-3
+        loss_rtol=1e-5, norm_rtol=1e-5, grad_rtol=1e-4, grad_floor=1e-6, roundoff=1e-5, weight_atol=1e-6,
+        stored_u=BF16_U,
     ),
 }
 
@@ -191,6 +199,8 @@ class Reference:
     """AdamW: per element, how far round-off amplified by Adam can move a weight (module docstring)."""
     loss_slack: list[float] = field(default_factory=list)
     norm_slack: list[float] = field(default_factory=list)
+    update_slack: list[dict[str, float]] = field(default_factory=list)
+    """SGD in bf16, per step and tensor: how far bf16 round-off moves the weight change (dsx3d.bf16_roundoff)."""
     """AdamW, per step: how much the weight differences admitted so far can change the loss and the gradient
     norm (0 at the first step), measured like the gradients' (`_propagated_change`)."""
 
@@ -284,6 +294,11 @@ def run_reference(
     v = {n: torch.zeros_like(p) for n, p in named}
     beta2 = case.betas[1]
     model.train()
+    # SGD in bf16: the shadow follows its own trajectory (dsx3d.bf16_roundoff.sgd_step); AdamW measures the
+    # effect of earlier differences with its probes (_propagated_change) and runs the shadow from the reference
+    shadow_weights = None
+    if case.dtype == "bf16" and case.optimizer == "sgd":
+        shadow_weights = {n: p.detach().clone() for n, p in named}
     for t, batch in enumerate(batches, start=1):
         if case.optimizer == "sgd":
             ref.snapshots.append({n: p.detach().clone() for n, p in named})
@@ -300,10 +315,26 @@ def run_reference(
             )
             torch.set_rng_state(after)
         max_norm = case.grad_clip if case.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm)
+        unclipped = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+        norm = clip_by_exact_norm([p for _, p in named], max_norm)
         ref.loss_slack.append(2 * abs(moved_loss - total))
         ref.norm_slack.append(0.0 if moved_norm is None else 2 * abs(moved_norm - float(norm)))
         clip = min(1.0, max_norm / (float(norm) + 1e-6))
+        bf16_grad: dict[str, torch.Tensor] = {}
+        if case.dtype == "bf16":
+            torch.set_rng_state(rng)
+            shadow_loss, shadow_grads = bf16_shadow(
+                model, lambda m: _accumulate_grads(case, m, batch), shadow_weights  # noqa: B023
+            )
+            torch.set_rng_state(after)
+            rf = Bf16Roundoff()
+            record_step(rf, total, norm, unclipped, shadow_loss, shadow_grads, case.lr, max_norm)
+            ref.loss_slack[-1] += BF16_DRAWS * rf.loss[0]
+            ref.norm_slack[-1] += BF16_DRAWS * rf.norm[0]
+            ref.update_slack.append({n: BF16_DRAWS * d for n, d in rf.update[0].items()})
+            bf16_grad = rf.grad[0]
+            if shadow_weights is not None:
+                sgd_step(shadow_weights, shadow_grads, case.lr, max_norm)
         if case.optimizer != "sgd":
             for n, p in named:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -312,6 +343,9 @@ def run_reference(
                 delta = torch.full_like(p, criteria.roundoff * float(g.abs().max()) if g.numel() else 0.0)
                 if n in propagated:
                     delta += 2 * clip * propagated[n]
+                if n in bf16_grad and bf16_grad[n].numel():
+                    # one draw of an element's round-off can be near zero by chance: the tensor's largest
+                    delta += BF16_DRAWS * clip * float(bf16_grad[n].max())
                 step = 2 * case.lr * delta / (v_hat.sqrt() + case.adam_eps)
                 # Adam moves an element by at most a few lr per step, whatever its gradient
                 ref.adam_slack[n] = ref.adam_slack.get(n, torch.zeros_like(p)) + step.clamp(max=4 * case.lr)
@@ -427,6 +461,7 @@ def run_parity(
         ) from None
     ref.snapshots = [{hf_name(n): t for n, t in snap.items()} for snap in ref.snapshots]
     ref.adam_slack = {hf_name(n): t for n, t in ref.adam_slack.items()}
+    ref.update_slack = [{hf_name(n): d for n, d in step.items()} for step in ref.update_slack]
     t1 = time.perf_counter()
     results = run_ranks(_rank_worker, case.world_size, case, state, batches, timeout_s=timeout_s)
     t2 = time.perf_counter()
@@ -448,7 +483,7 @@ def run_parity(
     elif case.optimizer == "sgd":
         after = [*merged]  # parameters after step t, t = 1..steps
         before = [initial, *after[:-1]]
-        checks.append(_gradient_check(ref.snapshots, before, after, criteria))
+        checks.append(_gradient_check(ref.snapshots, before, after, criteria, ref.update_slack))
     else:
         checks.append(_adam_weight_check(ref.snapshots[-1], merged[-1], ref.adam_slack, criteria))
     worst, worst_name = 0.0, ""
@@ -491,19 +526,25 @@ def _gradient_check(
     before: list[dict[str, torch.Tensor]],
     after: list[dict[str, torch.Tensor]],
     criteria: Criteria,
+    update_slack: list[dict[str, float]] | None = None,
 ) -> Check:
-    """SGD: each step's weight change (= -lr x clipped gradient), tensor by tensor."""
+    """SGD: each step's weight change (= -lr x clipped gradient), tensor by tensor; `update_slack` (bf16) adds
+    per step and tensor what bf16 round-off explains."""
     worst, where, ok = 0.0, "", True
     for t in range(len(after)):
         ref_delta = {n: ref_snapshots[t + 1][n] - ref_snapshots[t][n] for n in ref_snapshots[t]}
         total = sum(float((d.double() ** 2).sum()) for d in ref_delta.values()) ** 0.5
         for name, d_ref in ref_delta.items():
             d_3d = after[t][name] - before[t][name].float()
-            # each side rounds W - lr g to fp32 once: one unit in the last place of an element is forgiven
-            spacing = FP32_EPS * torch.maximum(ref_snapshots[t + 1][name].abs(), ref_snapshots[t][name].abs())
+            # each side rounds W - lr g to fp32 once: one unit in the last place of an element is forgiven; a
+            # side storing a coarser dtype rounds W_t and W_t+1 to within stored_u |W| each
+            w0, w1 = ref_snapshots[t][name].abs(), ref_snapshots[t + 1][name].abs()
+            spacing = torch.maximum(FP32_EPS * torch.maximum(w1, w0), criteria.stored_u * (w0 + w1))
             excess = ((d_3d.double() - d_ref.double()).abs() - spacing.double()).clamp(min=0)
             err = float(excess.norm())
             allowed = criteria.grad_rtol * float(d_ref.double().norm()) + criteria.grad_floor * total
+            if update_slack:
+                allowed += update_slack[t].get(name, 0.0)
             ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
             ok = ok and ratio <= 1.0
             if not ratio <= worst:
@@ -526,6 +567,7 @@ def _adam_weight_check(
         w_ref = w_ref.float()
         diff = (got[name].float() - w_ref).abs()
         allowed = slack.get(name, torch.zeros_like(w_ref)) + criteria.weight_atol * w_ref.abs().clamp(min=1.0)
+        allowed = allowed + criteria.stored_u * w_ref.abs()  # the 3D side's stored copy rounds it
         ratio = diff / allowed
         i = int(torch.nan_to_num(ratio, nan=float("inf")).argmax()) if ratio.numel() else 0
         value = float(ratio.flatten()[i]) if ratio.numel() else 0.0

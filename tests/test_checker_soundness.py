@@ -1,5 +1,6 @@
 """The checker is sound: every recipe it accepts trains (engine built, data prepared, one optimizer step,
-checkpoint and HF export written), and every recipe it refuses is refused before any process starts, with
+checkpoint and HF export written), or, in fp16, is refused by DeepSpeed on CPU after the checker warned
+about exactly that on train.dtype, and every recipe it refuses is refused before any process starts, with
 each problem naming the recipe key, the reason and the fix. Recipes are drawn at random over the space a
 user can write (dsx3d.testing.recipe_grid); CI draws until ACCEPTED of them were accepted (the refused ones
 on the way are checked too); DSX3D_SWEEP=1 draws until 40 (DSX3D_SOUNDNESS_ACCEPTED sets the number)."""
@@ -16,7 +17,7 @@ import pytest
 from dsx3d.checker import check_recipe
 from dsx3d.errors import UserError
 from dsx3d.recipe import Recipe, recipe_from_dict
-from dsx3d.testing.harness import run_ranks
+from dsx3d.testing.harness import RankFailure, run_ranks
 from dsx3d.testing.recipe_grid import random_recipe, write_corpus
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
@@ -45,7 +46,7 @@ def test_accepted_recipes_train_and_refused_ones_name_the_key(tmp_path_factory: 
     rng = random.Random(SEED)
     shared = tmp_path_factory.mktemp("grid")
     write_corpus(shared)
-    accepted = refused = 0
+    accepted = refused = fp16_refused = 0
     while accepted < ACCEPTED:
         tmp = tmp_path_factory.mktemp("case")
         data = random_recipe(rng, shared)
@@ -59,10 +60,23 @@ def test_accepted_recipes_train_and_refused_ones_name_the_key(tmp_path_factory: 
         assert recipe is not None
         accepted += 1
         world = recipe.cluster_world_size
-        losses = run_ranks(_train, world, recipe, timeout_s=600)[0]
+        if recipe.train.dtype == "fp16":  # the checker warns; DeepSpeed refuses it on this CPU
+            warned = [p for p in check_recipe(recipe) if p.severity == "warning" and p.key == "train.dtype"]
+            assert warned and "fp16" in warned[0].reason, data
+            try:
+                losses = run_ranks(_train, world, recipe, timeout_s=600)[0]
+            except RankFailure as err:
+                assert "fp16 is not supported" in err.root_error, err.root_error
+                fp16_refused += 1
+                continue
+        else:
+            losses = run_ranks(_train, world, recipe, timeout_s=600)[0]
         assert len(losses) == 1 and math.isfinite(losses[0]), data
         assert (tmp / "run" / "hf" / "config.json").is_file(), data
-    print(f"checker soundness: {accepted} accepted recipes trained, {refused} refused with a key (seed {SEED})")
+    print(
+        f"checker soundness: {accepted} accepted recipes trained ({fp16_refused} of them fp16, refused by DeepSpeed"
+        f" on CPU as the checker warned), {refused} refused with a key (seed {SEED})"
+    )
     assert refused > 0  # the grid reaches the checker's refusals too
 
 

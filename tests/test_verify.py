@@ -13,6 +13,7 @@ import pytest
 from dsx3d.cli import main
 from dsx3d.parity import ParityCase, run_verify
 from dsx3d.testing.faults import FAULTS
+from dsx3d.testing.published import published_inputs
 from dsx3d.testing.sweep import sweep_cases
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
@@ -22,9 +23,16 @@ SEED = int(os.environ.get("DSX3D_SWEEP_SEED", "20261130"))
 
 
 @pytest.mark.parametrize("case", sweep_cases(SAMPLE, seed=SEED), ids=lambda c: c.label)
-def test_verify_passes_generated_configs(case) -> None:
+def test_verify_passes_generated_configs(case, tmp_path: Path) -> None:
     dp, tp, pp = case.layout
-    results = run_verify(ParityCase(case.config(), dp=dp, tp=tp, pp=pp, zero_stage=case.zero_stage, steps=2))
+    config, model = case.config(), None
+    if case.checkpoint:
+        config, model = published_inputs(config, tmp_path / "published")
+    parity = ParityCase(
+        config, dp=dp, tp=tp, pp=pp, zero_stage=case.zero_stage, steps=2, dtype=case.dtype,
+        stage_layers=case.stage_layers(),
+    )
+    results = run_verify(parity, model=model)
     for r in results:
         assert r.ok, r.to_dict()
 

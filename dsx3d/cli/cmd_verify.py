@@ -56,10 +56,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=0)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument(
+        "--stage-layers", type=_layer_counts, default=None, metavar="N,N,...",
+        help="decoder layers per pipeline stage (parallel.stage_layers; default: the cost-balanced split)",
+    )
+    p.add_argument(
         "--timeout", type=bounded_float(0.0, 86400.0), default=300.0, help="seconds before hung ranks are killed"
     )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.set_defaults(func=run)
+
+
+def _layer_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated layer counts such as 2,2") from None
+    if any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: layer counts cannot be negative")
+    return counts
 
 
 def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
@@ -146,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         config, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, steps=args.steps, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr, dtype=args.dtype, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage,
+        stage_layers=args.stage_layers,
     )
     raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config, data=False))
     log.info(

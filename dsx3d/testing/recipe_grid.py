@@ -1,5 +1,6 @@
 """Recipes nobody here wrote: drawn at random over the whole space a user can write (layouts, ZeRO stages,
-precision, tied or untied embeddings, head counts tp may not divide, activation checkpointing, explicit
+precision (fp32, bf16 and fp16, which DeepSpeed refuses on CPU), tied or untied embeddings, attention biases,
+vocabularies of published checkpoints against tiny hidden sizes (the head outweighs the layers), head counts tp may not divide, activation checkpointing, explicit
 stage splits valid or not, DeepSpeed overrides including HF-style "auto" values, timers, monitors, data
 sources that exist or not, chat / instruction / held-out data with missing fields, empty files, too few
 examples or no chat template). The checker-soundness property test (tests/test_checker_soundness.py) asserts
@@ -102,8 +103,9 @@ def random_recipe(rng: random.Random, tmp: Path) -> dict[str, Any]:
         "hidden_size": heads * 8,
         "intermediate_size": rng.choice([48, 64, 72]),
         "num_hidden_layers": layers,
-        "vocab_size": rng.choice([256, 301]),
+        "vocab_size": rng.choice([256, 301, 32000, 151936]),
         "tie_word_embeddings": rng.random() < 0.5,
+        "attention_bias": rng.random() < 0.5,
     }
     parallel: dict[str, Any] = {"dp": rng.choice([dp, "auto"]), "tp": tp, "pp": pp}
     if pp > 1 and rng.random() < 0.3:
@@ -118,7 +120,7 @@ def random_recipe(rng: random.Random, tmp: Path) -> dict[str, Any]:
             "micro_batch_size": rng.choice([1, 2]),
             "gradient_accumulation_steps": rng.choice([1, 2, 4]),
             "seq_len": rng.choice([16, 32]),
-            "dtype": rng.choice(["fp32", "bf16"]),
+            "dtype": rng.choice(["fp32", "bf16", "bf16", "fp16"]),
             "activation_checkpointing": rng.random() < 0.3,
         },
         "zero": {"stage": rng.choice([0, 1, 2, 3])},

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench.report_packing import packing
+from scripts.bench.report_verify import verify_sweep
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
@@ -485,6 +486,7 @@ def render(results: dict[str, Any]) -> str:
         "lora_memory": lora,
         "packing": packing,
         "gpu": gpu,
+        "verify_sweep": verify_sweep,
     }
     order = [
         "overhead",
@@ -497,6 +499,7 @@ def render(results: dict[str, Any]) -> str:
         "lora_memory",
         "packing",
         "gpu",
+        "verify_sweep",
     ]
 
     def rank(key: str) -> tuple[int, str]:

@@ -1,0 +1,137 @@
+"""What bf16 itself does to the quantities `dsx3d verify` compares, measured on the reference.
+
+A bf16 run computes every matmul, norm and activation from operands rounded to bf16 (unit round-off
+u = 2^-8), against an fp32 reference. How far that moves a loss, a gradient norm or one tensor's gradient
+is not a fixed fraction: it is u times the condition of the computation, and the condition varies by orders
+of magnitude between tensors (the final norm's gradient is a sum over the batch of terms that cancel, and a
+tied head's softmax gradient sums ~vocabulary terms of 1/vocabulary each). A fixed rtol is either too loose
+for the well-conditioned tensors (a fault hides in it) or too tight for the ill-conditioned ones (a correct
+layout fails).
+
+So the reference measures it: at each step it runs the same model once more in bf16 exactly as the 3D side
+does (parameters cast to bf16 from the current fp32 weights, buffers such as rotary frequency tables left
+in fp32 as DeepSpeed's engine leaves them, bf16 forward and backward, each micro-batch's gradient
+accumulated in fp32, the global norm and clipping in fp32). The distance of that shadow from the
+fp32 reference is the round-off of one bf16 evaluation of this model on this data, per quantity; the 3D
+side rounds in a different order (TP shards, stage boundaries, reduction order), so its distance is
+another draw of the same size. verify allows `BF16_DRAWS` times the shadow's distance on top of fp32's
+criterion, and, for stored weights, each element's own rounding to bf16 (u |w|): the 3D side hands back
+its bf16 parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+BF16_U = 2.0**-8
+"""bf16's unit round-off: 8 significant bits, a value is rounded to within 2^-8 of itself (relative)."""
+BF16_DRAWS = 4.0
+"""A correct bf16 layout may differ from the fp32 reference by up to this many times the shadow's own bf16
+round-off: both are sums of the same roundings in different orders, so their sizes spread by a small factor
+around each other (more for a single scalar, such as one step's loss, than for a tensor's norm)."""
+
+
+@dataclass
+class Bf16Roundoff:
+    """Per step: the shadow's distance from the fp32 reference."""
+
+    loss: list[float] = field(default_factory=list)
+    norm: list[float] = field(default_factory=list)
+    update: list[dict[str, float]] = field(default_factory=list)
+    """SGD: ||dW_bf16 - dW_ref|| per tensor, dW = -lr x the clipped gradient (the clip coefficient is the
+    shadow's own)."""
+    grad: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Elementwise |g_bf16 - g_ref| of the unclipped gradients (for Adam's amplification)."""
+
+
+def bf16_like_deepspeed(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """A copy of `model` (with `weights` by parameter name instead of its own, if given) cast as DeepSpeed's
+    engine casts a bf16 model: parameters to bf16, buffers kept in their dtype (a rotary `inv_freq` rounded to
+    bf16 would turn every position's angle by up to 2^-9 of itself, a different computation from the one the 3D
+    side runs)."""
+    shadow = copy.deepcopy(model)
+    for n, p in shadow.named_parameters():
+        if weights is not None and n in weights:
+            p.data = weights[n].clone()
+        if p.is_floating_point():
+            p.data = p.data.to(torch.bfloat16)
+    return shadow
+
+
+def bf16_shadow(
+    model: torch.nn.Module,
+    accumulate: Callable[[torch.nn.Module], float],
+    weights: dict[str, torch.Tensor] | None = None,
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and fp32 gradients (unclipped) of `model`'s current weights (or the fp32 `weights` by name: the
+    shadow's own trajectory, `sgd_step`) run in bf16; `accumulate(m)` runs the step's micro-batches through `m`
+    and returns the mean loss (each micro-batch's backward into .grad)."""
+    shadow = bf16_like_deepspeed(model, weights)
+    named = [(n, p) for n, p in shadow.named_parameters() if p.requires_grad]
+    for _, p in named:
+        p.grad = None
+    sums = {n: torch.zeros(p.shape, dtype=torch.float32) for n, p in named}
+
+    def accumulate_fp32() -> float:
+        return accumulate(_Fp32Accumulating(shadow, named, sums))
+
+    loss = accumulate_fp32()
+    for n, p in named:
+        if p.grad is not None:
+            sums[n] += p.grad.float()
+    return loss, sums
+
+
+class _Fp32Accumulating(torch.nn.Module):
+    """Calls the bf16 model; after each call's backward has filled .grad, the next call first moves .grad
+    into the fp32 sums (DeepSpeed's fp32 gradient accumulation for bf16)."""
+
+    def __init__(self, model: torch.nn.Module, named: list, sums: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.inner, self.named, self.sums = model, named, sums
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        for n, p in self.named:
+            if p.grad is not None:
+                self.sums[n] += p.grad.float()
+                p.grad = None
+        return self.inner(*args, **kwargs)
+
+
+def record_step(
+    out: Bf16Roundoff,
+    ref_loss: float,
+    ref_norm: float,
+    ref_grads: dict[str, torch.Tensor],
+    shadow_loss: float,
+    shadow_grads: dict[str, torch.Tensor],
+    lr: float,
+    max_norm: float,
+) -> None:
+    """Record one step's distances; `ref_grads` are the reference's unclipped fp32 gradients."""
+    with torch.no_grad():
+        norm = sum(float(g.double().pow(2).sum()) for g in shadow_grads.values()) ** 0.5
+        clip_ref = min(1.0, max_norm / (ref_norm + 1e-6))
+        clip_b = min(1.0, max_norm / (norm + 1e-6))
+        out.loss.append(abs(shadow_loss - ref_loss))
+        out.norm.append(abs(norm - ref_norm))
+        out.update.append(
+            {n: lr * float((clip_b * shadow_grads[n].double() - clip_ref * g.double()).norm()) for n, g in ref_grads.items()}
+        )
+        out.grad.append({n: (shadow_grads[n] - g).abs() for n, g in ref_grads.items()})
+
+
+def sgd_step(weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float, max_norm: float) -> None:
+    """The shadow's own SGD step on its fp32 master weights, clipped by its own norm (as the 3D side steps its
+    master copy): from the second step on, the shadow's distance from the reference then also holds what its
+    earlier round-off did to the weights this step starts from, as the 3D side's does. With SGD verify's
+    learning rate that propagated part dominates a later step's gradient norm."""
+    with torch.no_grad():
+        norm = sum(float(g.double().pow(2).sum()) for g in grads.values()) ** 0.5
+        clip = min(1.0, max_norm / (norm + 1e-6))
+        for n, g in grads.items():
+            weights[n].add_(g, alpha=-lr * clip)

@@ -1,0 +1,41 @@
+"""The `verify_sweep` section of the benchmark report (scripts/bench/report.py): what the verify sweep
+(scripts/bench/verify_sweep.py) drew and how each dtype fared, and which injected faults it caught."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _worst(w: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3g}" for k, v in sorted(w.items())) or "-"
+
+
+def verify_sweep(r: dict[str, Any]) -> list[str]:
+    when = f"; {r['when']}" if "when" in r else ""
+    load = r.get("loadavg") or []
+    load_s = f", load average {load[0][0]:.1f} at the start" if load else ""
+    lines = [
+        "### verify sweep",
+        "",
+        f"Command: `{r['command']}`{when}{load_s}, {r['seconds']} s. {r['configs']} configs over {r['families']} "
+        f"families; every correct layout must pass `dsx3d verify` (a false failure is a defect of the criterion or "
+        f"of the engine), every injected fault must fail it.",
+        "",
+        "| dtype | drawn | trained | passed | refused | crashed | false failures | worst fraction of tolerance |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for dtype, s in sorted(r.get("by_dtype", {}).items()):
+        passed = s["trained"] - s["false_failures"]
+        lines.append(
+            f"| {dtype} | {s['drawn']} | {s['trained']} | {passed} | {s['refused']} | {s['crashed']} | "
+            f"{s['false_failures']} | {_worst(s.get('worst_fraction_of_tolerance', {}))} |"
+        )
+    faults = r.get("faults_detected") or {}
+    if faults:
+        missed = sorted(k for k, v in faults.items() if not v)
+        lines += ["", f"Injected faults: {len(faults) - len(missed)} of {len(faults)} detected"
+                  + (f"; missed: {', '.join(missed)}." if missed else ".")]
+    for f in r.get("failures", []):
+        lines += ["", f"- failed: `{f['case']}`"]
+    lines.append("")
+    return lines
