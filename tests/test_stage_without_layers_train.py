@@ -86,11 +86,19 @@ CASES = list(itertools.product([[4, 0], [0, 4]], ["fp32", "bf16"], [0, 1]))
 CI_CASES = [([4, 0], "bf16", 1), ([0, 4], "fp32", 0)]
 
 
-@pytest.mark.parametrize(
-    ("split", "dtype", "zero"),
-    [c if c in CI_CASES or os.environ.get("DSX3D_SWEEP") == "1" else pytest.param(*c, marks=pytest.mark.skip("DSX3D_SWEEP=1")) for c in CASES],
-    ids=[f"{s[0]}-{s[1]}-{d}-zero{z}" for s, d, z in CASES],
-)
+# bf16 with ZeRO-0 and a pipeline does not resume at any split ([2, 2] too): BF16_Optimizer's
+# load_state_dict fails on the tag it wrote (KeyError / IndexError in _load_legacy_checkpoint)
+RESUME_BROKEN = pytest.mark.xfail(strict=True, reason="bf16 ZeRO-0 pipeline resume fails at every split")
+
+
+def _case(c: tuple[list[int], str, int]) -> Any:
+    marks = [RESUME_BROKEN] if c[1:] == ("bf16", 0) else []
+    if c not in CI_CASES and os.environ.get("DSX3D_SWEEP") != "1":
+        marks.append(pytest.mark.skip("opt-in: DSX3D_SWEEP=1"))
+    return pytest.param(*c, marks=marks, id=f"{c[0][0]}-{c[0][1]}-{c[1]}-zero{c[2]}")
+
+
+@pytest.mark.parametrize(("split", "dtype", "zero"), [_case(c) for c in CASES])
 def test_stage_without_layers_trains_and_resumes(tmp_path: Path, cache: Path, split: list[int], dtype: str, zero: int) -> None:
     sections = {"parallel": {"stage_layers": split}, "train": {"dtype": dtype}, "zero": {"stage": zero}}
     whole = run(make_recipe(tmp_path / "whole", cache, steps=4, **sections))
