@@ -230,8 +230,18 @@ def _stage_layers(c: _Context) -> Iterator[Problem]:
         yield Problem(
             key, split, f"has {len(split)} entries but parallel.pp = {c.pp}", "give one count per stage"
         )
-    if any(n < 1 for n in split):
-        yield Problem(key, split, "every stage needs at least one decoder layer", "make every entry >= 1")
+    if any(n < 0 for n in split):
+        yield Problem(key, split, "has a negative count", "make every entry >= 0")
+    middle = [i for i, n in enumerate(split) if n == 0 and 0 < i < len(split) - 1]
+    if middle:
+        # the first stage keeps the embedding and the last the head; a middle stage would hold nothing
+        yield Problem(
+            key,
+            split,
+            f"stage(s) {middle} would hold no layer and no parameter (DeepSpeed cannot build an optimizer "
+            "over none); only the first and the last stage may have 0 decoder layers",
+            "give every middle stage at least one decoder layer, or remove the key for a cost-balanced split",
+        )
     layers = c.dim("num_hidden_layers")
     if layers is not None and sum(split) != layers:
         yield Problem(

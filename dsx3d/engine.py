@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from dsx3d.bf16_norm import count_empty_as_zero
 from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.distributed import comm
 from dsx3d.distributed.expert_parallel.groups import keep_pipeline_checkpoints, register_with_deepspeed
@@ -255,6 +256,7 @@ def build_engine(
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
     if layout.pp > 1:
         release_last_stage_outputs(engine)
+        count_empty_as_zero(engine)  # a stage without decoder layers may count no gradient in the norm
     if moe:
         keep_pipeline_checkpoints(engine)
     module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go

@@ -31,7 +31,9 @@ def pipeline_costs(shape: ModelShape, seq_len: int) -> list[float]:
 
 def decoder_split(shape: ModelShape, pp: int, seq_len: int) -> list[int]:
     """Decoder layers per stage of the cost-balanced split: what the engine builds and the estimator
-    estimates. The last stage may hold no decoder layer when the head alone outweighs a stage's share."""
+    estimates. Every stage gets at least one decoder layer, even when the vocab-sized head alone outweighs
+    a stage's share: a stage of only the embedding or only the head is a pipeline hop that adds a bubble
+    slot without relieving the bottleneck stage (`parallel.stage_layers` may still ask for one)."""
     return list(_decoder_split(shape, pp, seq_len))
 
 
@@ -41,10 +43,19 @@ def _decoder_split(shape: ModelShape, pp: int, seq_len: int) -> tuple[int, ...]:
         raise UserError.single(
             "parallel.pp", pp, f"more stages than the model's {shape.num_layers} layers", f"use pp <= {shape.num_layers}"
         )
-    bounds = balanced_bounds(pipeline_costs(shape, seq_len), pp)
-    n = shape.num_layers
-    # items 1..n are the decoder layers
-    return tuple(max(0, min(stop, n + 1) - max(start, 1)) for start, stop in zip(bounds[:-1], bounds[1:]))
+    costs = pipeline_costs(shape, seq_len)
+    bounds = balanced_bounds(decoder_units(costs), pp)
+    return tuple(stop - start for start, stop in zip(bounds[:-1], bounds[1:]))
+
+
+def decoder_units(costs: list[float]) -> list[float]:
+    """The costs of [embedding, L decoder layers, final norm, head] folded into L units, one per decoder
+    layer: the embedding goes with the first layer and the norm and head with the last, so that stages cut
+    between units each hold at least one decoder layer."""
+    units = costs[1:-2]
+    units[0] += costs[0]
+    units[-1] += costs[-2] + costs[-1]
+    return units
 
 
 def stage_layers_for(config: Any, pp: int, seq_len: int, stage_layers: list[int] | None) -> list[int]:

@@ -159,12 +159,12 @@ CASES = [
         id="stage-layers-sum",
     ),
     pytest.param(
-        {"parallel": {"stage_layers": [0, 4]}},
+        {"parallel": {"dp": 1, "pp": 3, "stage_layers": [2, 0, 2]}, "cluster": {"gpus_per_node": 6}},
         None,
         "parallel.stage_layers",
         "error",
-        "at least one",
-        id="stage-layers-empty-stage",
+        "stage(s) [1] would hold no layer and no parameter",
+        id="stage-layers-empty-middle-stage",
     ),
     pytest.param(
         {"train": {"gradient_accumulation_steps": 1}},

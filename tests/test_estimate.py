@@ -126,8 +126,8 @@ def test_splits():
     # a head worth 2.4 layers leaves the last stage 6 layers and balances the rest
     assert decoder_split(_costed(32, 1.0, 2.4), 4, 1) == [8, 9, 9, 6]
     assert sum(decoder_split(_costed(80, 1.0, 1.2), 8, 1)) == 80
-    # a head heavier than a stage's share of layers gets a stage of its own
-    assert decoder_split(_costed(12, 1.0, 5.0), 4, 1) == [4, 4, 4, 0]
+    # a head heavier than a stage's share of layers still shares its stage with one decoder layer
+    assert decoder_split(_costed(12, 1.0, 5.0), 4, 1) == [3, 4, 4, 1]
 
 
 def _costed(num_layers: int, layer: float, head: float) -> ModelShape:

@@ -58,6 +58,8 @@ PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("deepspeed", "runtime.pipe.engine.PipelineEngine.eval_batch", None),
     ("deepspeed", "runtime.engine.DeepSpeedEngine.get_global_grad_norm", ("self",)),
     ("deepspeed", "comm.torch.build_shm_op", None),
+    # wrapped on the engine's optimizer instance (dsx3d.bf16_norm)
+    ("deepspeed", "runtime.bf16_optimizer.BF16_Optimizer.get_grads_for_norm", ("self", "for_clipping")),
     ("deepspeed", "monitor.monitor.MonitorMaster.write_events", ("self", "event_list")),
 ]
 PRIVATE_ATTRIBUTES = {
