@@ -17,6 +17,6 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def warm() -> None:
     """Import and touch what forked ranks need, once, so each multi-rank test starts in milliseconds."""
-    from dsx3d.testing.harness import warm_up
+    from dsx3d.verify.harness import warm_up
 
     warm_up()

@@ -17,7 +17,7 @@ import yaml
 from dsx3d.cli import main
 from dsx3d.errors import UserError
 from dsx3d.integrations.accelerate_config import accelerate_config
-from dsx3d.recipe import load_recipe, recipe_from_dict
+from dsx3d.recipe.schema import load_recipe, recipe_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "tiny-llama-3d.yaml"
@@ -130,7 +130,7 @@ def test_run_clm_under_accelerate_launch_matches_plain_transformers(tmp_path: Pa
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, ACCELERATE_DEEPSPEED_CONFIG_FILE) and its CPU quirk (one
     process reported per rank unless gloo) are handled; the script takes the layout from accelerate's
     DeepSpeed config, and the losses equal single-process transformers."""
-    from dsx3d.testing.harness import run_ranks
+    from dsx3d.verify.harness import run_ranks
 
     model_dir = _example("run_clm").make_tiny_checkpoint(tmp_path / "tiny")
     recipe = _layout_recipe(tmp_path / "recipe.yaml", model_dir, pp=2, dp=2)

@@ -15,10 +15,10 @@ import pytest
 import yaml
 from transformers import AutoConfig
 
-from dsx3d.checker import DATA_RULES, RULES, check_recipe, raise_for_errors
-from dsx3d.ds_config import deep_merge
 from dsx3d.errors import Problem, UserError
-from dsx3d.recipe import load_recipe, recipe_from_dict
+from dsx3d.recipe.checks import DATA_RULES, RULES, check_recipe, raise_for_errors
+from dsx3d.recipe.ds_config import deep_merge
+from dsx3d.recipe.schema import load_recipe, recipe_from_dict
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BASE: dict[str, Any] = yaml.safe_load((RECIPES / "tiny-llama-3d.yaml").read_text())
@@ -306,7 +306,7 @@ def test_base_recipe_is_clean() -> None:
 
 def test_hf_style_auto_values_resolve_from_the_recipe() -> None:
     """The "auto" values of HF's example DeepSpeed JSONs are accepted and take the recipe's values."""
-    from dsx3d.ds_config import auto_paths, build_ds_config
+    from dsx3d.recipe.ds_config import auto_paths, build_ds_config
 
     auto = {
         "train_batch_size": "auto",

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from dsx3d.checker import check_recipe
 from dsx3d.errors import UserError
-from dsx3d.recipe import Recipe, recipe_from_dict
-from dsx3d.testing.harness import run_ranks
+from dsx3d.recipe.checks import check_recipe
+from dsx3d.recipe.schema import Recipe, recipe_from_dict
 from dsx3d.testing.recipe_grid import random_recipe, write_corpus
+from dsx3d.verify.harness import run_ranks
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
@@ -71,7 +71,7 @@ def test_every_data_variant_trains_or_is_refused_with_the_key(tmp_path_factory: 
     layout (dp 2 x pp 2, so the pipeline's eval_batch runs): accepted ones train a step, evaluate and export
     (CI trains the first 2 accepted, text and instruction data with held-out parts; DSX3D_SWEEP=1 all);
     refused ones name the key, the reason and the fix."""
-    from dsx3d.ds_config import deep_merge
+    from dsx3d.recipe.ds_config import deep_merge
     from dsx3d.testing.recipe_grid import SFT_DATA, _fill
     from dsx3d.testing.recipes import tiny_recipe_dict
 

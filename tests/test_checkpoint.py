@@ -12,12 +12,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from dsx3d.checkpoint.files import BIN_SINGLE, SAFETENSORS_INDEX, CheckpointFiles
-from dsx3d.checkpoint.names import meta_model, to_hub_names
-from dsx3d.checkpoint.source import checkpoint_source
-from dsx3d.checkpoint.writer import Entry, SafetensorsWriter, parse_size, plan_files, staging_dir
+from dsx3d.checkpoint.hf.names import meta_model, to_hub_names
+from dsx3d.checkpoint.hf.reader import BIN_SINGLE, SAFETENSORS_INDEX, CheckpointFiles
+from dsx3d.checkpoint.hf.source import checkpoint_source
+from dsx3d.checkpoint.hf.writer import Entry, SafetensorsWriter, parse_size, plan_files, staging_dir
 from dsx3d.errors import UserError
-from dsx3d.models.families import tiny_config
+from dsx3d.models.known_families import tiny_config
 
 
 def _save(
@@ -67,7 +67,7 @@ def test_slices_of_a_sharded_checkpoint_equal_the_full_tensors(tmp_path: Path, d
 
 def test_small_segments_are_read_in_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Column slices of narrow rows take the block path; a tiny block size forces many blocks."""
-    import dsx3d.checkpoint.files as files
+    import dsx3d.checkpoint.hf.reader as files
 
     t = torch.randn(37, 5, 3)
     save_file({"w": t}, str(tmp_path / "model.safetensors"))
@@ -186,7 +186,7 @@ def test_a_bf16_checkpoint_builds_fp32_parameters_for_an_fp32_run(tmp_path: Path
     from transformers import AutoConfig
 
     from dsx3d.distributed.tensor_parallel.context import TPContext
-    from dsx3d.models.family import resolve_family
+    from dsx3d.models.family_spec import resolve_family
     from dsx3d.models.pipe_layers import DecoderLayerPipe, LayerBuilder
 
     _save(tmp_path, dtype=torch.bfloat16)
@@ -245,7 +245,7 @@ def test_export_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path: Pa
 def test_export_never_replaces_a_source_model_but_replaces_its_own_export(tmp_path: Path) -> None:
     """A directory holding config.json is not thereby an export: a source model must never be replaced.
     A previous export (its dsx3d_export.json names every file) is, unless somebody added a file to it."""
-    from dsx3d.checkpoint.writer import publish
+    from dsx3d.checkpoint.hf.writer import publish
 
     _save(tmp_path / "source")
     with pytest.raises(UserError, match="not a previous dsx3d export"):

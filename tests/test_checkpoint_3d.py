@@ -27,10 +27,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from dsx3d.errors import UserError
-from dsx3d.models.families import tiny_config
-from dsx3d.parity import ParityCase, case_recipe, make_batches, micro_batch
-from dsx3d.recipe import ModelSection, Recipe, dump_recipe
-from dsx3d.testing.harness import run_ranks
+from dsx3d.models.known_families import tiny_config
+from dsx3d.recipe.schema import ModelSection, Recipe, dump_recipe
+from dsx3d.verify.harness import run_ranks
+from dsx3d.verify.parity import ParityCase, case_recipe, make_batches, micro_batch
 
 pytestmark = pytest.mark.usefixtures("warm")
 
@@ -71,7 +71,7 @@ def _hf_loads_cleanly(path: Path) -> Any:
 
 
 def _roundtrip_rank(rank: int, recipe: Recipe, out: Path, ids: torch.Tensor) -> torch.Tensor | None:
-    from dsx3d.checkpoint.export import export_hf
+    from dsx3d.checkpoint.hf.export import export_hf
     from dsx3d.engine import build_engine
 
     engine = build_engine(recipe)
@@ -133,8 +133,8 @@ def test_load_then_export_is_bit_identical(tmp_path: Path, name: str) -> None:
 def _train_rank(
     rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, heldout: torch.Tensor, tmp: Path
 ) -> dict[str, Any]:
-    from dsx3d.checkpoint.export import export_hf
-    from dsx3d.checkpoint.universal import universal_client_state
+    from dsx3d.checkpoint.hf.export import export_hf
+    from dsx3d.checkpoint.training.universal import universal_client_state
     from dsx3d.engine import build_engine
 
     engine = build_engine(recipe)
@@ -154,7 +154,7 @@ def _train_rank(
 def _resume_rank(
     rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, universal: Path | None
 ) -> list[float]:
-    from dsx3d.checkpoint.universal import LOAD_UNIVERSAL
+    from dsx3d.checkpoint.training.universal import LOAD_UNIVERSAL
     from dsx3d.engine import build_engine
 
     engine = build_engine(recipe, ds_overrides=LOAD_UNIVERSAL if universal else None)
@@ -207,7 +207,7 @@ def test_train_export_offline_export_and_reshard(tmp_path: Path) -> None:
     data = (broken / "layer_05-model_00-model_states.pt").read_bytes()
     (broken / "layer_05-model_00-model_states.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError) as info:
-        from dsx3d.checkpoint.offline import export_checkpoint
+        from dsx3d.checkpoint.hf.offline_export import export_checkpoint
 
         export_checkpoint(broken, tmp_path / "never")
     assert "layer_03-model_01" in str(info.value) and "layer_05-model_00" in str(info.value)

@@ -328,8 +328,8 @@ def _run_in_process(argv: list[str]) -> tuple[int, str]:
 def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The working directory, HOME and caches of every input; launcher and ranks stubbed."""
     import dsx3d.cli.cmd_train as cmd_train
-    import dsx3d.parity as parity
-    import dsx3d.testing.harness as harness
+    import dsx3d.verify.harness as harness
+    import dsx3d.verify.parity as parity
 
     for name in ("in", "out", "home", "cache"):
         (tmp_path / name).mkdir()

@@ -27,7 +27,7 @@ from dsx3d.data import (
     train_bpe_tokenizer,
 )
 from dsx3d.errors import UserError
-from dsx3d.recipe import DataSection, recipe_from_dict
+from dsx3d.recipe.schema import DataSection, recipe_from_dict
 
 
 def make_recipe(model=None, **data):

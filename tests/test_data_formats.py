@@ -12,13 +12,13 @@ import datasets
 import pytest
 import yaml
 
-from dsx3d.checker import check_recipe
 from dsx3d.cli import main
 from dsx3d.data.chat import IGNORE_INDEX
 from dsx3d.data.prepare import build_rank_data, prepare_data
 from dsx3d.data.tiny_chat import tiny_chat_conversations
 from dsx3d.data.tokenizer import train_bpe_tokenizer
-from dsx3d.recipe import Recipe, recipe_from_dict
+from dsx3d.recipe.checks import check_recipe
+from dsx3d.recipe.schema import Recipe, recipe_from_dict
 from dsx3d.testing.recipes import tiny_recipe_dict
 
 
@@ -159,7 +159,7 @@ def test_evaluation_keys_without_held_out_data_are_a_warning(tmp_path: Path) -> 
 def test_a_hub_dataset_is_loaded_with_its_split_and_fields(monkeypatch: pytest.MonkeyPatch) -> None:
     """No network here: `datasets.load_dataset` stands in for the hub, returning local rows for the split."""
     from dsx3d.data import corpus
-    from dsx3d.recipe import DataSection
+    from dsx3d.recipe.schema import DataSection
 
     calls: list[tuple[str, str]] = []
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsx3d.models.families import tiny_config
-from dsx3d.parity import ParityCase, case_recipe, make_batches, micro_batch
-from dsx3d.testing.harness import run_ranks
+from dsx3d.models.known_families import tiny_config
+from dsx3d.verify.harness import run_ranks
+from dsx3d.verify.parity import ParityCase, case_recipe, make_batches, micro_batch
 
 pytestmark = pytest.mark.usefixtures("warm")
 
@@ -105,8 +105,8 @@ def test_sequence_parallel_masks_are_per_rank() -> None:
 
 
 def _train_worker(rank: int, case: ParityCase, batches: torch.Tensor, ckpt_dir: str | None) -> dict[str, Any]:
+    from dsx3d.checkpoint.training.checkpointer import Checkpointer
     from dsx3d.engine import build_engine
-    from dsx3d.run.checkpointing import Checkpointer
 
     engine = build_engine(case_recipe(case), hf_config=case.config)
     losses, norms = [], []
@@ -120,8 +120,8 @@ def _train_worker(rank: int, case: ParityCase, batches: torch.Tensor, ckpt_dir: 
 
 
 def _resume_worker(rank: int, case: ParityCase, batches: torch.Tensor, ckpt_dir: str) -> list[float]:
+    from dsx3d.checkpoint.training.checkpointer import Checkpointer
     from dsx3d.engine import build_engine
-    from dsx3d.run.checkpointing import Checkpointer
 
     engine = build_engine(case_recipe(case), hf_config=case.config)
     torch.manual_seed(12345)  # a fresh process's stream: the resume must replace it

@@ -12,8 +12,8 @@ import yaml
 from deepspeed.runtime import config as ds_runtime_config
 from deepspeed.runtime import lr_schedules
 
-from dsx3d.ds_config import build_ds_config, deep_merge, render_ds_config, write_ds_config
-from dsx3d.recipe import Recipe, load_recipe, recipe_from_dict
+from dsx3d.recipe.ds_config import build_ds_config, deep_merge, render_ds_config, write_ds_config
+from dsx3d.recipe.schema import Recipe, load_recipe, recipe_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

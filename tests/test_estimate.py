@@ -21,7 +21,7 @@ from dsx3d.estimate import (
     shape_from_params,
     split_layers,
 )
-from dsx3d.partition import decoder_split
+from dsx3d.plan.stages import decoder_split
 
 TINY = dict(
     hidden_size=64,
@@ -80,7 +80,7 @@ def test_bubble_formula_and_step_time():
 
 
 def test_bubble_matches_layout():
-    from dsx3d.layout import bubble_fraction as layout_bubble
+    from dsx3d.plan.layout import bubble_fraction as layout_bubble
 
     for p, m in [(2, 1), (4, 8), (8, 32)]:
         assert bubble_fraction(p, m) == layout_bubble(p, m)
@@ -139,7 +139,7 @@ def test_split_matches_the_engine_for_every_family():
     """The estimator's default split is the one dsx3d's pipeline builds, for every family with plans, so
     per-stage memory is estimated for the split that runs. (The engine and the estimator once read the model
     separately and split a Gemma-2B-shaped model [6, 6, 6, 0] and [5, 6, 6, 1].)"""
-    from dsx3d.models.families import families_with_plans, refusal, tiny_config
+    from dsx3d.models.known_families import families_with_plans, refusal, tiny_config
     from dsx3d.models.pipeline import stage_bounds
 
     checked = 0

@@ -1,6 +1,6 @@
 """The examples the README shows, run: the two-line switch of a run_clm-style script against the same script on
 plain transformers, accelerate's own loop (works at tp 1 x pp 1, refused at prepare otherwise), and a loop
-written on dsx3d's engine. Forked gloo ranks (dsx3d.testing.harness), a tiny local checkpoint."""
+written on dsx3d's engine. Forked gloo ranks (dsx3d.verify.harness), a tiny local checkpoint."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
-from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
-from dsx3d.recipe import recipe_from_dict
-from dsx3d.testing.harness import run_ranks
+from dsx3d.recipe.ds_config import build_ds_config
+from dsx3d.recipe.schema import recipe_from_dict
+from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -1,8 +1,8 @@
 """Every causal-LM family whose config ships pp and tp plans either passes a one-step parity check at
-(dp, tp, pp) = (1, 2, 2) on a tiny config, or is on dsx3d.models.families.REFUSED with its reason and is refused
+(dp, tp, pp) = (1, 2, 2) on a tiny config, or is on dsx3d.models.known_families.REFUSED with its reason and is refused
 by the checker before launch. Families refused only at tp > 1 must pass at (1, 1, 2).
 
-The comparison is dsx3d.parity's: losses, gradient norms and the weights after one AdamW step (eps 1e-8)
+The comparison is dsx3d.verify.parity's: losses, gradient norms and the weights after one AdamW step (eps 1e-8)
 within what Adam's amplification of gradient round-off explains, element by element.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from dsx3d.checker import check_recipe
-from dsx3d.models.families import REFUSED, families_with_plans, refusal, tiny_config
-from dsx3d.parity import ParityCase, case_recipe, run_parity
+from dsx3d.models.known_families import REFUSED, families_with_plans, refusal, tiny_config
+from dsx3d.recipe.checks import check_recipe
+from dsx3d.verify.parity import ParityCase, case_recipe, run_parity
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 

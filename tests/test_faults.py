@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsx3d.testing.harness import RankFailure, run_ranks
+from dsx3d.verify.harness import RankFailure, run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dsx3d.testing.harness import RankFailure, run_ranks
+from dsx3d.verify.harness import RankFailure, run_ranks
 
 
 def _waits_forever_on_rank_1(rank: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsx3d.layout import Layout, bubble_fraction
+from dsx3d.plan.layout import Layout, bubble_fraction
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_pure_layer_imports_without_deepspeed() -> None:
     import sys
 
     code = (
-        "import sys; import dsx3d.recipe, dsx3d.layout, dsx3d.checker, dsx3d.estimate, dsx3d.planner; "
+        "import sys; import dsx3d.recipe.schema, dsx3d.plan.layout, dsx3d.recipe.checks, dsx3d.estimate, dsx3d.plan.search; "
         "bad = [m for m in sys.modules if m == 'deepspeed' or m.startswith(('deepspeed.', 'dsx3d.distributed'))]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

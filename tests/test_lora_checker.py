@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from dsx3d.checker import check_recipe
-from dsx3d.ds_config import deep_merge
 from dsx3d.errors import UserError
-from dsx3d.recipe import recipe_from_dict
+from dsx3d.recipe.checks import check_recipe
+from dsx3d.recipe.ds_config import deep_merge
+from dsx3d.recipe.schema import recipe_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA_RECIPE: dict[str, Any] = yaml.safe_load((ROOT / "recipes" / "tiny-lora.yaml").read_text())

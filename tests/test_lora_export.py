@@ -16,9 +16,10 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from dsx3d.models.families import tiny_config
+from dsx3d.models.known_families import tiny_config
 from dsx3d.models.lora import is_adapter_name
-from dsx3d.parity import (
+from dsx3d.verify.harness import run_ranks
+from dsx3d.verify.parity import (
     ParityCase,
     build_reference,
     case_recipe,
@@ -27,7 +28,6 @@ from dsx3d.parity import (
     micro_batch,
     run_reference,
 )
-from dsx3d.testing.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 
@@ -35,8 +35,8 @@ LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "o_proj", "ga
 
 
 def _rank(rank: int, case: ParityCase, state: dict, batches: torch.Tensor, adapter: Path, merged: Path) -> None:
-    from dsx3d.checkpoint.export import export_hf
-    from dsx3d.checkpoint.lora_export import export_adapter
+    from dsx3d.checkpoint.hf.export import export_hf
+    from dsx3d.checkpoint.hf.lora_export import export_adapter
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsx3d.distributed import comm
-from dsx3d.testing.harness import run_ranks
+from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from dsx3d.models.families import tiny_config
-from dsx3d.parity import ParityCase, run_parity
+from dsx3d.models.known_families import tiny_config
+from dsx3d.verify.parity import ParityCase, run_parity
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dsx3d.recipe import Recipe, recipe_from_dict
-from dsx3d.testing.harness import run_ranks
+from dsx3d.recipe.schema import Recipe, recipe_from_dict
 from dsx3d.testing.recipes import tiny_recipe_dict
+from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 

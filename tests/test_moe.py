@@ -20,14 +20,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsx3d.checker import check_recipe
 from dsx3d.distributed.expert_parallel.placement import ExpertPlacement
 from dsx3d.estimate import Setup, estimate, shape_from_hf_config
-from dsx3d.layout import Layout
-from dsx3d.models.families import families_with_plans, refusal, tiny_config
+from dsx3d.models.known_families import families_with_plans, refusal, tiny_config
 from dsx3d.models.moe import experts_per_layer
-from dsx3d.parity import ParityCase, case_recipe, run_parity
-from dsx3d.testing.harness import run_ranks
+from dsx3d.plan.layout import Layout
+from dsx3d.recipe.checks import check_recipe
+from dsx3d.verify.harness import run_ranks
+from dsx3d.verify.parity import ParityCase, case_recipe, run_parity
 
 SWEEP = bool(os.environ.get("DSX3D_SWEEP"))
 

@@ -20,10 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dsx3d.errors import UserError
-from dsx3d.models.families import tiny_config
-from dsx3d.parity import ParityCase, case_recipe, make_batches, micro_batch
-from dsx3d.recipe import ModelSection, Recipe, dump_recipe
-from dsx3d.testing.harness import run_ranks
+from dsx3d.models.known_families import tiny_config
+from dsx3d.recipe.schema import ModelSection, Recipe, dump_recipe
+from dsx3d.verify.harness import run_ranks
+from dsx3d.verify.parity import ParityCase, case_recipe, make_batches, micro_batch
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
@@ -58,8 +58,8 @@ def _expert_shapes(engine: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, heldout: torch.Tensor, tmp: Path) -> dict[str, Any]:
-    from dsx3d.checkpoint.export import export_hf
-    from dsx3d.checkpoint.source import CheckpointSource
+    from dsx3d.checkpoint.hf.export import export_hf
+    from dsx3d.checkpoint.hf.source import CheckpointSource
     from dsx3d.engine import build_engine
 
     reads: list[str] = []
@@ -70,7 +70,7 @@ def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tens
         return original(self, name, *args, **kwargs)
 
     CheckpointSource.load = counting  # type: ignore[method-assign]
-    from dsx3d.checkpoint.files import CheckpointFiles
+    from dsx3d.checkpoint.hf.reader import CheckpointFiles
 
     files_read: list[str] = []
     read = CheckpointFiles.read
@@ -91,7 +91,7 @@ def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tens
     if rank == 0:
         (tmp / "checkpoints" / "step-000002" / "dsx3d_recipe.yaml").write_text(dump_recipe(recipe))
         (tmp / "checkpoints" / "step-000002" / "dsx3d_layout.json").write_text(
-            '{"dp": 2, "tp": 2, "pp": 2, "ep": 2, "world_size": 8}'  # as dsx3d.run.checkpointing writes it
+            '{"dp": 2, "tp": 2, "pp": 2, "ep": 2, "world_size": 8}'  # as dsx3d.checkpoint.training.checkpointer writes it
         )
     export_hf(engine, tmp / "export")
     losses += [engine.train_step(_micro(case, batches[t], dp_rank)) for t in (2, 3)]
@@ -110,8 +110,8 @@ def _resume_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Ten
 
 
 def test_moe_train_export_resume_reshard(tmp_path: Path) -> None:
-    from dsx3d.checkpoint.offline import export_checkpoint
-    from dsx3d.checkpoint.universal import to_universal
+    from dsx3d.checkpoint.hf.offline_export import export_checkpoint
+    from dsx3d.checkpoint.training.universal import to_universal
 
     config = _config()
     torch.manual_seed(0)

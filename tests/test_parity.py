@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsx3d.models.families import tiny_config
-from dsx3d.parity import ParityCase, run_parity, run_verify
+from dsx3d.models.known_families import tiny_config
+from dsx3d.verify.parity import ParityCase, run_parity, run_verify
 
 pytestmark = pytest.mark.usefixtures("warm")
 

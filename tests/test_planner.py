@@ -7,12 +7,12 @@ import json
 import pytest
 import yaml
 
-from dsx3d.checker import check_recipe
 from dsx3d.cli import main
 from dsx3d.estimate import shape_from_hf_config
-from dsx3d.hf_config import load_hf_config
-from dsx3d.planner import Cluster, plan_layouts, recipe_for
-from dsx3d.recipe import ModelSection, dump_recipe, load_recipe, recipe_from_dict
+from dsx3d.plan.search import Cluster, plan_layouts, recipe_for
+from dsx3d.recipe.checks import check_recipe
+from dsx3d.recipe.hf_config import load_hf_config
+from dsx3d.recipe.schema import ModelSection, dump_recipe, load_recipe, recipe_from_dict
 
 LLAMA3_8B = {
     "model_type": "llama",

@@ -28,11 +28,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from dsx3d.models.families import tiny_config
-from dsx3d.parity import ParityCase, case_recipe, make_batches, micro_batch, run_parity, run_verify
-from dsx3d.recipe import ModelSection, Recipe, dump_recipe, recipe_from_dict
-from dsx3d.testing.harness import run_ranks
+from dsx3d.models.known_families import tiny_config
+from dsx3d.recipe.schema import ModelSection, Recipe, dump_recipe, recipe_from_dict
 from dsx3d.testing.recipes import tiny_recipe_dict
+from dsx3d.verify.harness import run_ranks
+from dsx3d.verify.parity import ParityCase, case_recipe, make_batches, micro_batch, run_parity, run_verify
 
 pytestmark = pytest.mark.usefixtures("warm")
 sweep = pytest.mark.skipif(os.environ.get("DSX3D_SWEEP") != "1", reason="opt-in grid: DSX3D_SWEEP=1")
@@ -95,7 +95,7 @@ def test_pp1_is_the_regular_engine_with_tp_shards(stage: int) -> None:
 # Adam amplifies round-off where a gradient element is near eps: Qwen3 (tied, vocab 127) at dp 2 x tp 2 x
 # ZeRO-3 moved one weight by 2.06e-5 more than the reference at lr 1e-3 (2.06e-6 at 1e-4, 2.07e-7 at 1e-5,
 # after one step, loss difference 0; that element's gradient was 3.6e-9). The weight check of
-# dsx3d.parity allows for exactly that amplification, element by element, so every case runs at eps 1e-8.
+# dsx3d.verify.parity allows for exactly that amplification, element by element, so every case runs at eps 1e-8.
 
 
 def _assert_parity(model: str, stage: int, dp: int, tp: int, *, both: bool = False, **kw: Any) -> None:
@@ -154,8 +154,8 @@ def _save_rank(
 ) -> dict[str, Any]:
     import json
 
-    from dsx3d.checkpoint.export import export_hf
-    from dsx3d.checkpoint.universal import universal_client_state
+    from dsx3d.checkpoint.hf.export import export_hf
+    from dsx3d.checkpoint.training.universal import universal_client_state
     from dsx3d.engine import build_engine
 
     engine = build_engine(recipe)
@@ -177,7 +177,7 @@ def _save_rank(
 def _resume_rank(
     rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, tag: Path, universal: bool
 ) -> list[float]:
-    from dsx3d.checkpoint.universal import LOAD_UNIVERSAL
+    from dsx3d.checkpoint.training.universal import LOAD_UNIVERSAL
     from dsx3d.engine import build_engine
 
     engine = build_engine(recipe, ds_overrides=LOAD_UNIVERSAL if universal else None)
@@ -186,8 +186,8 @@ def _resume_rank(
 
 
 def test_zero3_export_offline_export_resume_and_universal(tmp_path: Path) -> None:
-    from dsx3d.checkpoint.training_format import foreign_files
-    from dsx3d.checkpoint.universal import to_universal
+    from dsx3d.checkpoint.training.disk_format import foreign_files
+    from dsx3d.checkpoint.training.universal import to_universal
     from dsx3d.cli import main
 
     config = MODELS["qwen3-tied-oddvocab"]()

@@ -1,5 +1,5 @@
 """The README's recipe-key table is the user's reference: it lists every key the schema accepts and no key
-it does not (a key added to dsx3d.recipe without a row, or a row left after a key was renamed, fails)."""
+it does not (a key added to dsx3d.recipe.schema without a row, or a row left after a key was renamed, fails)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from dsx3d.recipe import Recipe
+from dsx3d.recipe.schema import Recipe
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from dsx3d.errors import UserError
-from dsx3d.recipe import dump_recipe, load_recipe, recipe_from_dict
+from dsx3d.recipe.schema import dump_recipe, load_recipe, recipe_from_dict
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 MINIMAL = {"model": {"config": {"model_type": "llama"}}}

@@ -28,7 +28,15 @@ import yaml
 
 from dsx3d.checkpoint.manifest import record
 from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, file_problem, weights_only_loads
-from dsx3d.checkpoint.training_format import (
+from dsx3d.checkpoint.training.checkpointer import (
+    choose_tag,
+    disk_full,
+    rng_state,
+    set_rng_state,
+    tag_problems,
+    write_failure,
+)
+from dsx3d.checkpoint.training.disk_format import (
     LATEST,
     check_tag,
     files_path,
@@ -39,23 +47,15 @@ from dsx3d.checkpoint.training_format import (
     tag_for,
     zero3_states_name,
 )
+from dsx3d.checkpoint.training.resume import SavedLayout, plan_resume
 from dsx3d.cli import main
 from dsx3d.errors import UserError
 from dsx3d.fsio import write_atomic
-from dsx3d.layout import Layout
-from dsx3d.recipe import load_recipe, parse_yaml, recipe_from_dict
-from dsx3d.run.checkpointing import (
-    choose_tag,
-    disk_full,
-    rng_state,
-    set_rng_state,
-    tag_problems,
-    write_failure,
-)
+from dsx3d.plan.layout import Layout
+from dsx3d.recipe.schema import load_recipe, parse_yaml, recipe_from_dict
 from dsx3d.run.lifeline import Owner, beat_file, hung_peers, watch_owner
 from dsx3d.run.outputs import RunPaths, check_start, output_dir_problem, remove_earlier_run
 from dsx3d.run.ranks import RankInfo
-from dsx3d.run.resume import SavedLayout, plan_resume
 from dsx3d.testing.payload import write_pickle_payload
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,14 +21,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsx3d.checker import check_recipe
 from dsx3d.distributed import comm
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dsx3d.distributed.tensor_parallel.mappings import reduce_scatter_to_sequence, split_to_sequence
-from dsx3d.models.families import tiny_config
-from dsx3d.parity import ParityCase, case_recipe, make_batches, micro_batch, run_parity
-from dsx3d.testing.harness import run_ranks
+from dsx3d.models.known_families import tiny_config
+from dsx3d.recipe.checks import check_recipe
+from dsx3d.verify.harness import run_ranks
+from dsx3d.verify.parity import ParityCase, case_recipe, make_batches, micro_batch, run_parity
 
 pytestmark = pytest.mark.usefixtures("warm")
 
@@ -215,7 +215,7 @@ def test_parity_embedding_prologue_on_the_whole_sequence(monkeypatch: pytest.Mon
 def test_prologue_check_sees_position_dependence() -> None:
     """Llama's prologue (embedding only) is token-wise; adding a position-dependent term before layer 0 (as
     learned absolute positions would) makes it not, so the embedding does not reduce-scatter."""
-    from dsx3d.models.family import resolve_family
+    from dsx3d.models.family_spec import resolve_family
     from dsx3d.models.skeleton import Skeleton
 
     config = tiny_config("llama")

@@ -13,8 +13,8 @@ import torch
 from dsx3d.data.chat import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, encode_conversation, example_messages
 from dsx3d.data.stream import counted_tokens, with_norm
 from dsx3d.data.tokenizer import train_bpe_tokenizer
-from dsx3d.models.families import tiny_config
-from dsx3d.parity import ParityCase, build_reference, case_recipe
+from dsx3d.models.known_families import tiny_config
+from dsx3d.verify.parity import ParityCase, build_reference, case_recipe
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -50,7 +50,7 @@ def test_only_assistant_tokens_carry_loss(tokenizer: Any, generation_blocks: boo
 
 
 def test_instruction_rows_are_a_user_and_an_assistant_turn(tokenizer: Any) -> None:
-    from dsx3d.recipe import DataSection
+    from dsx3d.recipe.schema import DataSection
 
     messages = example_messages({"prompt": "Say hi.", "response": "hi"}, DataSection(format="instruction"))
     ids, labels = encode_conversation(tokenizer, messages, DEFAULT_CHAT_TEMPLATE)
@@ -127,7 +127,7 @@ def _reference(case: ParityCase, model: torch.nn.Module, ids: torch.Tensor, labe
     "layout", [(2, 1, 2), (2, 2, 1)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}"
 )
 def test_masked_loss_is_the_global_per_token_mean(layout: tuple[int, int, int]) -> None:
-    from dsx3d.testing.harness import run_ranks
+    from dsx3d.verify.harness import run_ranks
 
     dp, tp, pp = layout
     case = ParityCase(

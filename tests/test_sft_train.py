@@ -13,9 +13,9 @@ import torch
 
 from dsx3d.data.prepare import prepare_data
 from dsx3d.data.stream import counted_tokens
-from dsx3d.recipe import Recipe, load_recipe, recipe_from_dict
+from dsx3d.recipe.schema import Recipe, load_recipe, recipe_from_dict
 from dsx3d.run.metrics import read_metrics
-from dsx3d.testing.harness import run_ranks
+from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 

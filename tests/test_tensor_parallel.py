@@ -17,8 +17,8 @@ from dsx3d.distributed.tensor_parallel.mappings import (
     reduce_from_tp,
     split_last_dim,
 )
-from dsx3d.partition import balanced_bounds, bounds_from_stage_layers
-from dsx3d.testing.harness import run_ranks
+from dsx3d.plan.stages import balanced_bounds, bounds_from_stage_layers
+from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -10,8 +10,8 @@ from dsx3d.distributed.expert_parallel.experts import _ExpertsRegion
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dsx3d.models import tp_plan
-from dsx3d.models.families import families_with_plans, refusal, tiny_config
-from dsx3d.models.family import resolve_family
+from dsx3d.models.family_spec import resolve_family
+from dsx3d.models.known_families import families_with_plans, refusal, tiny_config
 from dsx3d.models.pipe_layers import LayerBuilder
 from dsx3d.models.shape import model_dim, shape_from_hf_config
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from dsx3d.checker import check_recipe
-from dsx3d.recipe import recipe_from_dict
+from dsx3d.recipe.checks import check_recipe
+from dsx3d.recipe.schema import recipe_from_dict
 from dsx3d.run.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("warm")
@@ -106,7 +106,7 @@ def _tensorboard_events(rank: int, out: Path) -> dict[str, list[tuple[int, float
 
 def test_tensorboard_backend_writes_every_figure_at_its_step(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
-    from dsx3d.testing.harness import run_ranks
+    from dsx3d.verify.harness import run_ranks
 
     events = run_ranks(_tensorboard_events, 1, tmp_path)[0]
     assert events["train/loss"] == [(1, 4.0), (2, 3.0)]

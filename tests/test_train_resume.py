@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from dsx3d.checkpoint.training_format import LATEST, RECIPE_FILE, read_latest, tag_for
+from dsx3d.checkpoint.training.disk_format import LATEST, RECIPE_FILE, read_latest, tag_for
 from dsx3d.errors import UserError
-from dsx3d.recipe import Recipe, recipe_from_dict
+from dsx3d.recipe.schema import Recipe, recipe_from_dict
 from dsx3d.run.metrics import read_metrics
-from dsx3d.testing.harness import RankFailure, run_ranks
 from dsx3d.testing.payload import write_pickle_payload
 from dsx3d.testing.recipes import tiny_recipe_dict
+from dsx3d.verify.harness import RankFailure, run_ranks
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
@@ -107,7 +107,7 @@ def test_run_files_are_readable_by_others(reference: tuple[list[float], Path]) -
 def test_training_checkpoints_convert_to_universal(reference: tuple[list[float], Path], tmp_path: Path) -> None:
     """Tags written by `dsx3d train` carry universal_checkpoint_info, so they can be resharded with their
     optimizer state (dsx3d export --universal)."""
-    from dsx3d.checkpoint.universal import to_universal
+    from dsx3d.checkpoint.training.universal import to_universal
 
     _, out = reference
     universal = to_universal(out / "checkpoints" / tag_for(STEPS), tmp_path / "uni" / tag_for(STEPS))
@@ -210,9 +210,9 @@ def _load_payloads(rank: int, recipe: Recipe, marker: str) -> list[str]:
     import shutil
 
     from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
+    from dsx3d.checkpoint.training.checkpointer import Checkpointer
     from dsx3d.distributed import comm
     from dsx3d.engine import build_engine
-    from dsx3d.run.checkpointing import Checkpointer
 
     engine = build_engine(recipe)
     ckpt = Path(recipe.output_dir) / "checkpoints"
@@ -257,7 +257,7 @@ def test_the_universal_converter_never_runs_a_pickle_payload(
     code even when the up-front file check is bypassed."""
     import shutil
 
-    import dsx3d.checkpoint.universal as universal
+    import dsx3d.checkpoint.training.universal as universal
     from dsx3d.checkpoint.safe_load import UnsafeCheckpoint
 
     _, ref_out = reference
@@ -287,7 +287,7 @@ def _check_disk_full_outcome(err: RankFailure, run_dir: Path, words: str) -> Non
     assert read_latest(ckpt) == tag_for(2)
     assert not (ckpt / tag_for(4)).exists()
     assert _no_leftovers(run_dir) == []
-    from dsx3d.run.checkpointing import tag_problems
+    from dsx3d.checkpoint.training.checkpointer import tag_problems
 
     assert tag_problems(ckpt / tag_for(2)) == []
 

@@ -15,13 +15,13 @@ import pytest
 import yaml
 from transformers import LlamaConfig
 
-from dsx3d.checkpoint.training_format import LATEST, read_latest, tag_for
+from dsx3d.checkpoint.training.checkpointer import prune, tags_to_delete
+from dsx3d.checkpoint.training.disk_format import LATEST, read_latest, tag_for
 from dsx3d.cli import main
 from dsx3d.cli.cmd_train import describe_exit
 from dsx3d.errors import UserError
 from dsx3d.fsio import write_atomic
-from dsx3d.recipe import load_recipe, recipe_from_dict
-from dsx3d.run.checkpointing import prune, tags_to_delete
+from dsx3d.recipe.schema import load_recipe, recipe_from_dict
 from dsx3d.run.data import check_vocab
 from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, read_hostfile
 from dsx3d.run.metrics import Throughput, read_metrics

@@ -1,6 +1,6 @@
 """dsx3d.Trainer against plain single-process transformers.Trainer: per-step losses, gradient norms and learning
 rates, evaluation before and after training, the exported checkpoint reloaded with from_pretrained, and resume
-from a checkpoint. Forked gloo ranks (dsx3d.testing.harness), a tiny Llama, fp32."""
+from a checkpoint. Forked gloo ranks (dsx3d.verify.harness), a tiny Llama, fp32."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from trainer_helpers import (
 )
 
 from dsx3d.errors import UserError
-from dsx3d.testing.harness import run_ranks
+from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from trainer_helpers import eval_set, step_values, tiny_llama, train_set, training_args, write_ds_config
 
-from dsx3d.testing.harness import run_ranks
+from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -1,6 +1,6 @@
 """`dsx3d verify` is truthful both ways: it passes correct layouts of configs nobody here picked (a seeded
 sample of the generated sweep; `DSX3D_SWEEP=1` runs more) and fails every injected defect
-(dsx3d.testing.faults). The full sweep and its figures: scripts/bench/verify_sweep.py."""
+(dsx3d.verify.faults). The full sweep and its figures: scripts/bench/verify_sweep.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from dsx3d.cli import main
-from dsx3d.parity import ParityCase, run_verify
-from dsx3d.testing.faults import FAULTS
-from dsx3d.testing.sweep import sweep_cases
+from dsx3d.verify.faults import FAULTS
+from dsx3d.verify.parity import ParityCase, run_verify
+from dsx3d.verify.sweep import sweep_cases
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
@@ -47,7 +47,7 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert main(args) == 1
     out = json.loads(capsys.readouterr().out)
     assert not out["ok"] and any(not c["ok"] for run in out["runs"] for c in run["checks"])
-    from dsx3d.models.families import tiny_config
+    from dsx3d.models.known_families import tiny_config
 
     bad = tmp_path / "bad"
     tiny_config("llama", pad_token_id=4000, vocab_size=128).save_pretrained(bad)
@@ -59,7 +59,7 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_cli_says_dropout_is_off(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     """A config with dropout (seed_oss ships 0.1) is compared without it, and the output says so."""
     args = ["verify", "--arch", "seed_oss", "--dp", "1", "--tp", "2", "--pp", "1", "--steps", "2", "--json"]
-    from dsx3d.models import families
+    from dsx3d.models import known_families as families
 
     original = families.tiny_config
 

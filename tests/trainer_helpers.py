@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from dsx3d.ds_config import build_ds_config
-from dsx3d.models.families import tiny_config
-from dsx3d.recipe import recipe_from_dict
+from dsx3d.models.known_families import tiny_config
+from dsx3d.recipe.ds_config import build_ds_config
+from dsx3d.recipe.schema import recipe_from_dict
 
 SEQ = 16
 MICRO = 2  # micro-batch size

@@ -24,7 +24,7 @@ import numpy as np
 from dsx3d.data.cache import digest
 from dsx3d.data.tiny_chat import tiny_chat_conversations
 from dsx3d.errors import UserError
-from dsx3d.recipe import DataSection
+from dsx3d.recipe.schema import DataSection
 
 BUILTIN_PREFIX = "builtin:"
 # Local file suffix -> the `datasets` packaged loader that reads it.

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field
 
 from dsx3d.errors import UserError
 from dsx3d.estimate import memory, timing
-from dsx3d.layout import Layout, bubble_fraction
 from dsx3d.models.shape import ModelShape, ParamCount
-from dsx3d.partition import decoder_split
+from dsx3d.plan.layout import Layout, bubble_fraction
+from dsx3d.plan.stages import decoder_split
 
 GB = 1e9
 
@@ -61,7 +61,7 @@ class Setup:
     stage_layers: tuple[int, ...] | None = None
     """Explicit decoder layers per stage; otherwise `split` decides."""
     split: str = "cost"
-    """"cost": the engine's own cost-balanced split (`dsx3d.partition.decoder_split`, what dsx3d's pipeline
+    """"cost": the engine's own cost-balanced split (`dsx3d.plan.stages.decoder_split`, what dsx3d's pipeline
     does by default); "even": equal layer counts (`memory.split_layers`)."""
     flash_attention: bool = False
     fp32_grad_accum: bool | None = None
@@ -136,7 +136,7 @@ class Estimate:
     and for the slowest stage its compute, tp and pp seconds per step (parts of the pipeline time)."""
     total_params: int
     stage_layers: list[int] = field(default_factory=list)
-    """Decoder layers per stage: the split the engine builds (`dsx3d.partition.decoder_split`)."""
+    """Decoder layers per stage: the split the engine builds (`dsx3d.plan.stages.decoder_split`)."""
     usable_gb: float | None = None
     fits: bool | None = None
     assumptions: list[str] = field(default_factory=list)

@@ -44,7 +44,7 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
      (Sec. 7). Counted as not overlapped with compute (a pessimistic bound).
   Tied embedding/head (pp > 1): an all-reduce of V*h/t over the first and last stage.
 A group uses the inter-node bandwidth when its ranks span nodes (rank order pipe, data, model as in
-`dsx3d.layout.Layout`), else the intra-node one. The bubble is `dsx3d.layout.bubble_fraction`.
+`dsx3d.plan.layout.Layout`), else the intra-node one. The bubble is `dsx3d.plan.layout.bubble_fraction`.
 """
 
 from __future__ import annotations

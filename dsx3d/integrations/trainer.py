@@ -15,7 +15,7 @@ replaced:
 - evaluation and predict(): through the engine; the last stage keeps what compute_metrics needs
   (dsx3d.integrations.last_stage) and every rank receives it in dataset order;
 - after train(), trainer.model holds the trained weights (a meta-device model refuses save_pretrained);
-- save_model: a Hugging Face checkpoint (dsx3d.checkpoint.export.export_hf); checkpoints for
+- save_model: a Hugging Face checkpoint (dsx3d.checkpoint.hf.export.export_hf); checkpoints for
   resume_from_checkpoint add the engine's own (DeepSpeed) checkpoint;
 - the figures HF reports (total batch size, samples/s, tokens/s, FLOPs) count every DP shard once.
 """
@@ -54,9 +54,9 @@ from dsx3d.integrations.last_stage import LastStageLoss, VocabShard, capture_for
 from dsx3d.integrations.layout_source import layout_source, load_layout, model_config_mapping
 from dsx3d.integrations.peft_model import lora_from_peft_model
 from dsx3d.integrations.trainer_args import reconcile, unsupported_args
-from dsx3d.layout import Layout, RankPlacement
 from dsx3d.models.lora import hf_param_name
-from dsx3d.recipe import Recipe
+from dsx3d.plan.layout import Layout, RankPlacement
+from dsx3d.recipe.schema import Recipe
 
 log = logging.getLogger("dsx3d")
 
@@ -568,7 +568,7 @@ class Trainer(transformers.Trainer):
         """Write the trained model as a Hugging Face checkpoint into `output_dir` (default args.output_dir),
         keeping whatever else is there (checkpoint-* folders) as HF's save_model does. A collective: every rank
         calls it, and multi-node jobs need `output_dir` on a shared filesystem."""
-        from dsx3d.checkpoint.export import export_hf
+        from dsx3d.checkpoint.hf.export import export_hf
 
         out = Path(output_dir if output_dir is not None else str(self.args.output_dir)).absolute()
         tokenizer = (
@@ -582,7 +582,7 @@ class Trainer(transformers.Trainer):
         )
         tmp = out.parent / str(staging)
         if self._dsx3d.recipe.model.lora is not None:  # a PeftModel: its adapters, in peft's format
-            from dsx3d.checkpoint.lora_export import export_adapter
+            from dsx3d.checkpoint.hf.lora_export import export_adapter
 
             export_adapter(self._engine(), tmp, tokenizer=tokenizer)
         else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsx3d.errors import Problem
-from dsx3d.recipe import Recipe, TrainSection
+from dsx3d.recipe.schema import Recipe, TrainSection
 
 log = logging.getLogger("dsx3d")
 

@@ -23,8 +23,7 @@ from dsx3d.distributed import comm
 from dsx3d.distributed.expert_parallel.experts import ExpertContext
 from dsx3d.distributed.expert_parallel.groups import ExpertGroups, create_expert_groups, moe_marker
 from dsx3d.distributed.tensor_parallel.context import TPContext
-from dsx3d.layout import Layout
-from dsx3d.models.family import FamilySpec, resolve_family
+from dsx3d.models.family_spec import FamilySpec, resolve_family
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipe_layers import (
     DecoderLayerPipe,
@@ -36,7 +35,8 @@ from dsx3d.models.pipe_layers import (
     tied_head_forward,
 )
 from dsx3d.models.weights import WeightSource
-from dsx3d.partition import bounds_from_stage_layers, stage_layers_for
+from dsx3d.plan.layout import Layout
+from dsx3d.plan.stages import bounds_from_stage_layers, stage_layers_for
 
 
 class StagedPipelineModule(PipelineModule):

@@ -1,7 +1,7 @@
 """The one reader of a model's shape: parameter counts per part, and the dimensions that size activations,
 FLOPs and TP traffic. Built from an HF config or from a bare parameter count; no tensors (pure).
 
-The engine's stage split (`dsx3d.partition`), the checker (`model_dim`) and the estimator all read the model
+The engine's stage split (`dsx3d.plan.stages`), the checker (`model_dim`) and the estimator all read the model
 through this module, so they cannot disagree on what a layer costs.
 
 Parameters are split into *sharded* (linear weights, column-parallel biases, the vocab-parallel embedding
@@ -62,8 +62,8 @@ def dropout_probabilities(config: Any) -> dict[str, float]:
 def is_gated_mlp(config: Any) -> bool:
     """Gate, up and down matrices (Llama-style GLU) rather than fc_in -> act -> fc_out. The family's TP plan
     names its MLP linears; families without MLP entries in a plan are looked up in
-    `dsx3d.models.families.NON_GATED_MLP`."""
-    from dsx3d.models.families import NON_GATED_MLP, declared_tp_plan
+    `dsx3d.models.known_families.NON_GATED_MLP`."""
+    from dsx3d.models.known_families import NON_GATED_MLP, declared_tp_plan
 
     plan = declared_tp_plan(config)
     mlp_leaves = [
@@ -320,7 +320,7 @@ def build_meta_model(config: Any) -> Any:
     `UserError` naming the key."""
     import torch
 
-    from dsx3d.models.family import resolve_family
+    from dsx3d.models.family_spec import resolve_family
 
     spec = resolve_family(config)
     try:
@@ -339,7 +339,7 @@ def build_meta_model(config: Any) -> Any:
 
 def _meta_layers(config: Any) -> tuple[Any, list[Any]]:
     """(FamilySpec, the decoder layers of a meta-device model of `config`): no memory, about 0.3 s at 70B."""
-    from dsx3d.models.family import resolve_family
+    from dsx3d.models.family_spec import resolve_family
 
     spec = resolve_family(config)
     lm = build_meta_model(config)

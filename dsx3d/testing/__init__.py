@@ -1,1 +1,1 @@
-"""Multi-process machinery for tests and `dsx3d verify` (CPU, gloo)."""
+"""Test-only helpers (moving to tests/helpers)."""

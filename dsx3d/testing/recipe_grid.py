@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from dsx3d.ds_config import deep_merge
+from dsx3d.recipe.ds_config import deep_merge
 from dsx3d.testing.recipes import TINY_LLAMA
 
 DEGREES = (1, 2, 4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from dsx3d.ds_config import deep_merge
+from dsx3d.recipe.ds_config import deep_merge
 
 TINY_LLAMA: dict[str, Any] = {
     "model": {

@@ -468,7 +468,7 @@ def render(results: dict[str, Any]) -> str:
         lines += [
             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, {m['os']}, Python {m['python']}; "
             f"torch {v['torch']}, deepspeed {v['deepspeed']}, transformers {v['transformers']}, accelerate {v['accelerate']}; "
-            f"gloo, one thread per rank, ranks forked by dsx3d.testing.harness. The machine was shared with other jobs: the load "
+            f"gloo, one thread per rank, ranks forked by dsx3d.verify.harness. The machine was shared with other jobs: the load "
             f"average (2 cores) is given with every figure, and every comparison alternates its contenders step by step in the "
             f"same ranks (A B B A ..., a barrier before each step) and reports ratios.",
             "",

@@ -105,7 +105,7 @@ def _stages_without_layers(recipe: Any, hf_config: Any) -> Iterator[Problem]:
     pp = recipe.parallel.pp
     if pp == 1:
         return
-    from dsx3d.partition import stage_layers_for
+    from dsx3d.plan.stages import stage_layers_for
 
     try:
         split = stage_layers_for(hf_config, pp, recipe.train.seq_len, recipe.parallel.stage_layers)

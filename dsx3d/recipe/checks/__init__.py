@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsx3d.ds_config import AUTO, auto_paths, build_ds_config
 from dsx3d.errors import Problem, UserError
-from dsx3d.hf_config import dimension_problems, load_hf_config
-from dsx3d.layout import Layout, bubble_fraction
-from dsx3d.models.family import resolve_family  # noqa: E402
+from dsx3d.models.family_spec import resolve_family  # noqa: E402
 from dsx3d.models.shape import model_dim
-from dsx3d.recipe import Recipe
+from dsx3d.plan.layout import Layout, bubble_fraction
+from dsx3d.recipe.ds_config import AUTO, auto_paths, build_ds_config
+from dsx3d.recipe.hf_config import dimension_problems, load_hf_config
+from dsx3d.recipe.schema import Recipe
 
 log = logging.getLogger("dsx3d")
 
@@ -389,8 +389,8 @@ def _monitor_packages(c: _Context) -> Iterator[Problem]:
 
 def _data_source(c: _Context) -> Iterator[Problem]:
     """A missing file, a missing field, an empty file, a chat format without a template or too little data
-    for one global batch fails only after every rank has started: say it now (dsx3d.data.inspect)."""
-    from dsx3d.data.inspect import data_problems
+    for one global batch fails only after every rank has started: say it now (dsx3d.recipe.checks.data)."""
+    from dsx3d.recipe.checks.data import data_problems
 
     yield from data_problems(c.recipe, c.dp)
 
@@ -445,11 +445,11 @@ candidate layouts of one model, and a large model's meta build takes seconds."""
 
 
 def _family_supported(c: _Context) -> Iterator[Problem]:
-    """Families without plans, or refused after the parity sweep (dsx3d.models.families.REFUSED), stop here,
+    """Families without plans, or refused after the parity sweep (dsx3d.models.known_families.REFUSED), stop here,
     before any process starts, instead of failing inside the engine."""
     if c.hf_config is None:
         return
-    from dsx3d.models.families import refusal
+    from dsx3d.models.known_families import refusal
 
     reason = refusal(c.hf_config.model_type, c.tp)
     if reason is not None:
@@ -625,8 +625,8 @@ def _tracking_packages(c: _Context) -> Iterator[Problem]:
 
 def _lora(c: _Context) -> Iterator[Problem]:
     """model.lora: targets that exist and are decoder-layer linears, a peft config dsx3d can train
-    (`dsx3d.lora_rules`), checked before any process starts."""
-    from dsx3d.lora_rules import lora_problems
+    (`dsx3d.recipe.checks.lora`), checked before any process starts."""
+    from dsx3d.recipe.checks.lora import lora_problems
 
     yield from lora_problems(c.recipe, c.hf_config)
 

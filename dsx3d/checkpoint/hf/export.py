@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dsx3d.checkpoint.lora_export import merged_weights
-from dsx3d.checkpoint.names import expected_params, meta_model, to_hub_names
-from dsx3d.checkpoint.writer import (
+from dsx3d.checkpoint.hf.lora_export import merged_weights
+from dsx3d.checkpoint.hf.names import expected_params, meta_model, to_hub_names
+from dsx3d.checkpoint.hf.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     Entry,
     Group,
@@ -54,7 +54,7 @@ Described = tuple[str, str, tuple[int, ...], int | None, bool]
 def describe_params(module: nn.Module) -> list[Described]:
     """This rank's parameters in module order, once each. The layer key is the pipeline item holding it
     ("3" for the third pipeline layer, "tied_modules.embed" for the tied embedding). LoRA adapters are not
-    part of the HF model (`dsx3d.checkpoint.lora_export` writes them)."""
+    part of the HF model (`dsx3d.checkpoint.hf.lora_export` writes them)."""
     out: list[Described] = []
     seen: set[str] = set()
     for pname, p in module.named_parameters():

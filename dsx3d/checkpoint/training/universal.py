@@ -1,6 +1,6 @@
 """Resharding with optimizer state: DeepSpeed's universal checkpoint.
 
-An export (dsx3d.checkpoint.export) carries weights only; a resumed run starts a fresh optimizer. To move a
+An export (dsx3d.checkpoint.hf.export) carries weights only; a resumed run starts a fresh optimizer. To move a
 run to another (dp, tp, pp) with its Adam moments and step count, DeepSpeed can rewrite a ZeRO-1/2
 checkpoint as one file per parameter ("universal"), which any layout loads with
 `"checkpoint": {"load_universal": true}`. Its converter (deepspeed.checkpoint.ds_to_universal) must be told
@@ -43,7 +43,7 @@ from dsx3d import fsio
 from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
 from dsx3d.checkpoint.safe_load import file_problem, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
-from dsx3d.checkpoint.training_format import (
+from dsx3d.checkpoint.training.disk_format import (
     LAYOUT_FILE,
     MODEL_STATES_FILE,
     ZERO3_MODEL_STATES_FILE,
@@ -132,7 +132,7 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
             "CHECKPOINT_DIR",
             str(tag_dir),
             "saved without universal_checkpoint_info, so its TP splits are unknown",
-            "save with dsx3d.checkpoint.universal.universal_client_state(run) in the client state; or export "
+            "save with dsx3d.checkpoint.training.universal.universal_client_state(run) in the client state; or export "
             "to Hugging Face format (weights only) and resume from that",
         )
     check_replaceable(out, "universal", "OUT_DIR")

@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 from dsx3d import fsio
-from dsx3d.checkpoint.files import DTYPE_NAMES, SAFETENSORS_INDEX
+from dsx3d.checkpoint.hf.reader import DTYPE_NAMES, SAFETENSORS_INDEX
 from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
 from dsx3d.errors import UserError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dsx3d.fsio import write_atomic
-from dsx3d.recipe import Recipe, TrainSection
+from dsx3d.recipe.schema import Recipe, TrainSection
 
 # Sections dsx3d never writes: DeepSpeed ignores the first silently; the second turns on AutoTP.
 _NEVER_EMIT = ("pipeline_parallel", "tensor_parallel")

@@ -2,7 +2,7 @@
 cluster, drop what the checker refuses or what does not fit, rank the rest by predicted tokens/s.
 
 Pure: every candidate is a `Setup` scored by `dsx3d.estimate.estimate` and a `Recipe` judged by
-`dsx3d.checker.check_recipe`; nothing starts a process. Search space:
+`dsx3d.recipe.checks.check_recipe`; nothing starts a process. Search space:
   tp: divisors of gpus_per_node that divide the attention and KV head counts (TP stays inside a node);
   pp: divisors of world / tp that leave at least 2 decoder layers per stage (pp = 1 always);
   dp = world / (tp * pp), which must divide the global batch;
@@ -20,7 +20,7 @@ from typing import Any
 
 from dsx3d.errors import Problem
 from dsx3d.estimate import Estimate, Hardware, ModelShape, Setup, estimate
-from dsx3d.recipe import ModelSection, Recipe
+from dsx3d.recipe.schema import ModelSection, Recipe
 
 Checker = Callable[[Recipe, Any], list[Problem]]
 
@@ -88,7 +88,7 @@ class PlanResult:
     skipped: list[str]
     """Degrees left out of the search, with the reason."""
     checked: bool
-    """Whether `dsx3d.checker` judged the candidates."""
+    """Whether `dsx3d.recipe.checks` judged the candidates."""
 
     @property
     def best(self) -> Candidate | None:
@@ -164,7 +164,7 @@ def enumerate_setups(
 
 
 def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: str = "runs/auto") -> Recipe:
-    """The recipe that runs `setup` on `cluster` (valid for `dsx3d.recipe.load_recipe` once dumped)."""
+    """The recipe that runs `setup` on `cluster` (valid for `dsx3d.recipe.schema.load_recipe` once dumped)."""
     return Recipe.model_validate(
         {
             "model": model,
@@ -184,8 +184,8 @@ def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: 
 
 
 def default_checker() -> Checker:
-    """`dsx3d.checker.check_recipe` bound to no world-size override."""
-    from dsx3d.checker import check_recipe
+    """`dsx3d.recipe.checks.check_recipe` bound to no world-size override."""
+    from dsx3d.recipe.checks import check_recipe
 
     return lambda recipe, hf_config: check_recipe(recipe, world_size=None, hf_config=hf_config)
 

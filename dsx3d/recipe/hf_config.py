@@ -11,7 +11,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from dsx3d.errors import Problem, UserError
-from dsx3d.recipe import ModelSection
+from dsx3d.recipe.schema import ModelSection
 
 
 def load_hf_config(model: ModelSection) -> PretrainedConfig:

@@ -23,7 +23,7 @@ from peft.tuners.lora.layer import LoraLayer
 from safetensors.torch import save_file
 from torch import nn
 
-from dsx3d.checkpoint.writer import publish, save_tokenizer, staging_dir
+from dsx3d.checkpoint.hf.writer import publish, save_tokenizer, staging_dir
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
 from dsx3d.models.lora import is_adapter_name

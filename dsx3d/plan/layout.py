@@ -60,7 +60,7 @@ class Layout:
         """DeepSpeed's `PipeModelDataParallelTopology` for this layout (imports DeepSpeed: engine use only)."""
         # DeepSpeed logs to stdout while importing (accelerator detection); keep stdout clean for --json
         with contextlib.redirect_stdout(sys.stderr):
-            from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+            from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: TID251 (engine use only, imported on use)
 
         return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
 

@@ -30,7 +30,7 @@ from pydantic import (
 )
 
 from dsx3d.errors import Problem, UserError
-from dsx3d.layout import Layout
+from dsx3d.plan.layout import Layout
 
 # Bounds on sizes. Above them no real job exists, and some commands would do work proportional to the
 # value (a placement table per rank, a stage split over every layer), so they are refused up front.
@@ -309,7 +309,7 @@ class Recipe(_Section):
         return world // per_replica if world % per_replica == 0 else 0
 
     def layout(self, world_size: int | None = None) -> Layout:
-        """The layout; call only after `dsx3d.checker` accepted the recipe."""
+        """The layout; call only after `dsx3d.recipe.checks` accepted the recipe."""
         return Layout(
             dp=self.resolved_dp(world_size),
             tp=self.parallel.tp,

@@ -1,6 +1,6 @@
 """Where each pipeline item's tensors lie in a DeepSpeed training checkpoint, for each engine's format.
 
-Pipeline items are [embedding, decoder 0 .. L-1, final norm, head] (dsx3d.checkpoint.offline). Both engines
+Pipeline items are [embedding, decoder 0 .. L-1, final norm, head] (dsx3d.checkpoint.hf.offline_export). Both engines
 name parameters alike ("3.layer.mlp.up_proj.weight", "tied_modules.embed.embed.weight"), but store them
 differently:
 
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from dsx3d.checkpoint.files import load_bin
-from dsx3d.checkpoint.training_format import (
+from dsx3d.checkpoint.hf.reader import load_bin
+from dsx3d.checkpoint.training.disk_format import (
     MODEL_STATES_FILE,
     ZERO3_MODEL_STATES_FILE,
     layer_file_name,

@@ -5,7 +5,7 @@ A tag directory holds the run's resolved recipe (dsx3d_recipe.yaml) and DeepSpee
 tensors of its own. A pipeline run (pp > 1) writes one file per (item, TP rank),
 `layer_XX-model_YY-model_states.pt` (with expert parallelism, one per (item, TP rank, EP index) for the items
 holding experts, `layer_XX-model_YY-expert_ZZ-model_states.pt`); a run without a pipeline writes one module per
-TP rank, or with ZeRO-3 partitions over the dp ranks (dsx3d.checkpoint.item_files says where each item lies in
+TP rank, or with ZeRO-3 partitions over the dp ranks (dsx3d.checkpoint.training.item_locations says where each item lies in
 each format).
 
 The map from a file's keys to HF names and TP dims is not a second hand-written table: each item's stage
@@ -29,11 +29,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from dsx3d.checkpoint.item_files import ItemFiles, locate
-from dsx3d.checkpoint.manifest import check_replaceable
-from dsx3d.checkpoint.names import expected_params, meta_model, to_hub_names
-from dsx3d.checkpoint.training_format import LAYOUT_FILE, RECIPE_FILE, check_tag, is_tag_dir, read_latest
-from dsx3d.checkpoint.writer import (
+from dsx3d.checkpoint.hf.names import expected_params, meta_model, to_hub_names
+from dsx3d.checkpoint.hf.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     Entry,
     SafetensorsWriter,
@@ -45,11 +42,13 @@ from dsx3d.checkpoint.writer import (
     write_configs,
     write_index,
 )
+from dsx3d.checkpoint.manifest import check_replaceable
+from dsx3d.checkpoint.training.disk_format import LAYOUT_FILE, RECIPE_FILE, check_tag, is_tag_dir, read_latest
+from dsx3d.checkpoint.training.item_locations import ItemFiles, locate
 from dsx3d.distributed.expert_parallel.experts import ExpertContext
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.errors import Problem, UserError
-from dsx3d.hf_config import dimension_problems, load_hf_config
-from dsx3d.models.family import resolve_family
+from dsx3d.models.family_spec import resolve_family
 from dsx3d.models.pipe_layers import (
     DecoderLayerPipe,
     EmbeddingPipe,
@@ -59,7 +58,8 @@ from dsx3d.models.pipe_layers import (
     TiedEmbeddingPipe,
 )
 from dsx3d.models.weights import slice_along
-from dsx3d.recipe import Recipe, load_recipe
+from dsx3d.recipe.hf_config import dimension_problems, load_hf_config
+from dsx3d.recipe.schema import Recipe, load_recipe
 
 log = logging.getLogger("dsx3d")
 

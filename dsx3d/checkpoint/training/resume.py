@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsx3d.checkpoint.training_format import LAYOUT_FILE, RECIPE_FILE
+from dsx3d.checkpoint.training.disk_format import LAYOUT_FILE, RECIPE_FILE
 from dsx3d.errors import Problem, UserError
-from dsx3d.layout import Layout
-from dsx3d.recipe import Recipe, load_recipe
+from dsx3d.plan.layout import Layout
+from dsx3d.recipe.schema import Recipe, load_recipe
 
 _FIX = "resume with the recipe the checkpoint was written with (only the layout, steps and intervals may change)"
 _TRAIN_STATE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_schedule", "steps", "weight_decay", "betas", "eps", "grad_clip")

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from dsx3d.models.families import families_with_plans, refusal, tiny_config
+from dsx3d.models.known_families import families_with_plans, refusal, tiny_config
 
 HEADS = (6, 12)
 HEAD_DIMS = (8, 12, 16)

@@ -1,7 +1,7 @@
 """The training-checkpoint format: the one place that knows how a dsx3d run's checkpoints are laid out.
 
-Written by `dsx3d.run.checkpointing` (every rank, through DeepSpeed), read by the offline export
-(`dsx3d.checkpoint.offline`), the universal conversion and `--resume`:
+Written by `dsx3d.checkpoint.training.checkpointer` (every rank, through DeepSpeed), read by the offline export
+(`dsx3d.checkpoint.hf.offline_export`), the universal conversion and `--resume`:
 
     checkpoints/latest                          the tag of the newest complete checkpoint ("step-000020")
     checkpoints/step-000020/                    DeepSpeed's files. With a pipeline (pp > 1):

@@ -30,7 +30,7 @@ from dsx3d.data.corpus import (
     source_columns,
 )
 from dsx3d.errors import Problem, UserError
-from dsx3d.recipe import DataSection, Recipe
+from dsx3d.recipe.schema import DataSection, Recipe
 
 PEEK_ROWS = 4
 COUNT_LINES_BELOW = 64 << 20

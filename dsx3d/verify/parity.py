@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from dsx3d.recipe import Recipe, recipe_from_dict
+from dsx3d.recipe.schema import Recipe, recipe_from_dict
 
 FP32_EPS = torch.finfo(torch.float32).eps
 """Spacing of fp32 numbers at 1.0 (2^-23): an element w is rounded to within FP32_EPS * |w|."""
@@ -167,7 +167,7 @@ def build_reference(case: ParityCase) -> torch.nn.Module:
         from peft import get_peft_model
 
         from dsx3d.models.lora import peft_config_from
-        from dsx3d.recipe import LoraSection
+        from dsx3d.recipe.schema import LoraSection
 
         model = get_peft_model(model, peft_config_from(LoraSection(**case.lora)))
     return model.float()
@@ -394,7 +394,7 @@ def run_parity(
 ) -> ParityResult:
     """Train `model` (default: a fresh HF model of case.config, seeded) both ways and compare."""
     from dsx3d.models.shards import merge_shards
-    from dsx3d.testing.harness import run_ranks
+    from dsx3d.verify.harness import run_ranks
 
     model = build_reference(case) if model is None else model.float()
     state = {hf_name(k): v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,6 +1,6 @@
 """What a family's own plans say: where the embedding, decoder layers, final norm and head live, and how
 each linear is sharded. Families are driven by `base_model_pp_plan` / `base_model_tp_plan` from their
-configs; only families whose plans leave a gap need an entry in `dsx3d.models.families`.
+configs; only families whose plans leave a gap need an entry in `dsx3d.models.known_families`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from dsx3d.errors import UserError
 from dsx3d.models import tp_plan
-from dsx3d.models.families import EXTRA_PLANS, declared_tp_plan
+from dsx3d.models.known_families import EXTRA_PLANS, declared_tp_plan
 from dsx3d.models.shape import text_config
 
 

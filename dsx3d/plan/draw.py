@@ -17,7 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle
 
 from dsx3d.errors import UserError
-from dsx3d.layout import Layout
+from dsx3d.plan.layout import Layout
 
 COLS = 8  # GPUs per row inside a node box
 CELL, GAP, NODE_GAP = 1.0, 0.3, 0.9

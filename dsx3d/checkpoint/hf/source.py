@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from dsx3d.checkpoint.files import CheckpointFiles
-from dsx3d.checkpoint.names import FusedGroup, LoadPlan, meta_model, plan_load
+from dsx3d.checkpoint.hf.names import FusedGroup, LoadPlan, meta_model, plan_load
+from dsx3d.checkpoint.hf.reader import CheckpointFiles
 from dsx3d.errors import UserError
 from dsx3d.models.weights import slice_along
 

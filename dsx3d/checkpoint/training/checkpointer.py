@@ -1,5 +1,5 @@
 """Checkpoints: OUTPUT_DIR/checkpoints/<tag>/ written by every rank through DeepSpeed, and a `latest` file
-that names the newest complete one (format: dsx3d.checkpoint.training_format).
+that names the newest complete one (format: dsx3d.checkpoint.training.disk_format).
 
 Saving. Every rank writes its files (DeepSpeed's, its RNG state, and a list of what it wrote with the
 sizes), and a failed write does not raise inside DeepSpeed: it is recorded, its partial file removed, and
@@ -13,7 +13,7 @@ after `latest` has moved, and only the files dsx3d and DeepSpeed write there.
 Resuming. Rank 0 checks the tag `latest` names before anything loads: every rank's file list is there,
 every file has its recorded size, and every torch file is an intact zip whose pickle names no class a
 weights-only load refuses. A damaged tag is named, file and reason, and the newest older complete tag is
-resumed instead (said so). Then dsx3d.run.resume decides whether the tag loads as written or, at another
+resumed instead (said so). Then dsx3d.checkpoint.training.resume decides whether the tag loads as written or, at another
 layout, through a universal checkpoint. Every load runs with weights-only unpickling
 (dsx3d.checkpoint.safe_load), DeepSpeed's included.
 """
@@ -37,7 +37,7 @@ import torch
 
 from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, file_problem, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
-from dsx3d.checkpoint.training_format import (
+from dsx3d.checkpoint.training.disk_format import (
     CLIENT_KEY,
     FILES_DIR,
     LATEST,
@@ -53,12 +53,12 @@ from dsx3d.checkpoint.training_format import (
     step_tags,
     tag_for,
 )
+from dsx3d.checkpoint.training.resume import ResumePlan, layout_record, plan_resume, read_saved
 from dsx3d.distributed import comm
 from dsx3d.engine import Engine3D
 from dsx3d.errors import Problem, RunFailure, UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
-from dsx3d.recipe import Recipe, dump_recipe
-from dsx3d.run.resume import ResumePlan, layout_record, plan_resume, read_saved
+from dsx3d.recipe.schema import Recipe, dump_recipe
 
 log = logging.getLogger("dsx3d")
 
@@ -336,7 +336,7 @@ class Checkpointer:
         tag, rank = tag_for(step), comm.get_rank()
         tag_dir = self.dir / tag
         if self._universal is None:  # how each parameter splits over TP: lets a tag become universal
-            from dsx3d.checkpoint.universal import universal_client_state
+            from dsx3d.checkpoint.training.universal import universal_client_state
 
             self._universal = universal_client_state(self.engine)  # a collective, like save itself
         record = _SaveLog(tag_dir)
@@ -438,7 +438,7 @@ class Checkpointer:
         """The tag's universal conversion (tag/universal), made once by rank 0 while the others wait for
         its manifest (a file, not a collective: a big model converts for longer than a collective waits)."""
         from dsx3d.checkpoint.manifest import read_manifest
-        from dsx3d.checkpoint.universal import to_universal
+        from dsx3d.checkpoint.training.universal import to_universal
 
         tag_dir = self.dir / tag
         out, failed = tag_dir / UNIVERSAL_DIR, tag_dir / ".universal.failed"

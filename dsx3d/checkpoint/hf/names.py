@@ -28,9 +28,9 @@ from transformers.core_model_loading import (
     revert_weight_conversion,
 )
 
-from dsx3d.checkpoint.files import TensorInfo
+from dsx3d.checkpoint.hf.reader import TensorInfo
 from dsx3d.errors import Problem
-from dsx3d.models.family import is_tied, resolve_family
+from dsx3d.models.family_spec import is_tied, resolve_family
 
 _FIX_MISMATCH = (
     "point model.name_or_path at a checkpoint of this model (its config.json and weights must agree)"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from dsx3d.models.families import tiny_config
+from dsx3d.models.known_families import tiny_config
 
 
 @contextlib.contextmanager
