@@ -10,8 +10,6 @@ reads them as strings).
 
 from __future__ import annotations
 
-import math
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,6 +29,8 @@ from pydantic import (
 
 from dsx3d.errors import Problem, UserError
 from dsx3d.plan.layout import Layout
+from dsx3d.recipe.json_values import MAX_MAPPING_VALUES, _check_json  # noqa: F401
+from dsx3d.recipe.strict_yaml import StrictYamlLoader, parse_yaml  # noqa: F401
 
 # Bounds on sizes. Above them no real job exists, and some commands would do work proportional to the
 # value (a placement table per rank, a stage split over every layer), so they are refused up front.
@@ -44,48 +44,8 @@ MAX_STEPS = 1 << 40
 MAX_SEED = (1 << 32) - 1
 """numpy's generators take 32-bit seeds."""
 MAX_RECIPE_BYTES = 1 << 20
-MAX_MAPPING_VALUES = 100_000
-"""Values in model.config or deepspeed, counted through YAML aliases (a YAML "billion laughs" stays small
-on disk and in memory, but not when walked or written out as JSON)."""
 
 Path_ = Annotated[StrictStr, Field(min_length=1)]
-
-
-def _json_problem(value: Any, where: str, budget: list[int], depth: int = 0) -> str | None:
-    """Why `value` cannot be written as strict JSON (None when it can): keys must be strings, numbers
-    finite, values JSON types; walks at most MAX_MAPPING_VALUES values and 64 levels."""
-    budget[0] -= 1
-    if budget[0] < 0:
-        return f"holds more than {MAX_MAPPING_VALUES} values (YAML aliases expand when written out)"
-    if depth > 64:
-        return f"{where} is nested more than 64 levels deep"
-    if value is None or isinstance(value, (bool, int, str)):
-        return None
-    if isinstance(value, float):
-        return None if math.isfinite(value) else f"{where} = {value}: not a finite number"
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return f"{where} has a key {key!r} that is not a string"
-            problem = _json_problem(item, f"{where}.{key}", budget, depth + 1)
-            if problem:
-                return problem
-        return None
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            problem = _json_problem(item, f"{where}[{i}]", budget, depth + 1)
-            if problem:
-                return problem
-        return None
-    return f"{where} is a {type(value).__name__}, which JSON cannot hold (quote it as a string?)"
-
-
-def _check_json(value: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
-    if value is not None:
-        problem = _json_problem(value, where, [MAX_MAPPING_VALUES])
-        if problem:
-            raise ValueError(problem)
-    return value
 
 
 class _Section(BaseModel):
@@ -363,47 +323,6 @@ def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as err:
         raise UserError(_problems_from(err)) from None
-
-
-# YAML 1.2's float syntax (1e-3, 2E5, -1.5e+3, .5): YAML 1.1, which PyYAML implements, requires a dot and
-# a signed exponent, so `lr: 1e-3` would be the string "1e-3".
-_FLOAT_12 = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?$")
-
-
-class StrictYamlLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader that refuses a key given twice in one mapping and reads 1e-3 as a float."""
-
-
-def _construct_mapping(loader: StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` keys may be overridden
-            continue
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            first = seen.setdefault(key, key_node.start_mark.line + 1)
-        except TypeError:  # unhashable: the base constructor reports it
-            continue
-        if first != key_node.start_mark.line + 1:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first given on line {first})", key_node.start_mark
-            )
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-
-
-def _construct_scalar(loader: StrictYamlLoader, node: yaml.ScalarNode) -> Any:
-    text = loader.construct_scalar(node)
-    return float(text.replace("_", "")) if "." in text or "e" in text.lower() else int(text.replace("_", ""))
-
-
-StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-StrictYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float12", _FLOAT_12, list("-+0123456789."))
-StrictYamlLoader.add_constructor("tag:yaml.org,2002:float12", _construct_scalar)
-
-
-def parse_yaml(text: str) -> Any:
-    """YAML text through StrictYamlLoader."""
-    return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -33,83 +33,29 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
 
 from dsx3d.recipe.schema import Recipe, recipe_from_dict
+from dsx3d.verify.case import (  # noqa: F401
+    CRITERIA,
+    FP32_EPS,
+    LOSS_TOL_FP32,
+    Criteria,
+    ParityCase,
+    make_batches,
+    micro_batch,
+)
+from dsx3d.verify.reference import (  # noqa: F401
+    Reference,
+    _accumulate_grads,
+    _optimizer,
+    _propagated_change,
+    build_reference,
+    hf_name,
+    run_reference,
+)
 
-FP32_EPS = torch.finfo(torch.float32).eps
 """Spacing of fp32 numbers at 1.0 (2^-23): an element w is rounded to within FP32_EPS * |w|."""
-LOSS_TOL_FP32 = 1e-5
 """Loss difference allowed in fp32, relative to max(1, |loss|)."""
-
-
-@dataclass(frozen=True)
-class Criteria:
-    """Tolerances of one comparison (see the module docstring)."""
-
-    loss_rtol: float
-    """|loss_3d - loss_ref| <= loss_rtol * max(1, |loss_ref|), every step."""
-    norm_rtol: float
-    """|norm_3d - norm_ref| <= norm_rtol * max(1, norm_ref), every step."""
-    grad_rtol: float
-    """SGD: ||dW_3d - dW_ref|| <= grad_rtol * ||dW_ref|| + grad_floor * ||dW_ref(all tensors)||, per tensor and step."""
-    grad_floor: float
-    roundoff: float
-    """AdamW: gradient round-off of a tensor, relative to its largest gradient element."""
-    weight_atol: float
-    """AdamW: plus this much per element, relative to max(1, |w|)."""
-
-
-CRITERIA = {
-    "fp32": Criteria(
-        loss_rtol=1e-5, norm_rtol=1e-5, grad_rtol=1e-4, grad_floor=1e-6, roundoff=1e-5, weight_atol=1e-6
-    ),
-    # bf16 compute against an fp32 reference: bf16's 8-bit mantissa
-    "bf16": Criteria(
-        loss_rtol=5e-2, norm_rtol=5e-2, grad_rtol=5e-2, grad_floor=1e-3, roundoff=1e-2, weight_atol=1e-3
-    ),
-}
-
-
-@dataclass
-class ParityCase:
-    config: PretrainedConfig
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    """Expert parallelism (divides dp): MoE experts split over ep DP ranks, tokens exchanged all-to-all."""
-    steps: int = 3
-    micro_batch_size: int = 2
-    micro_batches: int = 2
-    seq_len: int = 16
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    adam_eps: float = 1e-8
-    betas: tuple[float, float] = (0.9, 0.95)
-    optimizer: str = "adamw"
-    """"adamw", or "sgd" (plain SGD: the weight change of a step is the gradient, see the module docstring)."""
-    zero_stage: int = 1
-    data: str = "random"
-    """random tokens, or \"pattern\": sequences counting up from a random start (learnable, so losses fall)"""
-    grad_clip: float = 1.0
-    dtype: str = "fp32"
-    seed: int = 0
-    activation_checkpointing: bool = False
-    stage_layers: list[int] | None = None
-    sequence_parallel: bool = True
-    """parallel.sequence_parallel (takes effect with tp > 1)"""
-    lora: dict[str, Any] | None = None
-    """A recipe's model.lora section: both sides train peft LoRA adapters on the frozen model (the reference
-    is `peft.get_peft_model` on the same HF model; only the adapters are compared)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch_size * self.micro_batches * self.dp
 
 
 @dataclass
@@ -141,179 +87,6 @@ class ParityResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def make_batches(case: ParityCase) -> torch.Tensor:
-    """(steps, B, seq_len) random token ids, fixed by the seed."""
-    g = torch.Generator().manual_seed(case.seed + 1)
-    vocab = case.config.get_text_config().vocab_size
-    if case.data == "pattern":
-        start = torch.randint(0, vocab, (case.steps, case.global_batch, 1), generator=g)
-        return (start + torch.arange(case.seq_len)) % vocab
-    return torch.randint(0, vocab, (case.steps, case.global_batch, case.seq_len), generator=g)
-
-
-def micro_batch(case: ParityCase, batch: torch.Tensor, k: int, dp_rank: int) -> torch.Tensor:
-    i = (k * case.dp + dp_rank) * case.micro_batch_size
-    return batch[i : i + case.micro_batch_size]
-
-
-def build_reference(case: ParityCase) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(case.seed)
-    model = AutoModelForCausalLM.from_config(case.config)
-    if case.lora is not None:
-        from peft import get_peft_model
-
-        from dsx3d.models.lora import peft_config_from
-        from dsx3d.recipe.schema import LoraSection
-
-        model = get_peft_model(model, peft_config_from(LoraSection(**case.lora)))
-    return model.float()
-
-
-def hf_name(name: str) -> str:
-    """A reference parameter's name as the 3D side calls it (`dsx3d.models.lora.hf_param_name`)."""
-    from dsx3d.models.lora import hf_param_name
-
-    return hf_param_name(name)
-
-
-@dataclass
-class Reference:
-    losses: list[float]
-    norms: list[float]
-    snapshots: list[dict[str, torch.Tensor]]
-    """Parameters before each step and after the last (SGD), or only after the last (AdamW)."""
-    adam_slack: dict[str, torch.Tensor] = field(default_factory=dict)
-    """AdamW: per element, how far round-off amplified by Adam can move a weight (module docstring)."""
-    loss_slack: list[float] = field(default_factory=list)
-    norm_slack: list[float] = field(default_factory=list)
-    """AdamW, per step: how much the weight differences admitted so far can change the loss and the gradient
-    norm (0 at the first step), measured like the gradients' (`_propagated_change`)."""
-
-
-def _optimizer(case: ParityCase, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    if case.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=case.lr, momentum=0.0, weight_decay=0.0)
-    return torch.optim.AdamW(
-        params, lr=case.lr, betas=case.betas, eps=case.adam_eps, weight_decay=case.weight_decay
-    )
-
-
-def _accumulate_grads(case: ParityCase, model: torch.nn.Module, batch: torch.Tensor) -> float:
-    """Backward of the mean loss over the global batch `batch` into .grad; return that loss."""
-    n_micro = case.micro_batches * case.dp
-    total = 0.0
-    for k in range(case.micro_batches):
-        for d in range(case.dp):
-            ids = micro_batch(case, batch, k, d)
-            loss = model(input_ids=ids, labels=ids).loss
-            (loss / n_micro).backward()
-            total += loss.item() / n_micro
-    return total
-
-
-def _propagated_change(
-    case: ParityCase,
-    model: torch.nn.Module,
-    named: list,
-    batch: torch.Tensor,
-    slack: dict[str, torch.Tensor],
-    t: int,
-    base_loss: float,
-) -> tuple[dict[str, torch.Tensor], float, float]:
-    """max over probes of |g(W + p) - g(W)| per element, p = the slack so far with random signs, then with
-    every sign +1, then -1: how much the earlier steps' admissible weight differences change this step's
-    gradient (they feed into this step's forward). Round-off differences of one summation order are not
-    independent per element (they can shift a whole tensor one way), so the coherent probes bound what random
-    signs average away. Also the loss and the (unclipped) gradient norm at the probe that moves them most."""
-    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in named}
-    with torch.no_grad():
-        base_norm = sum(float((g.double() ** 2).sum()) for g in grads.values()) ** 0.5
-    gen = torch.Generator().manual_seed(case.seed * 1000 + t)
-    kept = {n: p.detach().clone() for n, p in named}
-    change: dict[str, torch.Tensor] = {}
-    loss_out, norm_out = None, None
-    for probe in ("random", "plus", "minus"):
-        with torch.no_grad():
-            for n, p in named:
-                if n in slack:
-                    if probe == "random":
-                        signs = torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1
-                        p.add_(slack[n] * signs)
-                    else:
-                        p.add_(slack[n] if probe == "plus" else -slack[n])
-        for _, p in named:
-            p.grad = None
-        rng = torch.get_rng_state()
-        loss = _accumulate_grads(case, model, batch)
-        torch.set_rng_state(rng)
-        square = 0.0
-        with torch.no_grad():
-            for n, p in named:
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                square += float((g.double() ** 2).sum())
-                diff = (g - grads[n]).abs()
-                change[n] = diff if n not in change else torch.maximum(change[n], diff)
-                p.copy_(kept[n])
-        norm = square**0.5
-        if loss_out is None or abs(loss - base_loss) > abs(loss_out - base_loss):
-            loss_out = loss
-        if norm_out is None or abs(norm - base_norm) > abs(norm_out - base_norm):
-            norm_out = norm
-    for n, p in named:
-        p.grad = grads[n]
-    assert loss_out is not None and norm_out is not None
-    return change, loss_out, norm_out
-
-
-def run_reference(case: ParityCase, model: torch.nn.Module, batches: torch.Tensor) -> Reference:
-    """Plain HF on one process: mean loss over the global batch, global-norm clipping, the optimizer."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = _optimizer(case, [p for _, p in named])
-    criteria = CRITERIA[case.dtype]
-    ref = Reference([], [], [])
-    v = {n: torch.zeros_like(p) for n, p in named}
-    beta2 = case.betas[1]
-    model.train()
-    for t, batch in enumerate(batches, start=1):
-        if case.optimizer == "sgd":
-            ref.snapshots.append({n: p.detach().clone() for n, p in named})
-        opt.zero_grad(set_to_none=True)
-        rng = torch.get_rng_state()
-        total = _accumulate_grads(case, model, batch)
-        after = torch.get_rng_state()
-        propagated: dict[str, torch.Tensor] = {}
-        moved_loss, moved_norm = total, None
-        if case.optimizer != "sgd" and ref.adam_slack:
-            torch.set_rng_state(rng)
-            propagated, moved_loss, moved_norm = _propagated_change(
-                case, model, named, batch, ref.adam_slack, t, total
-            )
-            torch.set_rng_state(after)
-        max_norm = case.grad_clip if case.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm)
-        ref.loss_slack.append(2 * abs(moved_loss - total))
-        ref.norm_slack.append(0.0 if moved_norm is None else 2 * abs(moved_norm - float(norm)))
-        clip = min(1.0, max_norm / (float(norm) + 1e-6))
-        if case.optimizer != "sgd":
-            for n, p in named:
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                v[n].mul_(beta2).add_(g * g, alpha=1 - beta2)
-                v_hat = v[n] / (1 - beta2**t)
-                delta = torch.full_like(p, criteria.roundoff * float(g.abs().max()) if g.numel() else 0.0)
-                if n in propagated:
-                    delta += 2 * clip * propagated[n]
-                step = 2 * case.lr * delta / (v_hat.sqrt() + case.adam_eps)
-                # Adam moves an element by at most a few lr per step, whatever its gradient
-                ref.adam_slack[n] = ref.adam_slack.get(n, torch.zeros_like(p)) + step.clamp(max=4 * case.lr)
-        opt.step()
-        ref.losses.append(total)
-        ref.norms.append(float(norm))
-    ref.snapshots.append({n: p.detach().clone() for n, p in named})
-    return ref
 
 
 def case_recipe(case: ParityCase) -> Recipe:

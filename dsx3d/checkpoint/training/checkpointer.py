@@ -25,38 +25,33 @@ import errno
 import json
 import logging
 import os
-import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, file_problem, weights_only_loads
+from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
 from dsx3d.checkpoint.training.disk_format import (
     CLIENT_KEY,
-    FILES_DIR,
     LATEST,
     LAYOUT_FILE,
     RECIPE_FILE,
     UNIVERSAL_DIR,
     files_path,
-    foreign_files,
-    is_tag_dir,
     read_latest,
     rng_path,
-    step_of,
-    step_tags,
     tag_for,
 )
 from dsx3d.checkpoint.training.resume import ResumePlan, layout_record, plan_resume, read_saved
+from dsx3d.checkpoint.training.rng import RNG_FORMAT, rng_state, set_rng_state  # noqa: F401
+from dsx3d.checkpoint.training.tags import choose_tag, prune, remove_tag, tag_problems, tags_to_delete  # noqa: F401
 from dsx3d.distributed import comm
 from dsx3d.engine import Engine3D
-from dsx3d.errors import Problem, RunFailure, UserError
+from dsx3d.errors import RunFailure, UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
 from dsx3d.recipe.schema import Recipe, dump_recipe
 
@@ -75,93 +70,13 @@ __all__ = [
     "tags_to_delete",
 ]
 
-RNG_FORMAT = 2
 _PROBE_BYTES = 1 << 16
 
 
 # --- RNG state, in a form torch.load(weights_only=True) reads -------------------------------------------
 
 
-def rng_state() -> dict[str, Any]:
-    """Python's, numpy's and torch's generator states as tensors and plain numbers (no pickled objects)."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-    state: dict[str, Any] = {
-        "format": RNG_FORMAT,
-        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-        "numpy": {
-            "name": name,
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached": float(cached),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    py, npy = state["python"], state["numpy"]
-    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
-    np.random.set_state(
-        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached"])
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # --- pruning ---------------------------------------------------------------------------------------------
-
-
-def tags_to_delete(tags: list[str], latest: str, keep: int) -> list[str]:
-    """Tags older than the `keep` newest up to `latest`. Tags after `latest` are left alone: they are
-    being written, or are the remains of a save that crashed and will be overwritten."""
-    newest = step_of(latest)
-    if newest is None:
-        return []
-    done = sorted((s, t) for t in tags if (s := step_of(t)) is not None and s <= newest)
-    return [t for _, t in done[: max(0, len(done) - keep)]]
-
-
-def remove_tag(ckpt_dir: Path, tag: str) -> list[str]:
-    """Delete the files dsx3d and DeepSpeed wrote in a tag directory, then its directories left empty.
-    Returns the files left (somebody else's), which are never deleted. The directory is renamed first, so a
-    crash in the middle never leaves a half-deleted directory named like a complete tag."""
-    source = ckpt_dir / tag
-    trash = ckpt_dir / f".deleting-{tag}"
-    if source.is_dir():
-        os.replace(source, trash)
-    if not trash.is_dir():
-        return []
-    foreign = {f for f in foreign_files(ckpt_dir) if f.startswith(f"{trash.name}/")}
-    for p in sorted(trash.rglob("*"), reverse=True):
-        rel = p.relative_to(ckpt_dir).as_posix()
-        if p.is_dir() and not p.is_symlink():
-            if not any(p.iterdir()):
-                p.rmdir()
-        elif rel not in foreign:
-            p.unlink()
-    if any(trash.iterdir()):
-        os.replace(trash, source)  # keep somebody's files where they were
-        return sorted(f.split("/", 1)[1] for f in foreign)
-    trash.rmdir()
-    return []
-
-
-def prune(ckpt_dir: Path, keep: int) -> list[str]:
-    latest = read_latest(ckpt_dir)
-    if latest is None:
-        return []
-    doomed = tags_to_delete(step_tags(ckpt_dir), latest, keep)
-    for tag in doomed:
-        left = remove_tag(ckpt_dir, tag)
-        if left:
-            log.warning("kept %s: it holds files dsx3d did not write (%s)", ckpt_dir / tag, ", ".join(left[:5]))
-    return doomed
 
 
 # --- saving ----------------------------------------------------------------------------------------------
@@ -255,67 +170,6 @@ def _recording(engine: Any, save_log: _SaveLog) -> Iterator[None]:
 
 
 # --- checking a tag before resuming ----------------------------------------------------------------------
-
-
-def tag_problems(tag_dir: Path) -> list[str]:
-    """What is wrong with a tag directory ('file: reason'), empty when it is complete and loads safely."""
-    if not tag_dir.is_dir():
-        return [f"{tag_dir}: missing"]
-    lists = sorted((tag_dir / FILES_DIR).glob("rank-*.json"))
-    if not lists:  # written before dsx3d listed its files: check DeepSpeed's files as they are
-        files = [p for p in tag_dir.glob("*.pt")]
-        if not is_tag_dir(tag_dir):  # any engine's model-states files (pipeline, pp = 1, pp = 1 ZeRO-3)
-            return [f"{tag_dir}: no DeepSpeed model-states files (an incomplete save)"]
-        return [f"{p}: {why}" for p in sorted(files) if (why := file_problem(p))]
-    try:
-        world = int(json.loads((tag_dir / LAYOUT_FILE).read_text())["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return [f"{tag_dir / LAYOUT_FILE}: unreadable ({err})"]
-    problems = []
-    for rank in range(world):
-        listing = files_path(tag_dir, rank)
-        try:
-            files = json.loads(listing.read_text())["files"]
-        except (OSError, ValueError, KeyError, TypeError):
-            problems.append(f"{listing}: missing or unreadable (rank {rank} did not finish its save)")
-            continue
-        for rel, size in sorted(files.items()):
-            path = tag_dir / rel
-            if not path.is_file():
-                problems.append(f"{path}: missing")
-            elif path.stat().st_size != size:
-                problems.append(f"{path}: {path.stat().st_size} bytes, {size} when written (truncated?)")
-            elif path.suffix == ".pt" and (why := file_problem(path)):
-                problems.append(f"{path}: {why}")
-    return problems
-
-
-def choose_tag(ckpt_dir: Path) -> tuple[str | None, list[str]]:
-    """The tag to resume: `latest` if it is complete, else the newest complete tag before it, with a note
-    naming what was damaged. None when there is no `latest`. UserError when no tag is complete."""
-    latest = read_latest(ckpt_dir)
-    if latest is None:
-        return None, []
-    newest = step_of(latest)
-    older = [t for t in reversed(step_tags(ckpt_dir)) if newest is not None and (step_of(t) or 0) < newest]
-    damaged: list[tuple[str, list[str]]] = []
-    for tag in [latest, *older]:
-        problems = tag_problems(ckpt_dir / tag)
-        if not problems:
-            notes = [
-                f"checkpoint {t} is damaged: {p[0]}" + (f" (and {len(p) - 1} more problems)" if len(p) > 1 else "")
-                for t, p in damaged
-            ]
-            if damaged:
-                notes.append(f"resuming from {tag} instead, the newest complete checkpoint before it")
-            return tag, notes
-        damaged.append((tag, problems))
-    raise UserError(
-        [
-            Problem(str(ckpt_dir / tag), "(checkpoint)", f"damaged: {'; '.join(p[:3])}", "restore it from a copy, or start over with --overwrite")
-            for tag, p in damaged
-        ]
-    )
 
 
 # --- the checkpointer ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dsx3d.errors import Problem
+from dsx3d.recipe.checks.context import _Context
 
 UNSUPPORTED = {
     "modules_to_save": "training whole extra modules next to the adapters",
@@ -121,3 +122,9 @@ def _stages_without_layers(recipe: Any, hf_config: Any) -> Iterator[Problem]:
             "parameters and DeepSpeed cannot build an optimizer over none",
             f"set parallel.stage_layers: {even}" if 0 not in even else "use fewer pipeline stages (parallel.pp)",
         )
+
+
+def _lora(c: _Context) -> Iterator[Problem]:
+    """model.lora: targets that exist and are decoder-layer linears, a peft config dsx3d can train
+    (`lora_problems`), checked before any process starts."""
+    yield from lora_problems(c.recipe, c.hf_config)
