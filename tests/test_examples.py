@@ -1,4 +1,4 @@
-"""The examples the README shows, run: the two-line switch of a run_clm-style script against the same script on
+"""The examples the docs show (docs/guide/trainer.md), run: the two-line switch of a run_clm-style script against the same script on
 plain transformers, accelerate's own loop (works at tp 1 x pp 1, refused at prepare otherwise), and a loop
 written on dsx3d's engine. Forked gloo ranks (dsx3d.verify.harness), a tiny local checkpoint."""
 

@@ -1,4 +1,4 @@
-"""The README's recipe-key table is the user's reference: it lists every key the schema accepts and no key
+"""The docs' recipe-key table (docs/guide/recipes.md) is the user's reference: it lists every key the schema accepts and no key
 it does not (a key added to dsx3d.recipe.schema without a row, or a row left after a key was renamed, fails)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from dsx3d.recipe.schema import Recipe
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+RECIPES_PAGE = Path(__file__).resolve().parent.parent / "docs" / "guide" / "recipes.md"
 
 
 def _schema_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
@@ -30,9 +30,10 @@ def _schema_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
 
 
 def _table_keys() -> set[str]:
-    text = README.read_text()
-    section = text[text.index("### Recipe keys") :]
-    section = section[: section.index("\n## ")]
+    text = RECIPES_PAGE.read_text()
+    section = text[text.index("## Recipe keys") :]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
     keys: set[str] = set()
     for line in section.splitlines():
         if line.startswith("| `"):

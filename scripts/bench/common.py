@@ -1,7 +1,7 @@
 """Shared pieces of the benchmarks (scripts/bench/*.py): the model, the contenders, alternated timing, memory
 probes and the results file.
 
-Measuring on a shared 2-core machine (see the notes in README "Benchmarks"): absolute step times swing with
+Measuring on a shared 2-core machine (see the notes in docs/benchmarks.md): absolute step times swing with
 other load, so every benchmark runs its contenders in the same ranks, alternated step by step (A B B A ...,
 a barrier before each step) and reports ratios; `os.getloadavg()` is recorded with every figure. One intra-op
 thread per rank (the fork harness sets it).

@@ -1,7 +1,7 @@
-"""Render scripts/bench/results.json as the README's "Benchmarks" section (markdown): every figure with its command,
+"""Render scripts/bench/results.json as the docs' benchmarks page (docs/benchmarks.md): every figure with its command,
 the machine, the versions and the load average it was measured under.
 
-    python -m scripts.bench.report [--results scripts/bench/results.json] [--out FILE]
+    python -m scripts.bench.report [--results scripts/bench/results.json] [--out FILE | --out -]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
 def _load(r: dict[str, Any]) -> str:
@@ -48,7 +49,7 @@ def _header(r: dict[str, Any]) -> list[str]:
 
 def overhead(r: dict[str, Any]) -> list[str]:
     w, q = r["workload"], r["ratio"]
-    out = ["### Overhead over plain DeepSpeed (dp=2)", ""] + _header(r)
+    out = ["## Overhead over plain DeepSpeed (dp=2)", ""] + _header(r)
     out += [
         f"Model: tiny Llama, {r['model']['params'] / 1e6:.1f}M parameters; {w['world']} ranks, micro-batch {w['micro_batch']}, "
         f"{w['grad_accum']} micro-batches, {w['seq_len']} tokens, {w['tokens_per_step']} tokens/step, {w['dtype']}, ZeRO-1.",
@@ -70,7 +71,7 @@ def overhead(r: dict[str, Any]) -> list[str]:
 
 def alternatives(r: dict[str, Any]) -> list[str]:
     w = r["workload"]
-    out = [f"### Against DDP and ZeRO-3 at {r['world']} ranks", ""] + _header(r)
+    out = [f"## Against DDP and ZeRO-3 at {r['world']} ranks", ""] + _header(r)
     out += [
         f"Model: tiny Llama, {r['model']['params'] / 1e6:.1f}M parameters; global batch {w['global_batch']} x {w['seq_len']} tokens "
         f"({w['tokens_per_step']} tokens/step), micro-batch {w['micro_batch']}, {w['dtype']}. dsx3d's best measured layout: "
@@ -100,7 +101,7 @@ def alternatives(r: dict[str, Any]) -> list[str]:
 
 
 def bubble(r: dict[str, Any]) -> list[str]:
-    out = [f"### Pipeline bubble, p = {r['pp']}", ""] + _header(r)
+    out = [f"## Pipeline bubble, p = {r['pp']}", ""] + _header(r)
     w = r["workload"]
     out += [
         f"Tiny Llama ({w['layers']} layers, width {w['hidden']}, vocabulary {w['vocab']}), micro-batch {w['micro_batch']} x "
@@ -119,7 +120,7 @@ def bubble(r: dict[str, Any]) -> list[str]:
 
 def communication(key: str, r: dict[str, Any]) -> list[str]:
     lay, w = r["layout"], r["workload"]
-    title = f"### Communication per step, {r.get('model_type', 'llama')}"
+    title = f"## Communication per step, {r.get('model_type', 'llama')}"
     ep = lay.get("ep", 1)
     title += f" dp{lay['dp']} tp{lay['tp']} pp{lay['pp']}" + (f" ep{ep}" if ep > 1 else "") + (
         ", activation checkpointing" if lay["activation_checkpointing"] else ""
@@ -175,7 +176,7 @@ def communication(key: str, r: dict[str, Any]) -> list[str]:
 
 def moe(r: dict[str, Any]) -> list[str]:
     m, w = r["model"], r["workload"]
-    out = ["### Mixture of experts: what each rank holds, and the estimator", ""] + _header(r)
+    out = ["## Mixture of experts: what each rank holds, and the estimator", ""] + _header(r)
     out += [
         f"Model: {m['model_type']}, {m['params'] / 1e6:.2f}M parameters of which {m['expert_params'] / 1e6:.2f}M in "
         f"experts ({m['num_experts']} per layer, top-{m['experts_per_token']}), {m['layers']} layers of width {m['hidden']}, "
@@ -235,7 +236,7 @@ def communication_sweep(r: dict[str, Any]) -> list[str]:
     )
     differ = sorted(k for k in built if k not in exact)
     pp_differ = sorted(k for k, v in built.items() if not v["exact"]["pp"])
-    out = ["### Communication, every family with plans (dp1 tp2 pp2, tiny configs)", ""]
+    out = ["## Communication, every family with plans (dp1 tp2 pp2, tiny configs)", ""]
     out += [
         f"Command: `{r['command']}`; {r['when']}, {_load(r)}, {r['wall_s']} s (counts do not depend on load).",
         "",
@@ -266,7 +267,7 @@ def _dp_excess(r: dict[str, Any]) -> list[float]:
 
 def memory(r: dict[str, Any]) -> list[str]:
     """The estimator against measured peaks, per grid point and stage (scripts/bench/memory.py)."""
-    out = ["### Estimator accuracy: peak memory per pipeline stage", ""] + _header(r)
+    out = ["## Estimator accuracy: peak memory per pipeline stage", ""] + _header(r)
     goal, worst, met = r["goal_abs_error"], r["worst_abs_error"], r["meets_goal"]
     figures = ", ".join(f"{k} {_pct(v)[1:]} ({'met' if met[k] else 'not met'})" for k, v in worst.items())
     out += [
@@ -295,7 +296,7 @@ def memory(r: dict[str, Any]) -> list[str]:
 def tp_minimum(r: dict[str, Any]) -> list[str]:
     """Issue 12: step time of the TP variants against the engine before and DeepSpeed's TP; SP memory/bytes."""
     w, m = r["workload"], r["model"]
-    out = ["### Tensor parallelism at Megatron's communication minimum", ""] + _header(r)
+    out = ["## Tensor parallelism at Megatron's communication minimum", ""] + _header(r)
     out += [
         f"Llama, hidden {m['hidden']}, {m['layers']} layers, vocabulary {m['vocab']} ({m['params'] / 1e6:.1f}M parameters); "
         f"micro-batch {w['micro_batch']} x {w['seq_len']} tokens, global batch {w['global_batch']}, {w['dtype']}. "
@@ -346,7 +347,7 @@ def tp_minimum(r: dict[str, Any]) -> list[str]:
 
 def gpu(r: dict[str, Any]) -> list[str]:
     out = [
-        "### GPU: 1B-class Llama, bf16, tp=1 pp=1",
+        "## GPU: 1B-class Llama, bf16, tp=1 pp=1",
         "",
         f"Command: `{r['command']}`; {r['device']}, {r['when']}.",
         "",
@@ -358,7 +359,7 @@ def gpu(r: dict[str, Any]) -> list[str]:
     return out
 
 
-METHODS = """### How the figures are measured
+METHODS = """## How the figures are measured
 
 - **Timing.** Contenders live in the same forked ranks and are stepped round-robin, the order reversed every
   round (A B, B A, ...), with a barrier before each step; a step's time is the slowest rank's wall time from
@@ -417,7 +418,7 @@ METHODS = """### How the figures are measured
 """
 
 
-COMMANDS = """### Reproducing
+COMMANDS = """## Reproducing
 
     source scripts/env.sh
     python -m scripts.bench.overhead        # about 1-2 min each on 2 cores; --quick for a smoke run
@@ -437,7 +438,7 @@ Each script prints its result as JSON and merges it into scripts/bench/results.j
 
 def lora(r: dict[str, Any]) -> list[str]:
     lay, cfg = r["layout"], r["lora"]
-    out = [f"### LoRA against full fine-tuning: optimizer and gradient memory per rank (dp{lay['dp']} tp{lay['tp']} pp{lay['pp']})", ""]
+    out = [f"## LoRA against full fine-tuning: optimizer and gradient memory per rank (dp{lay['dp']} tp{lay['tp']} pp{lay['pp']})", ""]
     out += _header(r)
     out += [
         f"Model: the tiny benchmark Llama (7.1M parameters), fp32, ZeRO-1; LoRA rank {cfg['r']} on "
@@ -461,7 +462,7 @@ def lora(r: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any]) -> str:
-    lines = ["## Benchmarks", ""]
+    lines = ["# Benchmarks", ""]
     first = next((v for v in results.values() if isinstance(v, dict) and "machine" in v), None)
     if first:
         m, v = first["machine"], first["versions"]
@@ -509,7 +510,7 @@ def render(results: dict[str, Any]) -> str:
             lines += communication(key, r)
     if "gpu" not in results:
         lines += [
-            "### GPU",
+            "## GPU",
             "",
             "Not measured yet (no GPU here). On a CUDA machine: `bash scripts/bench/gpu.sh`.",
             "",
@@ -522,13 +523,13 @@ def render(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--out", type=Path, default=None, help="write here instead of stdout")
+    parser.add_argument("--out", default=str(PAGE), help="the page to write (default docs/benchmarks.md); - for stdout")
     args = parser.parse_args(argv)
     text = render(json.loads(args.results.read_text()))
-    if args.out:
-        args.out.write_text(text)
-    else:
+    if args.out == "-":
         print(text, end="")
+    else:
+        Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":
