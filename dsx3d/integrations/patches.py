@@ -14,7 +14,7 @@ Patches, each applied by an explicit, idempotent call (`install()` applies them 
 built right after `from dsx3d import Trainer`); `dsx3d.distributed.comm.init_distributed` calls `skip_cpu_shm_build()`.
 
 PRIVATE_HOOKS lists the private (underscore) and undocumented names of transformers, DeepSpeed and accelerate
-that dsx3d overrides, calls or patches, with the parameters it expects; tests/test_compat.py checks each one
+that dsx3d overrides, calls or patches, with the parameters it expects; tests/unit/test_compat.py checks each one
 against the installed versions, so an upgrade that changes one fails there, loudly, and not mid-training.
 """
 
@@ -88,7 +88,7 @@ def install_recipe_paths() -> None:
         return
     original = cls.__init__
 
-    @functools.wraps(original)  # the original's signature stays visible (tests/test_compat.py checks it)
+    @functools.wraps(original)  # the original's signature stays visible (tests/unit/test_compat.py checks it)
     def __init__(self: Any, config_file_or_dict: Any) -> None:
         if is_recipe_path(config_file_or_dict):
             from dsx3d.integrations.layout_source import ds_config_of_recipe

@@ -109,7 +109,7 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-# Families refused after the parity sweep, with the reason (tests/test_families.py keeps this honest):
+# Families refused after the parity sweep, with the reason (tests/distributed/test_families.py keeps this honest):
 # key -> (reason, refused only when tp > 1).
 _MLA = "multi-head latent attention: kv_a_proj output (latent and shared rope key) feeds every head, so its gradient is partly per-head; MLA tensor parallelism is not implemented"
 _NOT_VERIFIED = "not verified: transformers 5.23 builds no working tiny config of this family"

@@ -6,7 +6,7 @@ dp) groups `ep` consecutive DP indices of one stage and TP index; each such EP g
 layer, and the ranks that hold the same experts (same ep index, one per EP group) form an expert-data-parallel
 group, as DeepSpeed's `groups._get_expert_parallel_ranks` builds them. The order is computed here, so the
 pure layer (recipe, checker, planner, estimator, `dsx3d plan`) never imports DeepSpeed;
-tests/test_layout.py checks it equals DeepSpeed's topology over a grid of shapes, and `Layout.topology`
+tests/unit/test_layout.py checks it equals DeepSpeed's topology over a grid of shapes, and `Layout.topology`
 hands DeepSpeed's own object to the engine.
 """
 

@@ -1,7 +1,7 @@
 """Tiny configs nobody here picked: for every family with plans, sizes drawn at random from awkward
 values (6 or 12 heads, 1-6 KV heads, odd vocabularies, intermediate sizes that are not powers of two, tied
 or untied embeddings), and layouts to run them at. Used by the verify sweep (scripts/bench/verify_sweep.py)
-and its CI sample (tests/test_verify.py)."""
+and its CI sample (tests/distributed/test_verify.py)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from dsx3d.run.ranks import (
 )
 from dsx3d.train import parse_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny-llama-3d.yaml"
 
 

@@ -19,9 +19,9 @@ from dsx3d.checkpoint.training.disk_format import LATEST, RECIPE_FILE, read_late
 from dsx3d.errors import UserError
 from dsx3d.recipe.schema import Recipe, recipe_from_dict
 from dsx3d.run.metrics import read_metrics
-from dsx3d.testing.payload import write_pickle_payload
-from dsx3d.testing.recipes import tiny_recipe_dict
 from dsx3d.verify.harness import RankFailure, run_ranks
+from tests.helpers.payload import write_pickle_payload
+from tests.helpers.recipes import tiny_recipe_dict
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 

@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from trainer_helpers import (
+
+from dsx3d.errors import UserError
+from dsx3d.verify.harness import run_ranks
+from tests.helpers.trainer_helpers import (
     ACCUM,
     HF_AUTO_CONFIG,
     MICRO,
@@ -24,9 +27,6 @@ from trainer_helpers import (
     training_args,
     write_ds_config,
 )
-
-from dsx3d.errors import UserError
-from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -2,7 +2,7 @@
 precision, tied or untied embeddings, head counts tp may not divide, activation checkpointing, explicit
 stage splits valid or not, DeepSpeed overrides including HF-style "auto" values, timers, monitors, data
 sources that exist or not, chat / instruction / held-out data with missing fields, empty files, too few
-examples or no chat template). The checker-soundness property test (tests/test_checker_soundness.py) asserts
+examples or no chat template). The checker-soundness property test (tests/distributed/test_checker_soundness.py) asserts
 that every one the checker accepts trains, and every one it refuses is refused with the key named."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dsx3d.recipe.ds_config import deep_merge
-from dsx3d.testing.recipes import TINY_LLAMA
+from tests.helpers.recipes import TINY_LLAMA
 
 DEGREES = (1, 2, 4)
 MAX_WORLD = 8

@@ -10,10 +10,17 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import eval_set, step_values, tiny_llama, train_set, training_args, write_ds_config
 
 from dsx3d.errors import UserError
 from dsx3d.verify.harness import run_ranks
+from tests.helpers.trainer_helpers import (
+    eval_set,
+    step_values,
+    tiny_llama,
+    train_set,
+    training_args,
+    write_ds_config,
+)
 
 pytestmark = pytest.mark.usefixtures("warm")
 

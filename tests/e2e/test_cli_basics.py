@@ -11,7 +11,7 @@ import yaml
 
 from dsx3d.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny-llama-3d.yaml"
 REFERENCE_FLAGS = ["plan", "--world-size", "16", "--gpus-per-node", "8", "--tp", "2", "--pp", "4"]
 

@@ -20,7 +20,7 @@ from dsx3d.recipe.checks import DATA_RULES, RULES, check_recipe, raise_for_error
 from dsx3d.recipe.ds_config import deep_merge
 from dsx3d.recipe.schema import load_recipe, recipe_from_dict
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 BASE: dict[str, Any] = yaml.safe_load((RECIPES / "tiny-llama-3d.yaml").read_text())
 
 
@@ -351,7 +351,7 @@ def test_zero_2_3_with_pipeline_is_refused_with_the_fix(stage: int) -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_every_zero_stage_without_pipeline_is_accepted(stage: int, dtype: str, tp: int) -> None:
     """pp = 1 runs DeepSpeed's regular engine (dsx3d.models.sequential), which takes ZeRO-0/1/2/3 with TP and
-    with CPU offload (tests/test_pp1_engine.py); only bf16 without ZeRO under TP is refused (a wrong norm)."""
+    with CPU offload (tests/distributed/test_pp1_engine.py); only bf16 without ZeRO under TP is refused (a wrong norm)."""
     recipe = {"zero": {"stage": stage}, "parallel": {"pp": 1, "tp": tp, "dp": 8 // tp}, "train": {"dtype": dtype}}
     offload = {"offload_optimizer": {"device": "cpu"}} if stage else {}
     recipe["deepspeed"] = {"zero_optimization": offload} if offload else {}

@@ -15,7 +15,7 @@ from deepspeed.runtime import lr_schedules
 from dsx3d.recipe.ds_config import build_ds_config, deep_merge, render_ds_config, write_ds_config
 from dsx3d.recipe.schema import Recipe, load_recipe, recipe_from_dict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 

@@ -23,7 +23,7 @@ import yaml
 
 from dsx3d.checkpoint.training.disk_format import read_latest, tag_for
 from dsx3d.run.metrics import read_metrics
-from dsx3d.testing.recipes import tiny_recipe_dict
+from tests.helpers.recipes import tiny_recipe_dict
 
 pytestmark = pytest.mark.slow
 

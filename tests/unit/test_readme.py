@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from dsx3d.recipe.schema import Recipe
 
-RECIPES_PAGE = Path(__file__).resolve().parent.parent / "docs" / "guide" / "recipes.md"
+RECIPES_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "recipes.md"
 
 
 def _schema_keys(model: type[BaseModel], prefix: str = "") -> set[str]:

@@ -8,9 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_helpers import eval_set, step_values, tiny_llama, train_set, training_args, write_ds_config
 
 from dsx3d.verify.harness import run_ranks
+from tests.helpers.trainer_helpers import (
+    eval_set,
+    step_values,
+    tiny_llama,
+    train_set,
+    training_args,
+    write_ds_config,
+)
 
 pytestmark = pytest.mark.usefixtures("warm")
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import yaml
-from trainer_helpers import HF_AUTO_CONFIG, layout_recipe, training_args, write_ds_config
 
 from dsx3d.errors import UserError
 from dsx3d.integrations.layout_source import load_layout, recipe_from_ds_config
 from dsx3d.integrations.trainer_args import reconcile
 from dsx3d.recipe.ds_config import build_ds_config
+from tests.helpers.trainer_helpers import HF_AUTO_CONFIG, layout_recipe, training_args, write_ds_config
 
 MODEL = {"config": {"model_type": "llama"}}
 HIDDEN = 64

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from dsx3d.recipe.schema import Recipe, recipe_from_dict
-from dsx3d.testing.recipes import tiny_recipe_dict
 from dsx3d.verify.harness import run_ranks
+from tests.helpers.recipes import tiny_recipe_dict
 
 pytestmark = pytest.mark.usefixtures("warm")
 

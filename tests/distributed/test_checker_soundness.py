@@ -1,7 +1,7 @@
 """The checker is sound: every recipe it accepts trains (engine built, data prepared, one optimizer step,
 checkpoint and HF export written), and every recipe it refuses is refused before any process starts, with
 each problem naming the recipe key, the reason and the fix. Recipes are drawn at random over the space a
-user can write (dsx3d.testing.recipe_grid); CI draws until ACCEPTED of them were accepted (the refused ones
+user can write (tests.helpers.recipe_grid); CI draws until ACCEPTED of them were accepted (the refused ones
 on the way are checked too); DSX3D_SWEEP=1 draws until 40 (DSX3D_SOUNDNESS_ACCEPTED sets the number)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from dsx3d.errors import UserError
 from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.schema import Recipe, recipe_from_dict
-from dsx3d.testing.recipe_grid import random_recipe, write_corpus
 from dsx3d.verify.harness import run_ranks
+from tests.helpers.recipe_grid import random_recipe, write_corpus
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
@@ -72,8 +72,8 @@ def test_every_data_variant_trains_or_is_refused_with_the_key(tmp_path_factory: 
     (CI trains the first 2 accepted, text and instruction data with held-out parts; DSX3D_SWEEP=1 all);
     refused ones name the key, the reason and the fix."""
     from dsx3d.recipe.ds_config import deep_merge
-    from dsx3d.testing.recipe_grid import SFT_DATA, _fill
-    from dsx3d.testing.recipes import tiny_recipe_dict
+    from tests.helpers.recipe_grid import SFT_DATA, _fill
+    from tests.helpers.recipes import tiny_recipe_dict
 
     shared = tmp_path_factory.mktemp("grid-data")
     write_corpus(shared)
@@ -95,7 +95,7 @@ def test_every_data_variant_trains_or_is_refused_with_the_key(tmp_path_factory: 
             continue
         assert recipe is not None
         accepted.append(variant)
-        if len(accepted) > 2 and not SWEEP:  # chat: tests/test_sft_train.py
+        if len(accepted) > 2 and not SWEEP:  # chat: tests/distributed/test_sft_train.py
             continue
         losses = run_ranks(_train, 4, recipe, timeout_s=600)[0]
         assert len(losses) == 1 and math.isfinite(losses[0]), variant

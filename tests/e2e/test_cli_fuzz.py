@@ -32,9 +32,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsx3d.testing.payload import write_pickle_payload
+from tests.helpers.payload import write_pickle_payload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OPT_IN = int(os.environ.get("DSX3D_FUZZ", "0"))
 FUZZ_EXAMPLES = 100
 """Inputs per command in CI (8 commands)."""

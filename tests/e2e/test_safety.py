@@ -56,9 +56,9 @@ from dsx3d.recipe.schema import load_recipe, parse_yaml, recipe_from_dict
 from dsx3d.run.lifeline import Owner, beat_file, hung_peers, watch_owner
 from dsx3d.run.outputs import RunPaths, check_start, output_dir_problem, remove_earlier_run
 from dsx3d.run.ranks import RankInfo
-from dsx3d.testing.payload import write_pickle_payload
+from tests.helpers.payload import write_pickle_payload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny-llama-3d.yaml"
 MINIMAL = {"model": {"config": {"model_type": "llama"}}}
 

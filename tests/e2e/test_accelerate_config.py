@@ -19,7 +19,7 @@ from dsx3d.errors import UserError
 from dsx3d.integrations.accelerate_config import accelerate_config
 from dsx3d.recipe.schema import load_recipe, recipe_from_dict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny-llama-3d.yaml"
 
 

@@ -10,7 +10,7 @@ import yaml
 from dsx3d.errors import UserError
 from dsx3d.recipe.schema import dump_recipe, load_recipe, recipe_from_dict
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 MINIMAL = {"model": {"config": {"model_type": "llama"}}}
 
 

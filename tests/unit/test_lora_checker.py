@@ -15,7 +15,7 @@ from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.ds_config import deep_merge
 from dsx3d.recipe.schema import recipe_from_dict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LORA_RECIPE: dict[str, Any] = yaml.safe_load((ROOT / "recipes" / "tiny-lora.yaml").read_text())
 
 

@@ -19,7 +19,7 @@ from dsx3d.data.tiny_chat import tiny_chat_conversations
 from dsx3d.data.tokenizer import train_bpe_tokenizer
 from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.schema import Recipe, recipe_from_dict
-from dsx3d.testing.recipes import tiny_recipe_dict
+from tests.helpers.recipes import tiny_recipe_dict
 
 
 def _recipe(tmp: Path, **data: Any) -> Recipe:

@@ -19,7 +19,7 @@ from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _recipe(tmp: Path, layout: tuple[int, int, int], steps: int, cache: Path) -> Recipe:

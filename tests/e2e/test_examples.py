@@ -21,7 +21,7 @@ from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "scripts" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "scripts" / "examples"
 SEQ = 32
 
 

@@ -30,9 +30,9 @@ from transformers import AutoModelForCausalLM
 
 from dsx3d.models.known_families import tiny_config
 from dsx3d.recipe.schema import ModelSection, Recipe, dump_recipe, recipe_from_dict
-from dsx3d.testing.recipes import tiny_recipe_dict
 from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import ParityCase, case_recipe, make_batches, micro_batch, run_parity, run_verify
+from tests.helpers.recipes import tiny_recipe_dict
 
 pytestmark = pytest.mark.usefixtures("warm")
 sweep = pytest.mark.skipif(os.environ.get("DSX3D_SWEEP") != "1", reason="opt-in grid: DSX3D_SWEEP=1")

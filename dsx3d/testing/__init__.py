@@ -1,1 +1,0 @@
-"""Test-only helpers (moving to tests/helpers)."""
