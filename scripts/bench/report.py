@@ -300,7 +300,7 @@ def tp_minimum(r: dict[str, Any]) -> list[str]:
     out += [
         f"Llama, hidden {m['hidden']}, {m['layers']} layers, vocabulary {m['vocab']} ({m['params'] / 1e6:.1f}M parameters); "
         f"micro-batch {w['micro_batch']} x {w['seq_len']} tokens, global batch {w['global_batch']}, {w['dtype']}. "
-        "`before`: one TP entry per projection, synchronous (the engine before issue 12); `shared`: one entry per "
+        "`before`: one TP entry per projection, synchronous (`TPContext(shared_entries=False, overlap=False)`); `shared`: one entry per "
         "distinct input; `+overlap`: its collective asynchronous under the weight gradient; `sp`: the default, with "
         "sequence parallelism; `deepspeed`: DeepSpeed's own TP layers in a hand-written PipelineModule "
         "(`+overlap`: its `tp_overlap_comm`). Ratios are medians of per-round ratios (under 1: faster).",
@@ -390,9 +390,9 @@ METHODS = """## How the figures are measured
   bytes; a call is attributed to TP, DP, PP (send/recv between adjacent stages) or the tied pair by its
   ranks. Bytes one rank sends, ring-counted: all-reduce 2(g-1)/g of the buffer, all-gather (g-1)/g, send all
   of it. The warm-up step (DeepSpeed exchanges tensor shapes once) is not counted. TP and PP agreement is a
-  test: `tests/test_bench_smoke.py`. The first count disagreed with the estimator, which was wrong twice:
+  test: `tests/e2e/test_bench_smoke.py`. The first count disagreed with the estimator, which was wrong twice:
   it took Megatron's 4 TP all-reduces per layer where dsx3d then sharded each HF projection with its own `f`
-  (2 forward, 5 backward; since issue 12 the projections reading one input share one entry: 2 + 2), and it
+  (2 forward, 5 backward; with shared entries the projections reading one input share one: 2 + 2), and it
   left out the vocab-parallel ends
   (embedding all-reduce, head input gradient, the cross-entropy's three fp32 all-reduces) and the int64
   token ids that travel with the activations between stages. `dsx3d.estimate` now counts these from the
@@ -405,7 +405,7 @@ METHODS = """## How the figures are measured
   and in a separate run the resident-set high-water net of the runtime's own footprint (the same layout with
   a negligible model). The estimate is `dsx3d.estimate` for the same setup (its stage peak: the larger of
   the backward and the optimizer phase, transients included).
-- **TP minimum** (`scripts/bench/tp.py`): the TP variants (before issue 12, shared entries, overlap,
+- **TP minimum** (`scripts/bench/tp.py`): the TP variants (one entry per projection, shared entries, overlap,
   sequence parallelism) and DeepSpeed's own TP layers in the same ranks, alternated step by step; the
   sequence-parallel memory and pipeline-message figures in fresh ranks, SP off then on.
 - **MoE** (`scripts/bench/moe.py`): expert bytes per rank as built by the engine (no training), and the
