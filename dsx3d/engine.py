@@ -18,25 +18,25 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from dsx3d.bf16_norm import count_empty_as_zero
-from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.distributed import comm
 from dsx3d.distributed.expert_parallel.groups import keep_pipeline_checkpoints, register_with_deepspeed
+from dsx3d.distributed.grad_clip import install_fp32_clipping
 from dsx3d.distributed.groups import DataTensorParallelGroups
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.random import seed_ranks
-from dsx3d.ds_config import build_ds_config
 from dsx3d.errors import UserError
-from dsx3d.grad_clip import install_fp32_clipping
-from dsx3d.hf_config import load_hf_config
-from dsx3d.layout import Layout, RankPlacement
+from dsx3d.integrations.bf16_norm import count_empty_as_zero
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline, release_last_stage_outputs
 from dsx3d.models.sequential import SequentialLM, build_sequential
 from dsx3d.models.shape import model_dim
 from dsx3d.models.shards import Shard, local_hf_shards
 from dsx3d.models.weights import WeightSource
-from dsx3d.recipe import Recipe
+from dsx3d.plan.layout import Layout, RankPlacement
+from dsx3d.recipe.checks import check_recipe, raise_for_errors
+from dsx3d.recipe.ds_config import build_ds_config
+from dsx3d.recipe.hf_config import load_hf_config
+from dsx3d.recipe.schema import Recipe
 
 log = logging.getLogger("dsx3d")
 
@@ -180,7 +180,7 @@ def _expert_param_groups(module: StagedPipelineModule, params: list[Any]) -> lis
 def default_weight_source(recipe: Recipe, hf_config: PretrainedConfig) -> WeightSource:
     """Checkpoint slices for `model.name_or_path`, else a fresh layout-independent initialisation."""
     if recipe.model.name_or_path is not None:
-        from dsx3d.checkpoint.source import checkpoint_source
+        from dsx3d.checkpoint.hf.source import checkpoint_source
 
         return checkpoint_source(recipe.model.name_or_path, hf_config, trust_remote_code=recipe.model.trust_remote_code)
     from dsx3d.models.init_source import InitSource
@@ -212,7 +212,7 @@ def build_engine(
         raise UserError.single("parallel", f"dp*tp*pp={layout.world_size}", f"the job has {world} processes", "match the launcher's process count")
     ds_config = build_ds_config(recipe, world, hidden_size=model_dim(hf_config, "hidden_size"))
     if ds_overrides:
-        from dsx3d.ds_config import merge_overrides
+        from dsx3d.recipe.ds_config import merge_overrides
 
         ds_config = merge_overrides(ds_config, ds_overrides)
         ds_config = {k: v for k, v in ds_config.items() if v is not None}  # an override of None removes the section

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dsx3d.errors import UserError
-from dsx3d.recipe import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
+from dsx3d.recipe.schema import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
 
 MAX_LAYERS = 512
 """Decoder layers (the cost-balanced stage split is a dynamic programme cubic in this)."""

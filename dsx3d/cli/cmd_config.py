@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.cli.args import output_file, world_size
 from dsx3d.cli.registry import summary
-from dsx3d.ds_config import write_ds_config
-from dsx3d.recipe import load_recipe
+from dsx3d.recipe.checks import check_recipe, raise_for_errors
+from dsx3d.recipe.ds_config import write_ds_config
+from dsx3d.recipe.schema import load_recipe
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -29,7 +29,7 @@ from dsx3d.estimate import (
     shape_from_hf_config,
     shape_from_params,
 )
-from dsx3d.recipe import (
+from dsx3d.recipe.schema import (
     MAX_BATCH,
     MAX_GPUS_PER_NODE,
     MAX_SEQ_LEN,
@@ -136,9 +136,9 @@ def hardware_from(args: argparse.Namespace, gpus_per_node: int) -> Hardware:
 
 def load_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
     """A model from a recipe YAML, an HF config.json or a checkpoint directory: (model section, HF config,
-    the recipe if one was given). Its sizes are checked (dsx3d.hf_config.dimension_problems)."""
+    the recipe if one was given). Its sizes are checked (dsx3d.recipe.hf_config.dimension_problems)."""
     model, hf_config, recipe = _read_model(path)
-    from dsx3d.hf_config import dimension_problems
+    from dsx3d.recipe.hf_config import dimension_problems
 
     problems = dimension_problems(hf_config, "--model")
     if problems:
@@ -147,7 +147,9 @@ def load_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
 
 
 def _read_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
-    from dsx3d.hf_config import load_hf_config  # transformers: a few seconds of import, only when needed
+    from dsx3d.recipe.hf_config import (
+        load_hf_config,  # transformers: a few seconds of import, only when needed
+    )
 
     p = Path(path)
     if p.suffix in (".yaml", ".yml"):
@@ -241,8 +243,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _from_recipe(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
-    from dsx3d.checker import check_recipe, raise_for_errors
-    from dsx3d.hf_config import load_hf_config
+    from dsx3d.recipe.checks import check_recipe, raise_for_errors
+    from dsx3d.recipe.hf_config import load_hf_config
 
     if args.params is not None:
         raise UserError.single("--params", args.params, "given together with a recipe", "drop one of the two")

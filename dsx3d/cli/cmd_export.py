@@ -3,7 +3,7 @@
 One process, one pipeline layer in memory at a time; any (dp, tp, pp) of the training run. The output loads
 with `AutoModelForCausalLM.from_pretrained` and trains again under any layout (model.name_or_path), with a
 fresh optimizer. `--universal` writes a DeepSpeed universal checkpoint instead: weights and optimizer state,
-for resuming under another layout (dsx3d.checkpoint.universal).
+for resuming under another layout (dsx3d.checkpoint.training.universal).
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsx3d.checkpoint.offline import export_checkpoint, resolve_tag_dir
-    from dsx3d.checkpoint.training_format import check_tag
-    from dsx3d.checkpoint.writer import parse_size
+    from dsx3d.checkpoint.hf.offline_export import export_checkpoint, resolve_tag_dir
+    from dsx3d.checkpoint.hf.writer import parse_size
+    from dsx3d.checkpoint.training.disk_format import check_tag
 
     input_dir("CHECKPOINT_DIR", args.checkpoint_dir, "checkpoints directory or tag directory")
     out = output_dir("OUT_DIR", args.out_dir)
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     ).absolute().resolve().is_relative_to(out.absolute().resolve()):
         raise UserError.single("OUT_DIR", args.out_dir, "is the checkpoint or contains it", "write the export elsewhere")
     if args.universal:
-        from dsx3d.checkpoint.universal import to_universal
+        from dsx3d.checkpoint.training.universal import to_universal
 
         print(to_universal(resolve_tag_dir(Path(args.checkpoint_dir), args.tag), args.out_dir))
         return 0

@@ -13,23 +13,23 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsx3d.checker import check_recipe
 from dsx3d.cli import plan_auto
 from dsx3d.cli.args import degree, gpus_per_node, output_file, world_size
 from dsx3d.cli.json_output import emit
 from dsx3d.cli.registry import summary
 from dsx3d.errors import Problem, UserError
-from dsx3d.hf_config import load_hf_config
-from dsx3d.layout import Layout, bubble_fraction
-from dsx3d.partition import stage_layers_for
-from dsx3d.recipe import MAX_WORLD_SIZE, load_recipe, recipe_from_dict
+from dsx3d.plan.layout import Layout, bubble_fraction
+from dsx3d.plan.stages import stage_layers_for
+from dsx3d.recipe.checks import check_recipe
+from dsx3d.recipe.hf_config import load_hf_config
+from dsx3d.recipe.schema import MAX_WORLD_SIZE, load_recipe, recipe_from_dict
 
 log = logging.getLogger("dsx3d")
 
 SVG_SUFFIXES = (".svg", ".png", ".pdf")
 """Formats `--svg` writes (matplotlib picks it from the suffix)."""
 MAX_DRAWN_RANKS = 512
-"""Beyond this the picture is unreadable (dsx3d.plan_svg refuses it too)."""
+"""Beyond this the picture is unreadable (dsx3d.plan.draw refuses it too)."""
 
 
 @dataclass
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_plan(plan))
     if args.svg:
-        from dsx3d.plan_svg import draw_plan  # matplotlib costs a second of import; only load it when asked
+        from dsx3d.plan.draw import draw_plan  # matplotlib costs a second of import; only load it when asked
 
         draw_plan(plan.layout, args.svg)
         log.info("wrote %s", args.svg)

@@ -16,11 +16,11 @@ import signal
 import subprocess
 import sys
 
-from dsx3d.checker import check_recipe, raise_for_errors
 from dsx3d.cli.args import bounded_float
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
-from dsx3d.recipe import Recipe, load_recipe
+from dsx3d.recipe.checks import check_recipe, raise_for_errors
+from dsx3d.recipe.schema import Recipe, load_recipe
 from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, read_hostfile
 from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S, OWNER_ENV, Owner, set_parent_death_signal
 from dsx3d.run.outputs import RunPaths, add_start_mode, check_start, describe_removal
@@ -102,10 +102,10 @@ def run(args: argparse.Namespace) -> int:
 def _preview_resume(recipe: Recipe, paths: RunPaths) -> None:
     """Say before any rank starts what the resume will do, and refuse one that cannot be exact (the ranks
     decide again, the same way, from the same files)."""
-    from dsx3d.hf_config import load_hf_config
+    from dsx3d.checkpoint.training.checkpointer import choose_tag
+    from dsx3d.checkpoint.training.resume import plan_resume, read_saved
     from dsx3d.models.pipeline import stage_bounds
-    from dsx3d.run.checkpointing import choose_tag
-    from dsx3d.run.resume import plan_resume, read_saved
+    from dsx3d.recipe.hf_config import load_hf_config
 
     tag, notes = choose_tag(paths.checkpoints)
     if tag is None:

@@ -12,7 +12,7 @@ from dsx3d.cli.args import bounded_float, bounded_int
 from dsx3d.cli.json_output import emit
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
-from dsx3d.recipe import MAX_SEED
+from dsx3d.recipe.schema import MAX_SEED
 
 log = logging.getLogger("dsx3d")
 
@@ -79,7 +79,7 @@ def _layer_counts(text: str) -> list[int]:
 def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dsx3d.models.families import tiny_config
+    from dsx3d.models.known_families import tiny_config
 
     if args.model or args.config:
         key, value = ("--model", args.model) if args.model else ("--config", args.config)
@@ -95,7 +95,7 @@ def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, flo
         dropped = _without_dropout(config)
         if not args.model:
             return config, None, dropped
-        from dsx3d.checkpoint.source import checkpoint_source
+        from dsx3d.checkpoint.hf.source import checkpoint_source
 
         # Every file, tensor name and shape is checked before from_pretrained reads anything: a truncated or
         # mismatched checkpoint is one UserError naming the files, never a loader traceback.
@@ -115,8 +115,8 @@ def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, flo
 
 def _check_size(option: str, value: str, config: Any) -> None:
     """verify trains copies of the model on this machine: sizes in bounds, small models only."""
-    from dsx3d.hf_config import dimension_problems
     from dsx3d.models.shape import shape_from_hf_config
+    from dsx3d.recipe.hf_config import dimension_problems
 
     problems = dimension_problems(config, option)
     if problems:
@@ -146,9 +146,9 @@ def _without_dropout(config: Any) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsx3d.checker import check_recipe, raise_for_errors
-    from dsx3d.parity import ParityCase, case_recipe, run_verify
-    from dsx3d.testing.harness import RankFailure, warm_up
+    from dsx3d.recipe.checks import check_recipe, raise_for_errors
+    from dsx3d.verify.harness import RankFailure, warm_up
+    from dsx3d.verify.parity import ParityCase, case_recipe, run_verify
 
     if args.dp * args.tp * args.pp > MAX_VERIFY_WORLD:
         raise UserError.single(

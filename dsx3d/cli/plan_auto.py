@@ -4,8 +4,8 @@
                [--global-batch B --seq-len S] [--top K] [--json] [--write-recipe FILE]
 
 CONFIG is a recipe YAML, an HF config.json or a checkpoint directory. Every candidate passes
-`dsx3d.checker` and fits the usable memory; for every other (dp, tp, pp, ZeRO) group the output says why it
-lost. `--json` prints one JSON object on stdout. The search and the model: `dsx3d.planner`, `dsx3d.estimate`.
+`dsx3d.recipe.checks` and fits the usable memory; for every other (dp, tp, pp, ZeRO) group the output says why it
+lost. `--json` prints one JSON object on stdout. The search and the model: `dsx3d.plan.search`, `dsx3d.estimate`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dsx3d.cli.json_output import emit
 from dsx3d.errors import UserError
 from dsx3d.estimate import Setup, shape_from_hf_config
 from dsx3d.fsio import write_atomic
-from dsx3d.planner import Candidate, Cluster, PlanResult, plan_layouts, recipe_for
-from dsx3d.recipe import (
+from dsx3d.plan.search import Candidate, Cluster, PlanResult, plan_layouts, recipe_for
+from dsx3d.recipe.schema import (
     MAX_BATCH,
     MAX_GPUS_PER_NODE,
     MAX_SEQ_LEN,

@@ -20,7 +20,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from dsx3d.errors import UserError
-from dsx3d.recipe import DataSection
+from dsx3d.recipe.schema import DataSection
 
 IGNORE_INDEX = -100
 

@@ -26,7 +26,7 @@ from dsx3d.data.sft_packing import pack_examples, packing_problems
 from dsx3d.data.stream import EvalBatches, MicroBatchStream
 from dsx3d.data.tokenizer import TRAINED, resolve_tokenizer
 from dsx3d.errors import UserError
-from dsx3d.recipe import Recipe
+from dsx3d.recipe.schema import Recipe
 
 log = logging.getLogger("dsx3d.data")
 

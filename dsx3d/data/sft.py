@@ -29,7 +29,7 @@ from dsx3d.data.chat import IGNORE_INDEX, encode_conversation, example_messages,
 from dsx3d.data.corpus import Corpus
 from dsx3d.data.tokenizer import tokenizer_fingerprint
 from dsx3d.errors import UserError
-from dsx3d.recipe import DataSection
+from dsx3d.recipe.schema import DataSection
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import numpy as np
 from dsx3d.data.chat import IGNORE_INDEX
 from dsx3d.errors import Problem
 from dsx3d.models.packed import best_fit
-from dsx3d.recipe import DataSection
+from dsx3d.recipe.schema import DataSection
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from dsx3d.checkpoint.writer import TOKENIZER_FILES
+from dsx3d.checkpoint.hf.writer import TOKENIZER_FILES
 from dsx3d.data.cache import atomic_dir, digest
 from dsx3d.data.corpus import Corpus
 from dsx3d.errors import UserError
-from dsx3d.recipe import Recipe
+from dsx3d.recipe.schema import Recipe
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ def _own_group(groups: list[list[int]], rank: int) -> tuple[ProcessGroup, list[i
 
 class DataTensorParallelGroups:
     """DeepSpeed's mpu for dp x tp without a pipeline. `tp_groups` and `dp_groups` partition the world
-    (dsx3d.layout.Layout.tp_groups() / dp_groups(): TP ranks adjacent, as in DeepSpeed's topology)."""
+    (dsx3d.plan.layout.Layout.tp_groups() / dp_groups(): TP ranks adjacent, as in DeepSpeed's topology)."""
 
     def __init__(self, tp_groups: list[list[int]], dp_groups: list[list[int]]):
         self.rank = dist.get_rank()

@@ -19,8 +19,8 @@ from dsx3d.estimate.memory import (
     stage_activation_bytes,
     stage_params,
 )
-from dsx3d.layout import bubble_fraction
 from dsx3d.models.shape import ModelShape, ParamCount, shape_from_hf_config, shape_from_params
+from dsx3d.plan.layout import bubble_fraction
 
 __all__ = [
     "GB",

@@ -8,85 +8,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dsx3d.ds_optimizer import grad_accum_dtype
 from dsx3d.errors import UserError
 from dsx3d.estimate import memory, timing
-from dsx3d.layout import Layout, bubble_fraction
+from dsx3d.estimate.inputs import GB, Hardware, Setup, sequence_parallel  # noqa: F401
+from dsx3d.estimate.stage_time import _stage_time  # noqa: F401
 from dsx3d.models.shape import ModelShape, ParamCount
-from dsx3d.partition import decoder_split
-
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """The accelerator and links. Defaults: an H100-class node (989 dense bf16 TFLOP/s, NVLink about
-    400 GB/s per direction, one 400 Gb/s NIC = 50 GB/s per GPU)."""
-
-    peak_tflops: float = 989.0
-    efficiency: float = 0.5
-    """Fraction of peak the matmuls achieve (Megatron reports about 52% at scale, Narayanan et al. 2021)."""
-    intra_node_gbps: float = 400.0
-    """GB/s one GPU sends to a peer in its node."""
-    inter_node_gbps: float = 50.0
-    """GB/s one GPU sends to another node."""
-    gpus_per_node: int = 8
-    gpu_memory_gb: float | None = None
-    memory_headroom: float = 0.1
-    """Fraction of device memory kept free for the CUDA context and allocator fragmentation."""
-    optimizer_temporaries: float = 1.0
-    """Partition-sized fp32 temporaries of torch's AdamW step: 1 with its foreach kernels (GPUs), 2 with the
-    per-tensor path it takes on CPU."""
-
-    @property
-    def usable_gb(self) -> float | None:
-        return None if self.gpu_memory_gb is None else self.gpu_memory_gb * (1 - self.memory_headroom)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One training configuration: the layout and the per-step work."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    """Expert parallelism (MoE): experts split over tp x ep ranks, ep dividing dp."""
-    zero_stage: int = 1
-    dtype: str = "bf16"
-    micro_batch_size: int = 1
-    seq_len: int = 2048
-    grad_accum: int = 1
-    """Micro-batches per optimizer step and DP rank: the pipeline's m."""
-    activation_checkpointing: bool = False
-    stage_layers: tuple[int, ...] | None = None
-    """Explicit decoder layers per stage; otherwise `split` decides."""
-    split: str = "cost"
-    """"cost": the engine's own cost-balanced split (`dsx3d.partition.decoder_split`, what dsx3d's pipeline
-    does by default); "even": equal layer counts (`memory.split_layers`)."""
-    flash_attention: bool = False
-    fp32_grad_accum: bool | None = None
-    """Gradient accumulation in fp32 (`data_types.grad_accum_dtype`); None: what dsx3d's config writes
-    (`ds_optimizer.grad_accum_dtype`: bf16 with ZeRO >= 1). The unsharded fp32 buffer it may cost is counted
-    only where DeepSpeed picks BF16_Optimizer (`ds_optimizer.keeps_fp32_grad_buffer`)."""
-    reduce_bucket_size: float = 5e8
-    """`zero_optimization.reduce_bucket_size` (DeepSpeed's default): ZeRO's gradient buckets, in elements."""
-    sequence_parallel: bool = True
-    """parallel.sequence_parallel: with tp > 1, for models the engine runs with it (`ModelShape`)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @property
-    def grad_accum_fp32(self) -> bool:
-        if self.fp32_grad_accum is not None:
-            return self.fp32_grad_accum
-        return grad_accum_dtype(self.dtype, self.zero_stage) == "fp32"
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch_size * self.grad_accum * self.dp
+from dsx3d.plan.layout import Layout, bubble_fraction
+from dsx3d.plan.stages import decoder_split
 
 
 @dataclass
@@ -138,7 +66,7 @@ class Estimate:
     and for the slowest stage its compute, tp and pp seconds per step (parts of the pipeline time)."""
     total_params: int
     stage_layers: list[int] = field(default_factory=list)
-    """Decoder layers per stage: the split the engine builds (`dsx3d.partition.decoder_split`)."""
+    """Decoder layers per stage: the split the engine builds (`dsx3d.plan.stages.decoder_split`)."""
     usable_gb: float | None = None
     fits: bool | None = None
     assumptions: list[str] = field(default_factory=list)
@@ -252,104 +180,6 @@ def _stage(
         time_s=time_s,
         comm_bytes=comm_bytes,
     )
-
-
-def _stage_time(
-    shape: ModelShape,
-    setup: Setup,
-    hw: Hardware,
-    stage: int,
-    layers: int,
-    per_device: tuple[float, float],
-    flop_params: int,
-    moe_layers: int,
-) -> tuple[float, dict[str, float], dict[str, float]]:
-    """(seconds per micro-batch, seconds per step by kind, bytes sent per step by group type). `per_device`
-    is (dense, expert) parameters of one rank; `flop_params` those a token passes through in its layers."""
-    s, b, t, m = setup.seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
-    sp = sequence_parallel(shape, setup)
-    width = memory.dtype_bytes(setup.dtype)
-    place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=hw.gpus_per_node, ep=setup.ep)
-    last = stage == setup.pp - 1
-
-    def link(crosses: bool) -> float:
-        return (hw.inter_node_gbps if crosses else hw.intra_node_gbps) * GB
-
-    flops = timing.stage_flops_per_micro_batch(
-        layer_flop_params=flop_params // layers if layers else 0,
-        layers=layers,
-        head_params=shape.head if last else 0,
-        attention_width=shape.attention_width,
-        seq_len=s,
-        micro_batch=b,
-        checkpointing=setup.activation_checkpointing,
-    )
-    compute = flops / (t * hw.peak_tflops * 1e12 * hw.efficiency)
-    tp_bytes = timing.tp_bytes_per_micro_batch(
-        layers=layers,
-        tp=t,
-        seq_len=s,
-        micro_batch=b,
-        hidden=shape.hidden_size,
-        width=width,
-        checkpointing=setup.activation_checkpointing,
-        forward_allreduces=shape.tp_forward_allreduces,
-        backward_allreduces=shape.tp_backward_allreduces,
-        grad_allreduce_params=shape.tp_grad_allreduce_params,
-        forward_gather_width=shape.tp_forward_gather_width,
-        backward_gather_width=shape.tp_backward_gather_width,
-        sequence_parallel=sp,
-        sequence_params=shape.tp_sequence_params,
-        routing_allreduce_width=shape.tp_routing_allreduce_width,
-    )
-    if shape.hidden_size:
-        tp_bytes += timing.tp_edge_bytes_per_micro_batch(
-            first=stage == 0,
-            last=last,
-            tp=t,
-            seq_len=s,
-            micro_batch=b,
-            hidden=shape.hidden_size,
-            width=width,
-            sequence_parallel=sp,
-            final_norm=shape.final_norm,
-        )
-    tp_time = tp_bytes / link(place.tp_crosses_node())
-    ep_bytes = timing.ep_bytes_per_micro_batch(
-        moe_layers=moe_layers,
-        tp=t,
-        ep=setup.ep,
-        seq_len=s,
-        micro_batch=b,
-        hidden=shape.hidden_size,
-        width=width,
-        experts_per_token=shape.experts_per_token,
-        checkpointing=setup.activation_checkpointing,
-    )
-    ep_time = ep_bytes / link(place.ep_crosses_node())
-    # p2p: activations (and token ids) to the next stage, gradients back to the previous one
-    forward_msg, backward_msg = timing.p2p_bytes_per_micro_batch(
-        seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width, shards=t if sp else 1
-    )
-    if shape.hidden_size == 0:
-        forward_msg = backward_msg = 0
-    sends = ([(forward_msg, stage)] if not last else []) + ([(backward_msg, stage - 1)] if stage > 0 else [])
-    p2p_time = sum(msg / link(place.boundary_crosses_node(k)) for msg, k in sends)
-    grad_width = 4 if setup.grad_accum_fp32 else width
-    dense, experts = per_device
-    dp_bytes = (
-        timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * dense
-        + timing.dp_traffic_factor(setup.zero_stage, setup.dp // setup.ep, m) * experts
-    ) * grad_width
-    dp_time = dp_bytes / link(place.dp_crosses_node(stage))
-    times = {"compute": compute * m, "tp": tp_time * m, "ep": ep_time * m, "pp": p2p_time * m, "dp": dp_time}
-    sent = {"tp": tp_bytes * m, "ep": ep_bytes * m, "pp": sum(msg for msg, _ in sends) * m, "dp": dp_bytes}
-    return compute + tp_time + ep_time + p2p_time, times, sent
-
-
-def sequence_parallel(shape: ModelShape, setup: Setup) -> bool:
-    """Whether the engine runs `setup` with sequence parallelism: asked for, tp > 1, and the model allows it."""
-    return setup.sequence_parallel and setup.tp > 1 and shape.sequence_parallel_blocker is None
 
 
 def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) -> Estimate:

@@ -10,14 +10,13 @@ the weights:
 
 fp32 training (our choice, matching what DeepSpeed does): 4 bytes weights + 4 bytes gradients + 8 bytes of
 Adam moments without ZeRO; with ZeRO >= 1 DeepSpeed's optimizer keeps its own fp32 copy of the partition
-even when the model is fp32 (measured), so K = 12 there too. `fp32_grad_accum` adds the 4 bytes per
+even when the model is fp32, so K = 12 there too. `fp32_grad_accum` adds the 4 bytes per
 parameter of the unsharded fp32 gradient buffer DeepSpeed's BF16_Optimizer keeps (bf16 + ZeRO-1 with
 `data_types.grad_accum_dtype: fp32`); the paper's model leaves it out. Gradients exist from a step's first
 backward to its optimizer step (ZeRO frees them there).
 
 Activations, per token of a micro-batch, counted from what a Hugging Face decoder layer saves for backward
-(measured with a saved-tensor hook: 19.91 values per token and h for a Llama layer with h = 256, 8 heads,
-4 KV heads, MLP 688, exactly the sum below), model dtype width w (2 or 4 bytes), t = tp:
+(a saved-tensor hook on a Llama layer counts exactly the sum below), model dtype width w (2 or 4 bytes), t = tp:
   - two norms: RMSNorm (HF computes it in fp32) keeps its fp32 input, the fp32 normalised values and
     1/rms: 8h + 4 bytes each; LayerNorm its input and mean/rstd: w*h + 8;
   - the normalised inputs of attention and MLP, saved by their first projections: 2*w*h. With sequence
@@ -57,10 +56,8 @@ replaced by what HF's MoE block saves for backward, per token: about 3.5*E fp32 
 probabilities, the top-k picks; the router's input is the MLP entry above), and per route a rank runs (k / t
 of them per token on average, however they spread over EP ranks) the expert's input and weighted output
 (2h) and its gate/up output, activation and product (4I), plus, when the experts are split (tp x ep > 1),
-the route's row as dsx3d gathers it before the family's kernel gathers it again (h). Measured on one
-Qwen3-MoE block alone (scripts/bench/moe.py's model, h = I = 128, E = 8, k = 2), values per token over h:
-13.2 unsplit, 8.2 at tp 2, 15.3 at ep 2 (each EP rank runs the routes of two ranks' tokens to half the
-experts), 8.2 at tp 2 x ep 2. With the Korthikanti fallback the dense MLP's share (3 + 16/t)*s*b*h is
+the route's row as dsx3d gathers it before the family's kernel gathers it again (h). At ep > 1 each EP rank runs the
+routes of ep ranks' tokens to its share of the experts. With the Korthikanti fallback the dense MLP's share (3 + 16/t)*s*b*h is
 replaced the same way.
 """
 
@@ -68,9 +65,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsx3d.ds_optimizer import keeps_fp32_grad_buffer
 from dsx3d.errors import UserError
 from dsx3d.models.shape import ModelShape, ParamCount
+from dsx3d.recipe.ds_optimizer import keeps_fp32_grad_buffer
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ADAM_K_MIXED = 12  # fp32 master weights + momentum + variance
@@ -282,7 +279,7 @@ def optimizer_kind(*, zero_stage: int, dtype: str, fp32_grad_accum: bool) -> str
 
 def _fp32_buffer(dtype: str, zero_stage: int, fp32_grad_accum: bool) -> bool:
     """Whether DeepSpeed picks BF16_Optimizer with its unsharded fp32 gradient buffer: bf16 with fp32
-    accumulation at ZeRO-1 only (`dsx3d.ds_optimizer`); fp16 with ZeRO keeps DeepSpeed's ZeRO optimizer."""
+    accumulation at ZeRO-1 only (`dsx3d.recipe.ds_optimizer`); fp16 with ZeRO keeps DeepSpeed's ZeRO optimizer."""
     return keeps_fp32_grad_buffer(dtype, zero_stage, "fp32" if fp32_grad_accum else None, pipeline=False)
 
 

@@ -37,14 +37,14 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
   DP, of the stage's per-device parameters P, with s' = (d-1)/d (for experts d = dp / ep, their
      expert-data-parallel group): ZeRO-0 all-reduces the gradients once per
      step, 2s'*P; ZeRO-1 3s'*P (DeepSpeed all-reduces the whole gradient at the accumulation boundary, then
-     all-gathers the updated partition: measured 1.5x DDP); ZeRO-2 reduce-scatters in every micro-batch's
+     all-gathers the updated partition: 1.5x DDP's traffic); ZeRO-2 reduce-scatters in every micro-batch's
      backward (its gradients are partitioned, DeepSpeed's stage_1_and_2.py) and all-gathers the updated
      weights once, (m+1)s'*P; ZeRO-3 gathers the weights for every forward and backward and
      reduce-scatters every micro-batch, 3m*s'*P. For m = 1 these are the ZeRO paper's 2x, 2x and 3x
      (Sec. 7). Counted as not overlapped with compute (a pessimistic bound).
   Tied embedding/head (pp > 1): an all-reduce of V*h/t over the first and last stage.
 A group uses the inter-node bandwidth when its ranks span nodes (rank order pipe, data, model as in
-`dsx3d.layout.Layout`), else the intra-node one. The bubble is `dsx3d.layout.bubble_fraction`.
+`dsx3d.plan.layout.Layout`), else the intra-node one. The bubble is `dsx3d.plan.layout.bubble_fraction`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from dsx3d.errors import UserError
-from dsx3d.recipe import Recipe
+from dsx3d.recipe.schema import Recipe
 
 # accelerate's default multi-node launcher is pdsh; "standard" runs torchrun on each node, which needs nothing
 # but the main node's address (rank 0 of the job) and a free port there.

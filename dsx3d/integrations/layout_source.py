@@ -22,11 +22,11 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from dsx3d.ds_config import AUTO, auto_paths, deep_merge, resolve_auto
 from dsx3d.errors import Problem, UserError
 from dsx3d.integrations.patches import is_recipe_path
 from dsx3d.integrations.trainer_args import Claim
-from dsx3d.recipe import Recipe, load_recipe, recipe_from_dict
+from dsx3d.recipe.ds_config import AUTO, auto_paths, deep_merge, resolve_auto
+from dsx3d.recipe.schema import Recipe, load_recipe, recipe_from_dict
 
 ACCELERATE_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
 # DeepSpeed's scheduler types and the HF schedule of the same shape (dsx3d.Trainer runs HF's scheduler)
@@ -228,8 +228,8 @@ def model_config_mapping(config: PretrainedConfig) -> dict[str, Any]:
 def ds_config_of_recipe(path: str | Path) -> dict[str, Any]:
     """The DeepSpeed config a recipe generates for this job's world size (WORLD_SIZE, else the cluster's): what
     `TrainingArguments(deepspeed="recipe.yaml")` hands transformers (dsx3d.integrations.patches)."""
-    from dsx3d.checker import check_recipe, raise_for_errors
-    from dsx3d.ds_config import build_ds_config
+    from dsx3d.recipe.checks import check_recipe, raise_for_errors
+    from dsx3d.recipe.ds_config import build_ds_config
 
     recipe = load_recipe(path)
     world = int(os.environ.get("WORLD_SIZE", recipe.cluster_world_size))

@@ -14,7 +14,7 @@ Patches, each applied by an explicit, idempotent call (`install()` applies them 
 built right after `from dsx3d import Trainer`); `dsx3d.distributed.comm.init_distributed` calls `skip_cpu_shm_build()`.
 
 PRIVATE_HOOKS lists the private (underscore) and undocumented names of transformers, DeepSpeed and accelerate
-that dsx3d overrides, calls or patches, with the parameters it expects; tests/test_compat.py checks each one
+that dsx3d overrides, calls or patches, with the parameters it expects; tests/unit/test_compat.py checks each one
 against the installed versions, so an upgrade that changes one fails there, loudly, and not mid-training.
 """
 
@@ -58,7 +58,7 @@ PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("deepspeed", "runtime.pipe.engine.PipelineEngine.eval_batch", None),
     ("deepspeed", "runtime.engine.DeepSpeedEngine.get_global_grad_norm", ("self",)),
     ("deepspeed", "comm.torch.build_shm_op", None),
-    # wrapped on the engine's optimizer instance (dsx3d.bf16_norm)
+    # wrapped on the engine's optimizer instance (dsx3d.integrations.bf16_norm)
     ("deepspeed", "runtime.bf16_optimizer.BF16_Optimizer.get_grads_for_norm", ("self", "for_clipping")),
     ("deepspeed", "monitor.monitor.MonitorMaster.write_events", ("self", "event_list")),
 ]
@@ -90,7 +90,7 @@ def install_recipe_paths() -> None:
         return
     original = cls.__init__
 
-    @functools.wraps(original)  # the original's signature stays visible (tests/test_compat.py checks it)
+    @functools.wraps(original)  # the original's signature stays visible (tests/unit/test_compat.py checks it)
     def __init__(self: Any, config_file_or_dict: Any) -> None:
         if is_recipe_path(config_file_or_dict):
             from dsx3d.integrations.layout_source import ds_config_of_recipe

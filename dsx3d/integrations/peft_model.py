@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from dsx3d.errors import Problem
-from dsx3d.lora_rules import config_problems
-from dsx3d.recipe import LoraSection, Recipe
+from dsx3d.recipe.checks.lora import config_problems
+from dsx3d.recipe.schema import LoraSection, Recipe
 
 
 def is_peft_model(model: Any) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dsx3d.errors import Problem
-from dsx3d.recipe import Recipe, TrainSection
+from dsx3d.recipe.schema import Recipe, TrainSection
 
 log = logging.getLogger("dsx3d")
 

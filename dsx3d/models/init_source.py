@@ -14,7 +14,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from dsx3d.models.family import is_tied
+from dsx3d.models.family_spec import is_tied
 from dsx3d.models.weights import slice_along
 
 

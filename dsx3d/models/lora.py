@@ -12,7 +12,7 @@ are not marked, so DeepSpeed's gradient norm counts them once.
 
 Names: an adapter weight's `hf_name` is its name inside the Hugging Face model that peft wraps,
 `model.layers.3.self_attn.q_proj.lora_A.default.weight`; exports turn these into peft's files
-(`dsx3d.checkpoint.lora_export`).
+(`dsx3d.checkpoint.hf.lora_export`).
 
 Initial values are layout-independent: the weight source's tensor when it has one (a resumed or given
 adapter, the parity tests), else drawn from a generator seeded by (seed, name) as peft draws them (A
@@ -128,7 +128,7 @@ def _read(param: nn.Parameter, name: str, spec: LoraSpec, tp: TPContext, source:
 
 
 def peft_config_from(section: Any) -> LoraConfig:
-    """peft's LoraConfig for a recipe's `model.lora` section (checked by dsx3d.checker)."""
+    """peft's LoraConfig for a recipe's `model.lora` section (checked by dsx3d.recipe.checks)."""
     if section.peft_config is not None:
         loaded = LoraConfig.from_pretrained(section.peft_config)
         return loaded

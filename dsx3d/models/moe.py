@@ -29,7 +29,7 @@ def experts_per_layer(config: Any) -> int | None:
     """E, the experts of each MoE layer, for a family whose plan names an experts module (`moe_tp_experts`,
     which dsx3d splits over TP and EP); None for a dense model."""
     from dsx3d.models import tp_plan
-    from dsx3d.models.families import declared_tp_plan
+    from dsx3d.models.known_families import declared_tp_plan
 
     if tp_plan.EXPERTS not in declared_tp_plan(config).values():
         return None

@@ -30,7 +30,7 @@ from dsx3d.distributed.tensor_parallel.layers import (
 )
 from dsx3d.distributed.tensor_parallel.mappings import all_reduce_grad_hook
 from dsx3d.models import lora, moe, packed, tp_plan
-from dsx3d.models.family import FamilySpec
+from dsx3d.models.family_spec import FamilySpec
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.shape import dropout_probabilities
 from dsx3d.models.skeleton import Skeleton, with_hidden

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
 from dsx3d.distributed.tensor_parallel.context import TPContext
-from dsx3d.models.family import resolve_family
+from dsx3d.models.family_spec import resolve_family
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipe_layers import (
     DecoderLayerPipe,

@@ -1,7 +1,7 @@
 """The one reader of a model's shape: parameter counts per part, and the dimensions that size activations,
 FLOPs and TP traffic. Built from an HF config or from a bare parameter count; no tensors (pure).
 
-The engine's stage split (`dsx3d.partition`), the checker (`model_dim`) and the estimator all read the model
+The engine's stage split (`dsx3d.plan.stages`), the checker (`model_dim`) and the estimator all read the model
 through this module, so they cannot disagree on what a layer costs.
 
 Parameters are split into *sharded* (linear weights, column-parallel biases, the vocab-parallel embedding
@@ -18,35 +18,9 @@ from typing import Any
 
 from dsx3d.errors import UserError
 from dsx3d.models import tp_plan
-
-# Attribute spellings across families (gpt2 says n_head, falcon num_kv_heads, ...), first present wins.
-_ATTRIBUTE_NAMES = {
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
-    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
-    "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
-    "vocab_size": ("vocab_size",),
-    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
-    "num_experts_per_tok": ("num_experts_per_tok", "moe_k"),
-}
-
-
-def text_config(config: Any) -> Any:
-    """The language model's config: multimodal configs nest it (`get_text_config`), plain ones are it."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def model_dim(config: Any, name: str) -> int | None:
-    """One dimension of the text model (`num_attention_heads`, ...) under any family's spelling, or None."""
-    text = text_config(config)
-    for attr in _ATTRIBUTE_NAMES.get(name, (name,)):
-        try:
-            value = getattr(text, attr, None)
-        except Exception:  # heterogeneous configs refuse global access to per-layer dims
-            return None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+from dsx3d.models.config_dims import _ATTRIBUTE_NAMES, model_dim, text_config  # noqa: F401
+from dsx3d.models.meta_build import _ERROR_KEYS, _meta_layers, build_meta_model, sequence_parallel_blocker  # noqa: F401
+from dsx3d.models.tp_traffic import TPTraffic, _tp_traffic, tp_traffic  # noqa: F401
 
 
 def dropout_probabilities(config: Any) -> dict[str, float]:
@@ -62,8 +36,8 @@ def dropout_probabilities(config: Any) -> dict[str, float]:
 def is_gated_mlp(config: Any) -> bool:
     """Gate, up and down matrices (Llama-style GLU) rather than fc_in -> act -> fc_out. The family's TP plan
     names its MLP linears; families without MLP entries in a plan are looked up in
-    `dsx3d.models.families.NON_GATED_MLP`."""
-    from dsx3d.models.families import NON_GATED_MLP, declared_tp_plan
+    `dsx3d.models.known_families.NON_GATED_MLP`."""
+    from dsx3d.models.known_families import NON_GATED_MLP, declared_tp_plan
 
     plan = declared_tp_plan(config)
     mlp_leaves = [
@@ -269,120 +243,6 @@ def _layer_params(
             sharded += (2 if gated else 1) * ffn
             replicated += h
     return ParamCount(sharded, replicated, expert_params)
-
-
-
-
-@dataclass(frozen=True)
-class TPTraffic:
-    """What one decoder layer sends over TP per micro-batch, in units the timing model scales by b*s (means
-    over the layers, so fractional for families that mix layer kinds). Defaults: a Llama layer."""
-
-    forward_allreduces: float = 2
-    backward_allreduces: float = 2
-    grad_allreduce_params: float = 0
-    forward_gather_width: float = 0
-    backward_gather_width: float = 0
-    routing_allreduce_width: float = 0
-    sequence_params: float = 0
-    sequence_parallel_blocker: str | None = None
-
-
-def tp_traffic(config: Any) -> TPTraffic:
-    """A decoder layer's TP traffic as the engine shards it: the family's TP plan read by the engine's own
-    interpreter (`dsx3d.models.tp_plan.plan_modules`) over the layers of a meta-device model (no memory;
-    about 0.3 s for a 70B model). Row-parallel linears all-reduce their output forward; the column-parallel
-    linears of one module (a TP region: attention, MLP) read one input and all-reduce its gradient once,
-    backward; `colwise_gather_output` also all-gathers its output forward, `rowwise_split_input` its input
-    gradient backward; `replicated_with_grad_allreduce` modules (q/k norms) all-reduce their weight
-    gradient; an experts region all-reduces its output forward, its input and its routing weights'
-    gradients backward. Modules kept whole (packed projections) send nothing. Families that mix layer
-    kinds (linear and full attention, dense and MoE MLPs) get the mean over their layers. A family the
-    engine cannot resolve gets a Llama layer's traffic.
-
-    One entry per region module is what the engine does when each module reads its own input; layers that
-    feed one tensor to two modules (parallel attention and MLP: phi, cohere) share one entry at run time,
-    and a column-parallel linear on a tensor computed inside its module gets its own: there the count is an
-    upper bound, respectively a lower one (scripts/bench/comm.py --sweep measures every family)."""
-    try:
-        return _tp_traffic(config)
-    except Exception:  # families without plans, or whose models cannot be built from this config
-        return TPTraffic()
-
-
-# Words of transformers' and torch's construction errors -> the config key behind them.
-_ERROR_KEYS = {"padding_idx": "pad_token_id", "num_embeddings": "vocab_size"}
-
-
-def build_meta_model(config: Any) -> Any:
-    """The family's causal LM built from `config` on the meta device (no memory; about 0.3 s for 70B). A
-    config transformers accepts but cannot build (a pad_token_id outside the vocabulary, ...) raises a
-    `UserError` naming the key."""
-    import torch
-
-    from dsx3d.models.family import resolve_family
-
-    spec = resolve_family(config)
-    try:
-        with torch.device("meta"):
-            return spec.lm_class._from_config(config)
-    except Exception as err:  # transformers and torch raise assertions, ValueErrors, TypeErrors here
-        message = " ".join(str(err).split()) or type(err).__name__
-        keys = [k for k in text_config(config).to_dict() if k in message]
-        keys += [key for word, key in _ERROR_KEYS.items() if word in message.lower()]
-        key = f"model.config.{keys[0]}" if keys else "model.config"
-        value = getattr(text_config(config), keys[0], None) if keys else None
-        raise UserError.single(
-            key, value, f"transformers cannot build the model from this config ({message[:300]})", f"fix {key}"
-        ) from None
-
-
-def _meta_layers(config: Any) -> tuple[Any, list[Any]]:
-    """(FamilySpec, the decoder layers of a meta-device model of `config`): no memory, about 0.3 s at 70B."""
-    from dsx3d.models.family import resolve_family
-
-    spec = resolve_family(config)
-    lm = build_meta_model(config)
-    return spec, list(getattr(getattr(lm, spec.base_prefix), spec.layers_name))
-
-
-def sequence_parallel_blocker(config: Any) -> str | None:
-    """Why the engine runs this model without sequence parallelism even when the recipe asks for it
-    (`dsx3d.models.tp_plan.sequence_parallel_blocker`, what the engine's builder checks), or None."""
-    from torch import nn
-
-    spec, layers = _meta_layers(config)
-    return tp_plan.sequence_parallel_blocker(
-        layers, spec.layers_name, spec.tp_plan, lambda m: isinstance(m, nn.Linear)
-    )
-
-
-def _tp_traffic(config: Any) -> TPTraffic:
-    from torch import nn
-
-    spec, layers = _meta_layers(config)
-    top_k = model_dim(config, "num_experts_per_tok") or 1
-    fwd = bwd = grad = fwd_gather = bwd_gather = seq = routing = 0
-    for i, layer in enumerate(layers):
-        shardings = tp_plan.plan_modules(
-            layer, f"{spec.layers_name}.{i}", spec.tp_plan, lambda m: isinstance(m, nn.Linear)
-        )
-        regions = tp_plan.region_modules(shardings)
-        bwd += len(regions)
-        seq += tp_plan.sequence_shard_params(layer, shardings)
-        for _, sub, sharding in shardings:
-            if sharding.grad_allreduce:
-                grad += sum(p.numel() for p in sub.parameters())
-            elif sharding.experts:
-                fwd, bwd, routing = fwd + 1, bwd + 1, routing + top_k
-            elif sharding.row:
-                fwd += 1
-                bwd_gather += sub.in_features if sharding.split_input else 0
-            else:
-                fwd_gather += sub.out_features if sharding.gather_output else 0
-    n = len(layers)
-    blocker = tp_plan.sequence_parallel_blocker(layers, spec.layers_name, spec.tp_plan, lambda m: isinstance(m, nn.Linear))
-    return TPTraffic(fwd / n, bwd / n, grad / n, fwd_gather / n, bwd_gather / n, routing / n, seq / n, blocker)
 
 
 def moe_layer_shapes(config: Any) -> tuple[LayerShape, ...]:

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from dsx3d.models.family import FamilySpec
+from dsx3d.models.family_spec import FamilySpec
 
 LayerCall = tuple[tuple[Any, ...], dict[str, Any]]
 

@@ -4,7 +4,7 @@
 - `ranks`: where this process sits (rank, node, host) and reporting a rank's failure;
 - `outputs`: the run directory and the files saved beside the run;
 - `data`: the data set-up of a rank (prepare once, barrier, stream by DP rank);
-- `checkpointing`: tags, the atomic `latest` pointer, pruning, resume;
+- checkpoints (tags, the atomic `latest` pointer, pruning, resume) live in `dsx3d.checkpoint.training`;
 - `metrics`: throughput arithmetic and the append-only metrics.jsonl;
 - `progress`: the rank-0 progress bar and log lines;
 - `plot`: the loss curve.

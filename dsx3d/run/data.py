@@ -14,7 +14,7 @@ from dsx3d.data import prepare_data
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
 from dsx3d.models.shape import model_dim
-from dsx3d.recipe import Recipe
+from dsx3d.recipe.schema import Recipe
 
 
 def prepare_once_per_node(recipe: Recipe, local_rank: int) -> None:

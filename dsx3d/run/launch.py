@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsx3d.errors import UserError
-from dsx3d.recipe import Recipe
+from dsx3d.recipe.schema import Recipe
 
 # Launcher options that choose the processes; when the user passes any, dsx3d adds none of its own.
 RESOURCE_OPTIONS = ("--num_gpus", "--num_nodes", "--include", "--exclude")

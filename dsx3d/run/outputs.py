@@ -7,7 +7,7 @@ OUTPUT_DIR/placement.json      every rank: host, pid, the launcher's node, and i
 OUTPUT_DIR/tokenizer/          the tokenizer (save_pretrained)
 OUTPUT_DIR/metrics.jsonl       one JSON object per logged step
 OUTPUT_DIR/loss.png            the loss curve, drawn at the end
-OUTPUT_DIR/checkpoints/        see dsx3d.checkpoint.training_format
+OUTPUT_DIR/checkpoints/        see dsx3d.checkpoint.training.disk_format
 OUTPUT_DIR/hf/                 the Hugging Face export at the end (with its own dsx3d_export.json); LoRA
                                runs: the merged model, with model.lora.merge_on_export only
 OUTPUT_DIR/adapter/            LoRA runs: the adapters in peft's format (with its own dsx3d_export.json)
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from dsx3d.checkpoint.manifest import describe, files_under, read_manifest, record, unknown_files
-from dsx3d.checkpoint.training_format import foreign_files, read_latest
+from dsx3d.checkpoint.training.disk_format import foreign_files, read_latest
 from dsx3d.errors import UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
-from dsx3d.recipe import Recipe
+from dsx3d.recipe.schema import Recipe
 
 log = logging.getLogger("dsx3d")
 
@@ -85,7 +85,7 @@ class RunPaths:
 
     @property
     def adapter(self) -> Path:
-        """LoRA runs: the adapters in peft's format (dsx3d.checkpoint.lora_export)."""
+        """LoRA runs: the adapters in peft's format (dsx3d.checkpoint.hf.lora_export)."""
         return self.root / "adapter"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 
 from dsx3d.errors import UserError
-from dsx3d.recipe import Recipe
+from dsx3d.recipe.schema import Recipe
 
 PORT_OPTION = "--master_port"
 

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from dsx3d.distributed import comm
-from dsx3d.layout import Layout
+from dsx3d.plan.layout import Layout
 from dsx3d.run.lifeline import hung_reports
 
 log = logging.getLogger("dsx3d")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dsx3d.distributed import comm
-from dsx3d.testing.harness import run_ranks, warm_up
+from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
 BUSY = ("ForwardPass", "BackwardPass")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dsx3d.testing.harness import run_ranks, warm_up
+from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
 
@@ -110,8 +110,8 @@ def run(
     config_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Measure and compare; returns the result (also what the smoke test asserts on). `family`: a
-    model_type whose `dsx3d.models.families.tiny_config` replaces the benchmark's Llama (other TP plans, tying)."""
-    from dsx3d.models.families import tiny_config
+    model_type whose `dsx3d.models.known_families.tiny_config` replaces the benchmark's Llama (other TP plans, tying)."""
+    from dsx3d.models.known_families import tiny_config
 
     steps = steps or (1 if quick else 3)
     dp, tp, pp, ep = (*dims, 1)[:4]
@@ -174,9 +174,9 @@ def run(
 
 
 def sweep() -> dict[str, Any]:
-    """Every family with TP and PP plans (`dsx3d.models.families.families_with_plans`), quick, dp1 tp2 pp2: which
+    """Every family with TP and PP plans (`dsx3d.models.known_families.families_with_plans`), quick, dp1 tp2 pp2: which
     agree exactly (TP, PP, tied), which differ (by how much), which dsx3d refuses or cannot build."""
-    from dsx3d.models.families import families_with_plans
+    from dsx3d.models.known_families import families_with_plans
 
     families: dict[str, Any] = {}
     for family in families_with_plans():

@@ -1,7 +1,7 @@
 """Shared pieces of the benchmarks (scripts/bench/*.py): the model, the contenders, alternated timing, memory
 probes and the results file.
 
-Measuring on a shared 2-core machine (see the notes in README "Benchmarks"): absolute step times swing with
+Measuring on a shared 2-core machine (see the notes in docs/benchmarks.md): absolute step times swing with
 other load, so every benchmark runs its contenders in the same ranks, alternated step by step (A B B A ...,
 a barrier before each step) and reports ratios; `os.getloadavg()` is recorded with every figure. One intra-op
 thread per rank (the fork harness sets it).
@@ -153,7 +153,7 @@ def make_batches(work: Workload, steps: int) -> torch.Tensor:
 
 
 def rank_micro_batches(work: Workload, batch: torch.Tensor, dp: int, dp_rank: int) -> list[torch.Tensor]:
-    """Micro-batch k of DP rank d is slice (k*dp + d) of the global batch (as in dsx3d.parity)."""
+    """Micro-batch k of DP rank d is slice (k*dp + d) of the global batch (as in dsx3d.verify.parity)."""
     b = work.micro_batch
     return [batch[(k * dp + dp_rank) * b : (k * dp + dp_rank + 1) * b] for k in range(work.micro_batches(dp))]
 
@@ -177,7 +177,7 @@ class Contender:
 
 def recipe_for(work: Workload, dp: int, tp: int = 1, pp: int = 1, **train: Any) -> Any:
     """The dsx3d recipe of `work` under dp x tp x pp (AdamW, constant LR, global-norm clipping 1.0)."""
-    from dsx3d.parity import ParityCase, case_recipe
+    from dsx3d.verify.parity import ParityCase, case_recipe
 
     case = ParityCase(
         work.config,
@@ -224,7 +224,7 @@ def dsx3d_contender(
 def hf_ds_config(work: Workload, world: int, zero_stage: int) -> dict[str, Any]:
     """The DeepSpeed JSON a user would give `deepspeed.initialize` for the plain HF model: dsx3d's own config
     for dp = world (same optimizer, schedule, clipping, batch arithmetic) without the pipeline sections."""
-    from dsx3d.ds_config import build_ds_config
+    from dsx3d.recipe.ds_config import build_ds_config
 
     config = build_ds_config(recipe_for(work, world), world)
     for key in ("pipeline", "dsx3d"):

@@ -126,7 +126,7 @@ def deepspeed_tp_contender(
         )
 
     module = Staged(items, topology=topology, loss_fn=loss_fn, partition_method="dsx3d")
-    from dsx3d.ds_config import build_ds_config
+    from dsx3d.recipe.ds_config import build_ds_config
 
     config = build_ds_config(bc.recipe_for(work, dp, tp, pp), dp * tp * pp)
     engine, *_ = deepspeed.initialize(

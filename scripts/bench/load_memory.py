@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dsx3d.testing.harness import run_ranks, warm_up
+from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
 GOAL = 1.15
@@ -55,9 +55,9 @@ def touch(params: list[torch.Tensor]) -> float:
 def rank_worker(rank: int, path: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from dsx3d.checkpoint.source import checkpoint_source
-    from dsx3d.layout import Layout
+    from dsx3d.checkpoint.hf.source import checkpoint_source
     from dsx3d.models.pipeline import build_pipeline
+    from dsx3d.plan.layout import Layout
 
     config = AutoConfig.from_pretrained(path)
     layout = Layout(dp=1, tp=2, pp=2, gpus_per_node=4)

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from dsx3d.testing.harness import run_ranks, warm_up
+from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
 LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 
 def recipe(config: Any, layout: tuple[int, int, int], lora: bool) -> Any:
-    from dsx3d.recipe import recipe_from_dict
+    from dsx3d.recipe.schema import recipe_from_dict
 
     dp, tp, pp = layout
     model_cfg = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from dsx3d.testing.harness import run_ranks, warm_up
+from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
 MiB = 1024**2

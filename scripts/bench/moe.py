@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dsx3d.testing.harness import run_ranks, warm_up
+from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 from scripts.bench import memory
 
@@ -29,7 +29,7 @@ GOAL = 0.15
 def bench_config(quick: bool) -> Any:
     """Qwen3-MoE, 8 experts of which each token picks 2, its load-balancing loss on; 4 layers of width 128
     (quick: width 64)."""
-    from dsx3d.models.families import tiny_config
+    from dsx3d.models.known_families import tiny_config
 
     width = 64 if quick else 128
     return tiny_config(

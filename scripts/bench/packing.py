@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsx3d.testing.harness import run_ranks, warm_up
+from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
 IGNORE_INDEX = -100

@@ -1,7 +1,7 @@
-"""Render scripts/bench/results.json as the README's "Benchmarks" section (markdown): every figure with its command,
+"""Render scripts/bench/results.json as the docs' benchmarks page (docs/benchmarks.md): every figure with its command,
 the machine, the versions and the load average it was measured under.
 
-    python -m scripts.bench.report [--results scripts/bench/results.json] [--out FILE]
+    python -m scripts.bench.report [--results scripts/bench/results.json] [--out FILE | --out -]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from scripts.bench.report_packing import packing
 from scripts.bench.report_verify import verify_sweep
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
 def _load(r: dict[str, Any]) -> str:
@@ -51,7 +52,7 @@ def _header(r: dict[str, Any]) -> list[str]:
 
 def overhead(r: dict[str, Any]) -> list[str]:
     w, q = r["workload"], r["ratio"]
-    out = ["### Overhead over plain DeepSpeed (dp=2)", ""] + _header(r)
+    out = ["## Overhead over plain DeepSpeed (dp=2)", ""] + _header(r)
     out += [
         f"Model: tiny Llama, {r['model']['params'] / 1e6:.1f}M parameters; {w['world']} ranks, micro-batch {w['micro_batch']}, "
         f"{w['grad_accum']} micro-batches, {w['seq_len']} tokens, {w['tokens_per_step']} tokens/step, {w['dtype']}, ZeRO-1.",
@@ -73,7 +74,7 @@ def overhead(r: dict[str, Any]) -> list[str]:
 
 def alternatives(r: dict[str, Any]) -> list[str]:
     w = r["workload"]
-    out = [f"### Against DDP and ZeRO-3 at {r['world']} ranks", ""] + _header(r)
+    out = [f"## Against DDP and ZeRO-3 at {r['world']} ranks", ""] + _header(r)
     out += [
         f"Model: tiny Llama, {r['model']['params'] / 1e6:.1f}M parameters; global batch {w['global_batch']} x {w['seq_len']} tokens "
         f"({w['tokens_per_step']} tokens/step), micro-batch {w['micro_batch']}, {w['dtype']}. dsx3d's best measured layout: "
@@ -103,7 +104,7 @@ def alternatives(r: dict[str, Any]) -> list[str]:
 
 
 def bubble(r: dict[str, Any]) -> list[str]:
-    out = [f"### Pipeline bubble, p = {r['pp']}", ""] + _header(r)
+    out = [f"## Pipeline bubble, p = {r['pp']}", ""] + _header(r)
     w = r["workload"]
     out += [
         f"Tiny Llama ({w['layers']} layers, width {w['hidden']}, vocabulary {w['vocab']}), micro-batch {w['micro_batch']} x "
@@ -122,7 +123,7 @@ def bubble(r: dict[str, Any]) -> list[str]:
 
 def communication(key: str, r: dict[str, Any]) -> list[str]:
     lay, w = r["layout"], r["workload"]
-    title = f"### Communication per step, {r.get('model_type', 'llama')}"
+    title = f"## Communication per step, {r.get('model_type', 'llama')}"
     ep = lay.get("ep", 1)
     title += f" dp{lay['dp']} tp{lay['tp']} pp{lay['pp']}" + (f" ep{ep}" if ep > 1 else "") + (
         ", activation checkpointing" if lay["activation_checkpointing"] else ""
@@ -178,7 +179,7 @@ def communication(key: str, r: dict[str, Any]) -> list[str]:
 
 def moe(r: dict[str, Any]) -> list[str]:
     m, w = r["model"], r["workload"]
-    out = ["### Mixture of experts: what each rank holds, and the estimator", ""] + _header(r)
+    out = ["## Mixture of experts: what each rank holds, and the estimator", ""] + _header(r)
     out += [
         f"Model: {m['model_type']}, {m['params'] / 1e6:.2f}M parameters of which {m['expert_params'] / 1e6:.2f}M in "
         f"experts ({m['num_experts']} per layer, top-{m['experts_per_token']}), {m['layers']} layers of width {m['hidden']}, "
@@ -238,7 +239,7 @@ def communication_sweep(r: dict[str, Any]) -> list[str]:
     )
     differ = sorted(k for k in built if k not in exact)
     pp_differ = sorted(k for k, v in built.items() if not v["exact"]["pp"])
-    out = ["### Communication, every family with plans (dp1 tp2 pp2, tiny configs)", ""]
+    out = ["## Communication, every family with plans (dp1 tp2 pp2, tiny configs)", ""]
     out += [
         f"Command: `{r['command']}`; {r['when']}, {_load(r)}, {r['wall_s']} s (counts do not depend on load).",
         "",
@@ -269,7 +270,7 @@ def _dp_excess(r: dict[str, Any]) -> list[float]:
 
 def memory(r: dict[str, Any]) -> list[str]:
     """The estimator against measured peaks, per grid point and stage (scripts/bench/memory.py)."""
-    out = ["### Estimator accuracy: peak memory per pipeline stage", ""] + _header(r)
+    out = ["## Estimator accuracy: peak memory per pipeline stage", ""] + _header(r)
     goal, worst, met = r["goal_abs_error"], r["worst_abs_error"], r["meets_goal"]
     figures = ", ".join(f"{k} {_pct(v)[1:]} ({'met' if met[k] else 'not met'})" for k, v in worst.items())
     out += [
@@ -298,11 +299,11 @@ def memory(r: dict[str, Any]) -> list[str]:
 def tp_minimum(r: dict[str, Any]) -> list[str]:
     """Issue 12: step time of the TP variants against the engine before and DeepSpeed's TP; SP memory/bytes."""
     w, m = r["workload"], r["model"]
-    out = ["### Tensor parallelism at Megatron's communication minimum", ""] + _header(r)
+    out = ["## Tensor parallelism at Megatron's communication minimum", ""] + _header(r)
     out += [
         f"Llama, hidden {m['hidden']}, {m['layers']} layers, vocabulary {m['vocab']} ({m['params'] / 1e6:.1f}M parameters); "
         f"micro-batch {w['micro_batch']} x {w['seq_len']} tokens, global batch {w['global_batch']}, {w['dtype']}. "
-        "`before`: one TP entry per projection, synchronous (the engine before issue 12); `shared`: one entry per "
+        "`before`: one TP entry per projection, synchronous (`TPContext(shared_entries=False, overlap=False)`); `shared`: one entry per "
         "distinct input; `+overlap`: its collective asynchronous under the weight gradient; `sp`: the default, with "
         "sequence parallelism; `deepspeed`: DeepSpeed's own TP layers in a hand-written PipelineModule "
         "(`+overlap`: its `tp_overlap_comm`). Ratios are medians of per-round ratios (under 1: faster).",
@@ -349,7 +350,7 @@ def tp_minimum(r: dict[str, Any]) -> list[str]:
 
 def gpu(r: dict[str, Any]) -> list[str]:
     out = [
-        "### GPU: 1B-class Llama, bf16, tp=1 pp=1",
+        "## GPU: 1B-class Llama, bf16, tp=1 pp=1",
         "",
         f"Command: `{r['command']}`; {r['device']}, {r['when']}.",
         "",
@@ -361,7 +362,7 @@ def gpu(r: dict[str, Any]) -> list[str]:
     return out
 
 
-METHODS = """### How the figures are measured
+METHODS = """## How the figures are measured
 
 - **Timing.** Contenders live in the same forked ranks and are stepped round-robin, the order reversed every
   round (A B, B A, ...), with a barrier before each step; a step's time is the slowest rank's wall time from
@@ -392,9 +393,9 @@ METHODS = """### How the figures are measured
   bytes; a call is attributed to TP, DP, PP (send/recv between adjacent stages) or the tied pair by its
   ranks. Bytes one rank sends, ring-counted: all-reduce 2(g-1)/g of the buffer, all-gather (g-1)/g, send all
   of it. The warm-up step (DeepSpeed exchanges tensor shapes once) is not counted. TP and PP agreement is a
-  test: `tests/test_bench_smoke.py`. The first count disagreed with the estimator, which was wrong twice:
+  test: `tests/e2e/test_bench_smoke.py`. The first count disagreed with the estimator, which was wrong twice:
   it took Megatron's 4 TP all-reduces per layer where dsx3d then sharded each HF projection with its own `f`
-  (2 forward, 5 backward; since issue 12 the projections reading one input share one entry: 2 + 2), and it
+  (2 forward, 5 backward; with shared entries the projections reading one input share one: 2 + 2), and it
   left out the vocab-parallel ends
   (embedding all-reduce, head input gradient, the cross-entropy's three fp32 all-reduces) and the int64
   token ids that travel with the activations between stages. `dsx3d.estimate` now counts these from the
@@ -407,7 +408,7 @@ METHODS = """### How the figures are measured
   and in a separate run the resident-set high-water net of the runtime's own footprint (the same layout with
   a negligible model). The estimate is `dsx3d.estimate` for the same setup (its stage peak: the larger of
   the backward and the optimizer phase, transients included).
-- **TP minimum** (`scripts/bench/tp.py`): the TP variants (before issue 12, shared entries, overlap,
+- **TP minimum** (`scripts/bench/tp.py`): the TP variants (one entry per projection, shared entries, overlap,
   sequence parallelism) and DeepSpeed's own TP layers in the same ranks, alternated step by step; the
   sequence-parallel memory and pipeline-message figures in fresh ranks, SP off then on.
 - **MoE** (`scripts/bench/moe.py`): expert bytes per rank as built by the engine (no training), and the
@@ -420,7 +421,7 @@ METHODS = """### How the figures are measured
 """
 
 
-COMMANDS = """### Reproducing
+COMMANDS = """## Reproducing
 
     source scripts/env.sh
     python -m scripts.bench.overhead        # about 1-2 min each on 2 cores; --quick for a smoke run
@@ -441,7 +442,7 @@ Each script prints its result as JSON and merges it into scripts/bench/results.j
 
 def lora(r: dict[str, Any]) -> list[str]:
     lay, cfg = r["layout"], r["lora"]
-    out = [f"### LoRA against full fine-tuning: optimizer and gradient memory per rank (dp{lay['dp']} tp{lay['tp']} pp{lay['pp']})", ""]
+    out = [f"## LoRA against full fine-tuning: optimizer and gradient memory per rank (dp{lay['dp']} tp{lay['tp']} pp{lay['pp']})", ""]
     out += _header(r)
     out += [
         f"Model: the tiny benchmark Llama (7.1M parameters), fp32, ZeRO-1; LoRA rank {cfg['r']} on "
@@ -465,14 +466,14 @@ def lora(r: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any]) -> str:
-    lines = ["## Benchmarks", ""]
+    lines = ["# Benchmarks", ""]
     first = next((v for v in results.values() if isinstance(v, dict) and "machine" in v), None)
     if first:
         m, v = first["machine"], first["versions"]
         lines += [
             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB, {m['os']}, Python {m['python']}; "
             f"torch {v['torch']}, deepspeed {v['deepspeed']}, transformers {v['transformers']}, accelerate {v['accelerate']}; "
-            f"gloo, one thread per rank, ranks forked by dsx3d.testing.harness. The machine was shared with other jobs: the load "
+            f"gloo, one thread per rank, ranks forked by dsx3d.verify.harness. The machine was shared with other jobs: the load "
             f"average (2 cores) is given with every figure, and every comparison alternates its contenders step by step in the "
             f"same ranks (A B B A ..., a barrier before each step) and reports ratios.",
             "",
@@ -517,7 +518,7 @@ def render(results: dict[str, Any]) -> str:
             lines += communication(key, r)
     if "gpu" not in results:
         lines += [
-            "### GPU",
+            "## GPU",
             "",
             "Not measured yet (no GPU here). On a CUDA machine: `bash scripts/bench/gpu.sh`.",
             "",
@@ -530,13 +531,13 @@ def render(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--out", type=Path, default=None, help="write here instead of stdout")
+    parser.add_argument("--out", default=str(PAGE), help="the page to write (default docs/benchmarks.md); - for stdout")
     args = parser.parse_args(argv)
     text = render(json.loads(args.results.read_text()))
-    if args.out:
-        args.out.write_text(text)
-    else:
+    if args.out == "-":
         print(text, end="")
+    else:
+        Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dsx3d.testing.harness import run_ranks, warm_up
+from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
 VARIANTS = {  # name: (sequence_parallel, shared_entries, overlap)

@@ -1,13 +1,13 @@
 """How truthful `dsx3d verify` is: specificity on generated configs, sensitivity on injected defects.
 
-- specificity: `--count` tiny configs from dsx3d.testing.sweep (every family supported at tp 2, round-robin,
+- specificity: `--count` tiny configs from dsx3d.verify.sweep (every family supported at tp 2, round-robin,
   with awkward sizes: 6 or 12 heads, GQA, odd vocabularies, intermediate sizes that are not powers of two,
   tied and untied, attention biases, published vocabularies up to 151936 against small hidden sizes, fp32 and
   bf16, some saved as bf16 sharded safetensors with an index and read back through verify's --model) at layouts drawn from its list (pipeline layouts with ZeRO-1, and pp = 1 with ZeRO-0..3
   where the engine supports it), each verified as `dsx3d verify` does (an SGD run, then AdamW): every one
   must pass. Reports, per dtype, the configs drawn, verified, refused and falsely failed and, per check, the
   worst value as a fraction of its tolerance.
-- sensitivity: every defect of dsx3d.testing.faults: each must fail.
+- sensitivity: every defect of dsx3d.verify.faults: each must fail.
 
     python -m scripts.bench.verify_sweep [--count 100] [--seed 0] [--steps 2] [--no-faults] [--skip N] [--no-write]
 
@@ -33,11 +33,11 @@ def run(count: int, seed: int, steps: int, faults: bool, skip: int = 0) -> dict[
     from pathlib import Path
 
     from dsx3d.errors import UserError
-    from dsx3d.parity import ParityCase, run_verify
-    from dsx3d.testing.faults import FAULTS
-    from dsx3d.testing.harness import RankFailure, warm_up
-    from dsx3d.testing.published import published_inputs
-    from dsx3d.testing.sweep import sweep_cases
+    from dsx3d.verify.faults import FAULTS
+    from dsx3d.verify.harness import RankFailure, warm_up
+    from dsx3d.verify.parity import ParityCase, run_verify
+    from dsx3d.verify.published import published_inputs
+    from dsx3d.verify.sweep import sweep_cases
 
     warm_up()
     started, load_before = time.perf_counter(), loadavg()

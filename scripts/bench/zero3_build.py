@@ -28,7 +28,7 @@ import gc
 import json
 from typing import Any
 
-from dsx3d.testing.harness import run_ranks, warm_up
+from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
 DP = 4
@@ -50,7 +50,7 @@ def model_config() -> Any:
 
 
 def recipe() -> Any:
-    from dsx3d.recipe import recipe_from_dict
+    from dsx3d.recipe.schema import recipe_from_dict
 
     config = {k: v for k, v in model_config().to_diff_dict().items() if not k.startswith("_")}
     return recipe_from_dict(

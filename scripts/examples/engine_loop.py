@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     from dsx3d.data import build_train_data
     from dsx3d.distributed import comm
     from dsx3d.engine import build_engine
-    from dsx3d.recipe import load_recipe
+    from dsx3d.recipe.schema import load_recipe
 
     recipe = load_recipe((argv if argv is not None else sys.argv[1:])[0])
     if not comm.is_initialized():  # a launcher's environment, else a process group of one

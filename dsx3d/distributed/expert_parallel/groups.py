@@ -1,7 +1,7 @@
 """The expert-parallel process groups of a layout, and what DeepSpeed needs to know about them.
 
 `create_expert_groups` builds, on every rank and in the same order, one group per EP group and one per
-expert-data-parallel (EDP) group of the layout (`dsx3d.layout.Layout.ep_groups` / `edp_groups`, equal to the
+expert-data-parallel (EDP) group of the layout (`dsx3d.plan.layout.Layout.ep_groups` / `edp_groups`, equal to the
 groups DeepSpeed's own `groups._get_expert_parallel_ranks` computes) and returns this rank's two.
 
 DeepSpeed's ZeRO (stage 1/2) and its BF16 optimizer reduce the gradients of parameters marked

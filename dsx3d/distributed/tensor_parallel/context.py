@@ -96,7 +96,8 @@ class TPContext:
     """Launch an entry's gradient collective asynchronously under the last weight gradient (False: wait at
     once; for benchmarks)."""
     shared_entries: bool = True
-    """One entry per distinct input (False: one per projection, as before issue 12; for benchmarks)."""
+    """Projections that read one input share one entry, so one TP collective (False: one entry and one
+    collective per projection, which benchmarks compare against)."""
     depth: int = field(default=0, repr=False)
     _by_input: dict[int, tuple[torch.Tensor, torch.Tensor, RegionEntry]] = field(default_factory=dict, repr=False)
     _by_output: dict[int, tuple[torch.Tensor, RegionEntry]] = field(default_factory=dict, repr=False)
@@ -182,7 +183,7 @@ class TPContext:
             )
         if self.shared_entries:
             full, entry = self._entry(x, gather=False)
-        else:  # one entry per projection: the traffic before issue 12, for benchmarks
+        else:  # shared_entries=False: one entry and one collective per projection (benchmarks)
             entry = RegionEntry(self.group, False, self.overlap)
             full = enter(x, entry)
         y = region_linear(full, weight, bias, entry)

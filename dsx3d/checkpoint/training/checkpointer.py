@@ -1,0 +1,327 @@
+"""Checkpoints: OUTPUT_DIR/checkpoints/<tag>/ written by every rank through DeepSpeed, and a `latest` file
+that names the newest complete one (format: dsx3d.checkpoint.training.disk_format).
+
+Saving. Every rank writes its files (DeepSpeed's, its RNG state, and a list of what it wrote with the
+sizes), and a failed write does not raise inside DeepSpeed: it is recorded, its partial file removed, and
+DeepSpeed carries on to its own barrier, so no rank is left waiting in a collective. The ranks then
+exchange what failed. If anything did (a full disk most often: said as such, even when torch only reports
+"unexpected pos"), rank 0 removes the tag's files, `latest` stays on the previous checkpoint, and every rank
+stops with one message. Otherwise `latest` moves, atomically (a temporary file renamed over it), so a job
+killed during a save also leaves `latest` on the previous complete checkpoint. Old tags are deleted only
+after `latest` has moved, and only the files dsx3d and DeepSpeed write there.
+
+Resuming. Rank 0 checks the tag `latest` names before anything loads: every rank's file list is there,
+every file has its recorded size, and every torch file is an intact zip whose pickle names no class a
+weights-only load refuses. A damaged tag is named, file and reason, and the newest older complete tag is
+resumed instead (said so). Then dsx3d.checkpoint.training.resume decides whether the tag loads as written or, at another
+layout, through a universal checkpoint. Every load runs with weights-only unpickling
+(dsx3d.checkpoint.safe_load), DeepSpeed's included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
+from dsx3d.checkpoint.safe_load import load as safe_load
+from dsx3d.checkpoint.training.disk_format import (
+    CLIENT_KEY,
+    LATEST,
+    LAYOUT_FILE,
+    RECIPE_FILE,
+    UNIVERSAL_DIR,
+    files_path,
+    read_latest,
+    rng_path,
+    tag_for,
+)
+from dsx3d.checkpoint.training.resume import ResumePlan, layout_record, plan_resume, read_saved
+from dsx3d.checkpoint.training.rng import RNG_FORMAT, rng_state, set_rng_state  # noqa: F401
+from dsx3d.checkpoint.training.tags import choose_tag, prune, remove_tag, tag_problems, tags_to_delete  # noqa: F401
+from dsx3d.distributed import comm
+from dsx3d.engine import Engine3D
+from dsx3d.errors import RunFailure, UserError
+from dsx3d.fsio import make_dirs, share_tree, write_atomic
+from dsx3d.recipe.schema import Recipe, dump_recipe
+
+log = logging.getLogger("dsx3d")
+
+__all__ = [
+    "CLIENT_KEY",
+    "LATEST",
+    "LAYOUT_FILE",
+    "RECIPE_FILE",
+    "Checkpointer",
+    "CheckpointNotSaved",
+    "prune",
+    "read_latest",
+    "tag_for",
+    "tags_to_delete",
+]
+
+_PROBE_BYTES = 1 << 16
+
+
+# --- RNG state, in a form torch.load(weights_only=True) reads -------------------------------------------
+
+
+# --- pruning ---------------------------------------------------------------------------------------------
+
+
+# --- saving ----------------------------------------------------------------------------------------------
+
+
+class CheckpointNotSaved(RunFailure):
+    """A save failed on some rank; the tag's files are removed and `latest` is unchanged. Raised with the
+    same message on every rank."""
+
+    def __init__(self, message: str):
+        super().__init__(message, everywhere=True)
+
+
+def disk_full(directory: Path) -> bool:
+    """Whether a small write fails for lack of space where `directory` is (the probe is removed)."""
+    while not directory.exists():
+        directory = directory.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".dsx3d-space-probe-")
+    except OSError as err:
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * _PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+        return False
+    except OSError as err:
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    finally:
+        Path(probe).unlink(missing_ok=True)
+
+
+def write_failure(path: Path, err: BaseException) -> str:
+    """Why writing `path` failed, in words. torch's zip writer loses the errno ("unexpected pos 832 vs
+    726"), so a full disk is also recognised by probing the filesystem."""
+    text = " ".join(str(err).split())[:200] or type(err).__name__
+    if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or disk_full(path.parent):
+        return f"no space left on device (writing {path.name}: {text})"
+    return f"{type(err).__name__}: {text}"
+
+
+class _SaveLog:
+    """The files this rank writes in one save and the writes that failed (their partial files removed)."""
+
+    def __init__(self, tag_dir: Path):
+        self.tag_dir = tag_dir
+        self.written: list[Path] = []
+        self.failed: list[tuple[str, str]] = []
+
+    def attempt(self, path: Path, write: Callable[[], Any]) -> None:
+        try:
+            write()
+            self.written.append(path)
+        except Exception as err:
+            self.failed.append((str(path), write_failure(path, err)))
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+
+    def write_list(self, rank: int) -> None:
+        """files/rank-NNNNN.json: every file this rank wrote in the tag, with its size."""
+        sizes = {}
+        for p in self.written:
+            with contextlib.suppress(ValueError, OSError):
+                sizes[p.relative_to(self.tag_dir).as_posix()] = p.stat().st_size
+        path = files_path(self.tag_dir, rank)
+        text = json.dumps({"rank": rank, "files": sizes}, indent=1, sort_keys=True) + "\n"
+        self.attempt(path, lambda: write_atomic(path, text))
+
+
+@contextlib.contextmanager
+def _recording(engine: Any, save_log: _SaveLog) -> Iterator[None]:
+    """DeepSpeed's writes through `save_log`: a failure is recorded instead of raised, so the rank still
+    reaches DeepSpeed's closing barrier with its peers."""
+    checkpoint_engine = engine.checkpoint_engine
+    save, copy_scripts = checkpoint_engine.save, engine._copy_recovery_script
+
+    def recorded_save(state_dict: Any, path: str) -> None:
+        save_log.attempt(Path(path), lambda: save(state_dict, path))
+
+    def recorded_copy(save_path: str) -> None:
+        save_log.attempt(Path(save_path) / "zero_to_fp32.py", lambda: copy_scripts(save_path))
+
+    checkpoint_engine.save = recorded_save
+    engine._copy_recovery_script = recorded_copy
+    try:
+        yield
+    finally:
+        checkpoint_engine.__dict__.pop("save", None)
+        engine.__dict__.pop("_copy_recovery_script", None)
+
+
+# --- checking a tag before resuming ----------------------------------------------------------------------
+
+
+# --- the checkpointer ------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves and restores one run's checkpoints. `save` and `load_latest` are collectives."""
+
+    def __init__(self, engine: Engine3D, ckpt_dir: Path, recipe: Recipe, keep: int):
+        self.engine, self.dir, self.recipe, self.keep = engine, ckpt_dir, recipe, keep
+        self._universal: dict[str, Any] | None = None
+
+    @property
+    def bounds(self) -> list[int]:
+        return [int(b) for b in getattr(self.engine.module, "parts", [])]
+
+    def save(self, step: int, client_state: dict[str, Any]) -> str:
+        tag, rank = tag_for(step), comm.get_rank()
+        tag_dir = self.dir / tag
+        if self._universal is None:  # how each parameter splits over TP: lets a tag become universal
+            from dsx3d.checkpoint.training.universal import universal_client_state
+
+            self._universal = universal_client_state(self.engine)  # a collective, like save itself
+        record = _SaveLog(tag_dir)
+        rng_file = rng_path(tag_dir, rank)
+
+        def save_rng() -> None:
+            make_dirs(rng_file.parent)  # also the checkpoints directory and the tag's, readable by others
+            torch.save(rng_state(), rng_file)
+
+        record.attempt(rng_file, save_rng)
+        if rank == 0:
+            layout = json.dumps(layout_record(self.engine.layout, self.bounds, self.recipe)) + "\n"
+            record.attempt(tag_dir / RECIPE_FILE, lambda: write_atomic(tag_dir / RECIPE_FILE, dump_recipe(self.recipe)))
+            record.attempt(tag_dir / LAYOUT_FILE, lambda: write_atomic(tag_dir / LAYOUT_FILE, layout))
+        with _recording(self.engine.ds_engine, record):
+            self.engine.ds_engine.save_checkpoint(
+                str(self.dir), tag=tag, client_state={CLIENT_KEY: client_state, **self._universal}, save_latest=False
+            )
+        record.write_list(rank)
+        gathered: list[Any] = comm.all_gather_object((rank, record.failed))  # every rank's files are written
+        failed = [(r, f) for r, fails in gathered for f in fails]
+        if failed:
+            self._fail(tag, failed)
+        # DeepSpeed writes with the process umask (and copies its zero_to_fp32 scripts beside the tags);
+        # a run's checkpoints are read by colleagues
+        share_tree(tag_dir)
+        share_tree(self.dir, recursive=False)
+        problem: Any = None
+        if rank == 0:
+            try:
+                write_atomic(self.dir / LATEST, tag)
+                deleted = prune(self.dir, self.keep)
+                log.info("checkpoint %s saved%s", tag_dir, f"; deleted {', '.join(deleted)}" if deleted else "")
+            except OSError as err:
+                problem = write_failure(self.dir / LATEST, err)
+        problem = comm.broadcast_object(problem)
+        if problem:
+            raise CheckpointNotSaved(f"checkpoint {tag} was saved but `latest` could not move to it: {problem}")
+        return tag
+
+    def _fail(self, tag: str, failed: list[tuple[int, tuple[str, str]]]) -> None:
+        if comm.get_rank() == 0:
+            remove_tag(self.dir, tag)
+        comm.barrier()  # nobody reads `latest` before the partial tag is gone
+        rank, (path, reason) = failed[0]
+        more = f" (and {len(failed) - 1} more failed writes)" if len(failed) > 1 else ""
+        previous = read_latest(self.dir)
+        kept = f"the previous checkpoint {previous} is kept as latest" if previous else "no earlier checkpoint exists"
+        raise CheckpointNotSaved(
+            f"checkpoint {tag} was not saved: rank {rank}: {reason} [{path}]{more}; {kept} and the partial "
+            f"files were removed. Free space in {self.dir} (or lower train.keep_checkpoints) and resume with --resume"
+        )
+
+    def load_latest(self) -> tuple[str, dict[str, Any]] | None:
+        """(tag, client state) of the newest complete checkpoint, loaded into the engine; None if none."""
+        decision: Any = None
+        if comm.get_rank() == 0:
+            try:
+                decision = self._decide()
+            except UserError as err:
+                decision = err.problems
+        decision = comm.broadcast_object(decision)
+        if isinstance(decision, list):
+            raise UserError(decision)
+        if decision is None:
+            return None
+        tag, plan = decision
+        if comm.get_rank() == 0:
+            for note in plan.notes:
+                log.warning("--resume: %s", note)
+        ds_engine = self.engine.ds_engine
+        if plan.reshard:
+            load_dir, load_tag = self._universal_copy(tag), UNIVERSAL_DIR
+        else:
+            load_dir, load_tag = self.dir, tag
+        universal_before = ds_engine._config.load_universal_checkpoint
+        ds_engine._config.load_universal_checkpoint = plan.reshard or universal_before
+        try:
+            with weights_only_loads():
+                path, client = ds_engine.load_checkpoint(str(load_dir), tag=load_tag)
+        finally:
+            ds_engine._config.load_universal_checkpoint = universal_before
+        if path is None or CLIENT_KEY not in (client or {}):
+            raise RunFailure(f"DeepSpeed could not load checkpoint {self.dir / tag}")
+        if not plan.reshard:
+            self._restore_rng(tag)
+        return tag, client[CLIENT_KEY]
+
+    def _decide(self) -> tuple[str, ResumePlan] | None:
+        tag, notes = choose_tag(self.dir)
+        if tag is None:
+            return None
+        saved_layout, saved_recipe = read_saved(self.dir / tag)
+        plan = plan_resume(tag, saved_layout, saved_recipe, self.recipe, self.engine.layout, self.bounds)
+        plan.notes[:0] = notes
+        return tag, plan
+
+    def _universal_copy(self, tag: str) -> Path:
+        """The tag's universal conversion (tag/universal), made once by rank 0 while the others wait for
+        its manifest (a file, not a collective: a big model converts for longer than a collective waits)."""
+        from dsx3d.checkpoint.manifest import read_manifest
+        from dsx3d.checkpoint.training.universal import to_universal
+
+        tag_dir = self.dir / tag
+        out, failed = tag_dir / UNIVERSAL_DIR, tag_dir / ".universal.failed"
+        if comm.get_rank() == 0:
+            failed.unlink(missing_ok=True)
+            if read_manifest(out, "universal") is None:
+                log.info("--resume: converting %s to a universal checkpoint in %s", tag_dir, out)
+                try:
+                    to_universal(tag_dir, out)
+                except UserError as err:
+                    write_atomic(failed, "\n".join(str(p) for p in err.problems))
+                    raise
+                except Exception as err:
+                    write_atomic(failed, f"{type(err).__name__}: {err}")
+                    raise
+        else:
+            while read_manifest(out, "universal") is None:
+                if failed.is_file():
+                    raise RunFailure(f"rank 0 could not convert {tag_dir} to a universal checkpoint: {failed.read_text()}")
+                time.sleep(0.5)
+        comm.barrier()
+        return tag_dir
+
+    def _restore_rng(self, tag: str) -> None:
+        path = rng_path(self.dir / tag, comm.get_rank())
+        if not path.is_file():
+            return
+        try:
+            state = safe_load(path)
+            set_rng_state(state)
+        except (UnsafeCheckpoint, KeyError, TypeError, ValueError) as err:
+            log.warning("RNG state not restored from %s (%s): random streams restart", path, (str(err).strip().splitlines() or [type(err).__name__])[0][:200])

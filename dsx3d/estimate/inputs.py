@@ -1,0 +1,86 @@
+"""What an estimate is asked about: the hardware (FLOP rate, link bandwidths, memory) and one training setup (layout and per-step work). GB here is 1e9 bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsx3d.models.shape import ModelShape
+from dsx3d.recipe.ds_optimizer import grad_accum_dtype
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The accelerator and links. Defaults: an H100-class node (989 dense bf16 TFLOP/s, NVLink about
+    400 GB/s per direction, one 400 Gb/s NIC = 50 GB/s per GPU)."""
+
+    peak_tflops: float = 989.0
+    efficiency: float = 0.5
+    """Fraction of peak the matmuls achieve (Megatron reports about 52% at scale, Narayanan et al. 2021)."""
+    intra_node_gbps: float = 400.0
+    """GB/s one GPU sends to a peer in its node."""
+    inter_node_gbps: float = 50.0
+    """GB/s one GPU sends to another node."""
+    gpus_per_node: int = 8
+    gpu_memory_gb: float | None = None
+    memory_headroom: float = 0.1
+    """Fraction of device memory kept free for the CUDA context and allocator fragmentation."""
+    optimizer_temporaries: float = 1.0
+    """Partition-sized fp32 temporaries of torch's AdamW step: 1 with its foreach kernels (GPUs), 2 with the
+    per-tensor path it takes on CPU."""
+
+    @property
+    def usable_gb(self) -> float | None:
+        return None if self.gpu_memory_gb is None else self.gpu_memory_gb * (1 - self.memory_headroom)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training configuration: the layout and the per-step work."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    """Expert parallelism (MoE): experts split over tp x ep ranks, ep dividing dp."""
+    zero_stage: int = 1
+    dtype: str = "bf16"
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    """Micro-batches per optimizer step and DP rank: the pipeline's m."""
+    activation_checkpointing: bool = False
+    stage_layers: tuple[int, ...] | None = None
+    """Explicit decoder layers per stage; otherwise `split` decides."""
+    split: str = "cost"
+    """"cost": the engine's own cost-balanced split (`dsx3d.plan.stages.decoder_split`, what dsx3d's pipeline
+    does by default); "even": equal layer counts (`memory.split_layers`)."""
+    flash_attention: bool = False
+    fp32_grad_accum: bool | None = None
+    """Gradient accumulation in fp32 (`data_types.grad_accum_dtype`); None: what dsx3d's config writes
+    (`ds_optimizer.grad_accum_dtype`: bf16 with ZeRO >= 1). The unsharded fp32 buffer it may cost is counted
+    only where DeepSpeed picks BF16_Optimizer (`ds_optimizer.keeps_fp32_grad_buffer`)."""
+    reduce_bucket_size: float = 5e8
+    """`zero_optimization.reduce_bucket_size` (DeepSpeed's default): ZeRO's gradient buckets, in elements."""
+    sequence_parallel: bool = True
+    """parallel.sequence_parallel: with tp > 1, for models the engine runs with it (`ModelShape`)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def grad_accum_fp32(self) -> bool:
+        if self.fp32_grad_accum is not None:
+            return self.fp32_grad_accum
+        return grad_accum_dtype(self.dtype, self.zero_stage) == "fp32"
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+
+def sequence_parallel(shape: ModelShape, setup: Setup) -> bool:
+    """Whether the engine runs `setup` with sequence parallelism: asked for, tp > 1, and the model allows it."""
+    return setup.sequence_parallel and setup.tp > 1 and shape.sequence_parallel_blocker is None

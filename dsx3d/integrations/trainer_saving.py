@@ -1,0 +1,69 @@
+"""The Trainer's saves: a Hugging Face checkpoint from the engine's shards, and the engine's own DeepSpeed checkpoint beside HF's for resume_from_checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from dsx3d.distributed import comm
+from dsx3d.integrations.trainer_base import EngineTrainerBase
+from dsx3d.integrations.trainer_setup import (
+    _move_export,
+)
+
+log = logging.getLogger("dsx3d")
+
+
+class SavingMixin(EngineTrainerBase):
+    """The Trainer's save_model and the checkpoint hooks HF's loop calls."""
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the trained model as a Hugging Face checkpoint into `output_dir` (default args.output_dir),
+        keeping whatever else is there (checkpoint-* folders) as HF's save_model does. A collective: every rank
+        calls it, and multi-node jobs need `output_dir` on a shared filesystem."""
+        from dsx3d.checkpoint.hf.export import export_hf
+
+        out = Path(output_dir if output_dir is not None else str(self.args.output_dir)).absolute()
+        tokenizer = (
+            self.processing_class
+            if self.processing_class is not None
+            else getattr(self.data_collator, "tokenizer", None)
+        )
+        # export_hf replaces its directory whole: export next to `out`, then move the files in
+        staging = comm.broadcast_object(
+            f".{out.name}.dsx3d-export-{uuid.uuid4().hex[:8]}" if comm.get_rank() == 0 else None
+        )
+        tmp = out.parent / str(staging)
+        if self._dsx3d.recipe.model.lora is not None:  # a PeftModel: its adapters, in peft's format
+            from dsx3d.checkpoint.hf.lora_export import export_adapter
+
+            export_adapter(self._engine(), tmp, tokenizer=tokenizer)
+        else:
+            export_hf(self._engine(), tmp, tokenizer=tokenizer)
+        if comm.get_rank() == 0:
+            _move_export(tmp, out)
+            torch.save(self.args, out / transformers.trainer.TRAINING_ARGS_NAME)
+        comm.barrier()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine's DeepSpeed checkpoint (stage weights, optimizer partitions) plus HF's scheduler state.
+        Resuming needs the same layout."""
+        self._engine().ds_engine.save_checkpoint(output_dir)
+        if self.args.should_save:
+            scheduler: Any = self.lr_scheduler
+            torch.save(scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        log.info("dsx3d.Trainer: loading the best model from %s", best)
+        self._engine().ds_engine.load_checkpoint(
+            best, load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True
+        )

@@ -1,0 +1,58 @@
+"""Building a config's model on the meta device: its parameter names and shapes without memory, and what stops sequence parallelism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsx3d.errors import UserError
+from dsx3d.models import tp_plan
+from dsx3d.models.config_dims import text_config
+
+# Words of transformers' and torch's construction errors -> the config key behind them.
+_ERROR_KEYS = {"padding_idx": "pad_token_id", "num_embeddings": "vocab_size"}
+
+
+def build_meta_model(config: Any) -> Any:
+    """The family's causal LM built from `config` on the meta device (no memory; about 0.3 s for 70B). A
+    config transformers accepts but cannot build (a pad_token_id outside the vocabulary, ...) raises a
+    `UserError` naming the key."""
+    import torch
+
+    from dsx3d.models.family_spec import resolve_family
+
+    spec = resolve_family(config)
+    try:
+        with torch.device("meta"):
+            return spec.lm_class._from_config(config)
+    except Exception as err:  # transformers and torch raise assertions, ValueErrors, TypeErrors here
+        message = " ".join(str(err).split()) or type(err).__name__
+        keys = [k for k in text_config(config).to_dict() if k in message]
+        keys += [key for word, key in _ERROR_KEYS.items() if word in message.lower()]
+        key = f"model.config.{keys[0]}" if keys else "model.config"
+        value = getattr(text_config(config), keys[0], None) if keys else None
+        raise UserError.single(
+            key,
+            value,
+            f"transformers cannot build the model from this config ({message[:300]})",
+            f"fix {key}",
+        ) from None
+
+
+def _meta_layers(config: Any) -> tuple[Any, list[Any]]:
+    """(FamilySpec, the decoder layers of a meta-device model of `config`): no memory, and fast even at 70B."""
+    from dsx3d.models.family_spec import resolve_family
+
+    spec = resolve_family(config)
+    lm = build_meta_model(config)
+    return spec, list(getattr(getattr(lm, spec.base_prefix), spec.layers_name))
+
+
+def sequence_parallel_blocker(config: Any) -> str | None:
+    """Why the engine runs this model without sequence parallelism even when the recipe asks for it
+    (`dsx3d.models.tp_plan.sequence_parallel_blocker`, what the engine's builder checks), or None."""
+    from torch import nn
+
+    spec, layers = _meta_layers(config)
+    return tp_plan.sequence_parallel_blocker(
+        layers, spec.layers_name, spec.tp_plan, lambda m: isinstance(m, nn.Linear)
+    )

@@ -1,0 +1,366 @@
+"""The recipe: one YAML file that describes a training job, validated by a typed schema.
+
+Unknown keys are errors naming their path (`train.lrr`), so a typo never silently falls back to a default.
+The schema is strict: a boolean is `true`/`false` (not 1 or "yes"), a count is an integer (not `true`, not
+"8"), every number is finite and inside a range that makes sense, and sizes are bounded so that no command
+does unbounded work for an absurd value. The YAML itself is read strictly too: a key given twice is an
+error (PyYAML would keep the last one silently), and YAML 1.2 floats such as `1e-3` are numbers (YAML 1.1
+reads them as strings).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from dsx3d.errors import Problem, UserError
+from dsx3d.plan.layout import Layout
+from dsx3d.recipe.json_values import MAX_MAPPING_VALUES, _check_json  # noqa: F401
+from dsx3d.recipe.strict_yaml import StrictYamlLoader, parse_yaml  # noqa: F401
+
+# Bounds on sizes. Above them no real job exists, and some commands would do work proportional to the
+# value (a placement table per rank, a stage split over every layer), so they are refused up front.
+MAX_WORLD_SIZE = 1 << 17
+"""Ranks of one job (131,072: above the largest clusters built)."""
+MAX_GPUS_PER_NODE = 1024
+MAX_SEQ_LEN = 1 << 22
+MAX_BATCH = 1 << 16
+"""Largest micro-batch size and gradient-accumulation count."""
+MAX_STEPS = 1 << 40
+MAX_SEED = (1 << 32) - 1
+"""numpy's generators take 32-bit seeds."""
+MAX_RECIPE_BYTES = 1 << 20
+
+Path_ = Annotated[StrictStr, Field(min_length=1)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        """Paths and names go to the OS; a NUL byte there fails with a ValueError far from the recipe."""
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("contains a NUL character")
+        return value
+
+
+class LoraSection(_Section):
+    """LoRA fine-tuning through peft: the base model is frozen and only the adapters train."""
+
+    r: Annotated[StrictInt, Field(ge=1, le=1 << 16)] = 8
+    """Adapter rank."""
+    alpha: Annotated[StrictFloat | StrictInt, Field(gt=0, le=1 << 20)] = 16
+    """peft's lora_alpha: the adapter's output is scaled by alpha / r."""
+    dropout: Annotated[StrictFloat, Field(ge=0, lt=1)] = 0.0
+    """Dropout on the adapter's input."""
+    target_modules: Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=256)] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"]
+    )
+    """Linear layers of the decoder layers to adapt, by name or name suffix (peft's matching): q_proj,
+    k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, ..."""
+    init_lora_weights: StrictBool = True
+    """peft's default initialisation (B = 0, so training starts at the base model); false draws B like A."""
+    peft_config: Path_ | None = None
+    """A directory holding a saved peft adapter_config.json (LoraConfig); replaces the keys above."""
+    merge_on_export: StrictBool = False
+    """At the end of the run also write OUTPUT_DIR/hf/: the model with the adapters merged in (Hugging Face
+    format). The adapters alone (peft's format) are always written to OUTPUT_DIR/adapter/."""
+
+
+class ModelSection(_Section):
+    name_or_path: Path_ | None = None
+    """A local HF checkpoint directory (or a hub id where the network allows)."""
+    config: dict[str, Any] | None = None
+    """An HF config as a mapping with `model_type`, for training from scratch."""
+    trust_remote_code: StrictBool = False
+    """Allow code shipped with a checkpoint to run. Off unless the recipe says so."""
+    lora: LoraSection | None = None
+    """Train LoRA adapters (peft) instead of the whole model; see README: LoRA / frozen parameters."""
+
+    @field_validator("config")
+    @classmethod
+    def _json_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _check_json(value, "model.config")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.name_or_path is None) == (self.config is None):
+            raise ValueError("give exactly one of model.name_or_path and model.config")
+        if self.config is not None and not isinstance(self.config.get("model_type"), str):
+            raise ValueError("model.config needs a model_type string (for example llama)")
+        return self
+
+
+class ParallelSection(_Section):
+    dp: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)] | Literal["auto"] = "auto"
+    """Data-parallel degree; "auto" = world size / (tp * pp)."""
+    tp: Annotated[StrictInt, Field(ge=1, le=MAX_GPUS_PER_NODE)] = 1
+    """Tensor-parallel degree; TP groups stay inside a node."""
+    pp: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    """Pipeline stages."""
+    stage_layers: Annotated[list[Annotated[StrictInt, Field(le=1 << 20)]], Field(min_length=1, max_length=MAX_WORLD_SIZE)] | None = None
+    """Explicit decoder layers per stage (overrides the cost-balanced split); sums to num_hidden_layers."""
+    ep: int = Field(1, ge=1)
+    """Expert parallelism: the experts of every MoE layer are split over ep data-parallel ranks, which
+    exchange tokens all-to-all; divides dp. 1: every DP rank holds all experts (split over TP only)."""
+    sequence_parallel: bool = True
+    """With tp > 1, keep activations outside the TP regions (norms, dropout, residuals, pipeline messages)
+    split along the sequence over the TP ranks (Megatron's sequence parallelism); train.seq_len must be a
+    multiple of tp. Families that cannot run it fall back to plain TP with a warning."""
+
+
+class ClusterSection(_Section):
+    nodes: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
+    gpus_per_node: Annotated[StrictInt, Field(ge=1, le=MAX_GPUS_PER_NODE)] = 8
+    """Processes per node (GPUs on a cluster, CPU processes on a CPU box)."""
+
+    @model_validator(mode="after")
+    def _bounded_world(self) -> ClusterSection:
+        if self.nodes * self.gpus_per_node > MAX_WORLD_SIZE:
+            raise ValueError(
+                f"cluster.nodes x cluster.gpus_per_node = {self.nodes * self.gpus_per_node} ranks, more than "
+                f"the {MAX_WORLD_SIZE} dsx3d plans for"
+            )
+        return self
+
+
+class TrainSection(_Section):
+    micro_batch_size: Annotated[StrictInt, Field(ge=1, le=MAX_BATCH)] = 1
+    gradient_accumulation_steps: Annotated[StrictInt, Field(ge=1, le=MAX_BATCH)] = 1
+    """Micro-batches per optimizer step and DP rank (the pipeline's m)."""
+    steps: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 100
+    seq_len: Annotated[StrictInt, Field(ge=2, le=MAX_SEQ_LEN)] = 128
+    lr: Annotated[StrictFloat, Field(gt=0, le=1)] = 3.0e-4
+    min_lr: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.0
+    """The rate the schedule decays to; at most train.lr."""
+    warmup_steps: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    weight_decay: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.0
+    betas: tuple[Annotated[StrictFloat, Field(ge=0, lt=1)], Annotated[StrictFloat, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    """Adam's moment decay rates, each in [0, 1)."""
+    eps: Annotated[StrictFloat, Field(gt=0, le=1)] = 1.0e-8
+    grad_clip: Annotated[StrictFloat, Field(ge=0)] = 1.0
+    """Global gradient-norm clipping (0 disables)."""
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] = 1234
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    activation_checkpointing: StrictBool = False
+    log_interval: Annotated[StrictInt, Field(ge=1, le=MAX_STEPS)] = 1
+    save_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: Annotated[StrictInt, Field(ge=1, le=10_000)] = 2
+    eval_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
+    """Evaluate on the held-out data (data.eval_source or data.eval_fraction) every N steps, and always after
+    the last step (0: only after the last step)."""
+    eval_batches: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
+    """Global batches per evaluation (0: every complete global batch of the held-out data)."""
+    report_to: list[Literal["tensorboard", "wandb", "csv"]] = Field(default_factory=list)
+    """Experiment tracking: any of tensorboard, wandb, csv (a name or a list); "none" or [] for none."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        return [v for v in value if v != "none"] if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> TrainSection:
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr = {self.min_lr} is above train.lr = {self.lr}")
+        return self
+
+
+class ZeroSection(_Section):
+    stage: Annotated[StrictInt, Field(ge=0, le=3)] = 1
+
+
+class DataSection(_Section):
+    source: Path_ = "builtin:python-docs"
+    """Local text/jsonl/parquet file(s) or directory, a hub dataset name, or a builtin corpus."""
+    text_field: Annotated[StrictStr, Field(min_length=1)] = "text"
+    split: Annotated[StrictStr, Field(min_length=1)] = "train"
+    tokenizer: Path_ | None = None
+    """Tokenizer directory or hub id; default: the model's, else a byte-level BPE trained on the corpus."""
+    tokenizer_vocab_size: Annotated[StrictInt, Field(ge=256, le=1 << 20)] = 2048
+    """Vocabulary of the tokenizer dsx3d trains when none is given."""
+    cache_dir: Path_ | None = None
+    """Where trained tokenizers and tokenized corpora are cached; default $DSX3D_CACHE_DIR, else ~/.cache/dsx3d."""
+    format: Literal["text", "chat", "instruction"] = "text"
+    """text: documents packed into blocks, loss on every token. chat: conversations (data.messages_field)
+    rendered by the tokenizer's chat template, loss on assistant tokens only. instruction: prompt/response
+    pairs (data.prompt_field, data.response_field) as a user turn and an assistant turn of the chat
+    template, loss on the response only. chat and instruction pad each example to train.seq_len, unless
+    data.packing."""
+    packing: StrictBool = False
+    """chat and instruction: lay whole examples back to back into rows of train.seq_len (best fit), with
+    position_ids restarting at every example so attention stays inside each; less padding, same loss."""
+    messages_field: Annotated[StrictStr, Field(min_length=1)] = "messages"
+    """data.format chat: the column holding a list of {role, content} messages."""
+    prompt_field: Annotated[StrictStr, Field(min_length=1)] = "prompt"
+    """data.format instruction: the column holding the prompt."""
+    response_field: Annotated[StrictStr, Field(min_length=1)] = "response"
+    """data.format instruction: the column holding the answer."""
+    chat_template: Annotated[StrictStr, Field(min_length=1)] | None = None
+    """A Jinja chat template, or the path of a file holding one; default: the tokenizer's own (dsx3d's
+    trained tokenizer gets dsx3d.data.chat.DEFAULT_CHAT_TEMPLATE)."""
+    eval_source: Path_ | None = None
+    """Held-out data in the same format as data.source (a file, directory, save_to_disk folder or dataset)."""
+    eval_split: Annotated[StrictStr, Field(min_length=1)] | None = None
+    """The split of data.eval_source (default: data.split)."""
+    eval_fraction: Annotated[StrictFloat, Field(ge=0, lt=1)] = 0.0
+    """Hold out this fraction of data.source's documents (examples) for evaluation, chosen by train.seed."""
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> DataSection:
+        if self.eval_source is not None and self.eval_fraction > 0:
+            raise ValueError("give at most one of data.eval_source and data.eval_fraction")
+        return self
+
+    @property
+    def masked(self) -> bool:
+        """Whether only some tokens carry loss (chat and instruction data)."""
+        return self.format != "text"
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_source is not None or self.eval_fraction > 0
+
+
+class Recipe(_Section):
+    model: ModelSection
+    parallel: ParallelSection = ParallelSection()
+    cluster: ClusterSection = ClusterSection()
+    train: TrainSection = TrainSection()
+    zero: ZeroSection = ZeroSection()
+    data: DataSection = DataSection()
+    output_dir: Path_ = "runs/default"
+    """The run directory (dsx3d.run.outputs): a dedicated directory, never /, ~ or an ancestor of the
+    working directory."""
+    deepspeed: dict[str, Any] = Field(default_factory=dict)
+    """Raw DeepSpeed overrides, merged into the generated config and checked."""
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _json_overrides(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_json(value, "deepspeed") or {}
+
+    @property
+    def cluster_world_size(self) -> int:
+        return self.cluster.nodes * self.cluster.gpus_per_node
+
+    def resolved_dp(self, world_size: int | None = None) -> int:
+        """dp with "auto" resolved against `world_size` (default: the cluster's); 0 if it does not divide."""
+        world = world_size if world_size is not None else self.cluster_world_size
+        if self.parallel.dp != "auto":
+            return self.parallel.dp
+        per_replica = self.parallel.tp * self.parallel.pp
+        return world // per_replica if world % per_replica == 0 else 0
+
+    def layout(self, world_size: int | None = None) -> Layout:
+        """The layout; call only after `dsx3d.recipe.checks` accepted the recipe."""
+        return Layout(
+            dp=self.resolved_dp(world_size),
+            tp=self.parallel.tp,
+            pp=self.parallel.pp,
+            gpus_per_node=self.cluster.gpus_per_node,
+            ep=self.parallel.ep,
+        )
+
+
+# The fix for each kind of bad value pydantic reports, by its error type.
+_FIXES = {
+    "int_type": "write a whole number, unquoted (not true/false, not a string)",
+    "bool_type": "write true or false",
+    "float_type": "write a number such as 3.0e-4, unquoted",
+    "finite_number": "write a finite number",
+    "string_type": "write a string (quote it)",
+    "literal_error": "use one of the values listed",
+    "tuple_type": "write a list such as [0.9, 0.95]",
+    "list_type": "write a list",
+    "dict_type": "write a mapping",
+}
+
+
+def _problems_from(err: ValidationError) -> list[Problem]:
+    by_key: dict[str, Problem] = {}
+    for e in err.errors():
+        # Drop pydantic's union-branch markers from the path: parallel.dp, not parallel.dp.constrained-int.
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or "constrained" in p or "function-" in p))]
+        key = ".".join(str(p) for p in loc) or "(recipe)"
+        if e["type"] == "extra_forbidden":
+            problem = Problem(key, e.get("input"), "unknown key", "remove it or fix its spelling (see README: recipe keys)")
+        elif e["type"] == "missing":
+            problem = Problem(key, None, "required key is missing", f"add {key}")
+        else:
+            value = e.get("input")
+            shown = "(section)" if isinstance(value, dict) else value
+            reason = e["msg"].removeprefix("Value error, ")
+            fix = _FIXES.get(e["type"], "use a value in the range given (see README: recipe keys)")
+            problem = Problem(key, shown, reason, fix)
+        if key in by_key and by_key[key].value == problem.value:  # the branches of a union (int or "auto")
+            first = by_key[key]
+            problem = Problem(key, first.value, f"{first.reason}, or {problem.reason[0].lower()}{problem.reason[1:]}", first.fix)
+        by_key[key] = problem
+    return list(by_key.values())
+
+
+def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:
+    if not isinstance(data, dict):
+        raise UserError.single(source, type(data).__name__, "a recipe must be a YAML mapping", "start from recipes/tiny-llama-3d.yaml")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise UserError(_problems_from(err)) from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    p = Path(path)
+    fix = "pass the path of a recipe YAML (see recipes/)"
+    try:
+        if not p.is_file():
+            raise UserError.single("recipe", str(p), "not a file" if p.exists() else "file not found", fix)
+        with p.open("rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as err:
+        raise UserError.single("recipe", str(p), f"cannot be read ({err.strerror})", fix) from None
+    except ValueError as err:  # a NUL byte in the path
+        raise UserError.single("recipe", repr(str(p)), f"not a usable path ({err})", fix) from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise UserError.single("recipe", str(p), f"larger than {MAX_RECIPE_BYTES} bytes: not a recipe", fix)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError.single(
+            "recipe", str(p), f"not UTF-8 text (byte {err.start}: {raw[err.start:err.start + 1]!r})", "save the recipe as UTF-8"
+        ) from None
+    try:
+        data = parse_yaml(text)
+    except yaml.YAMLError as err:
+        raise UserError.single("recipe", str(p), f"not valid YAML ({_one_line(err)})", "fix the YAML syntax") from None
+    except RecursionError:
+        raise UserError.single("recipe", str(p), "nested too deeply", "fix the YAML") from None
+    return recipe_from_dict(data, source=str(p))
+
+
+def _one_line(err: yaml.YAMLError) -> str:
+    return " ".join(str(err).split())[:300]
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,1 +1,0 @@
-"""Multi-process machinery for tests and `dsx3d verify` (CPU, gloo)."""

@@ -1,0 +1,337 @@
+"""Numerical parity: the same steps single-process with plain HF and under a dp x tp x pp layout.
+
+Both sides start from one state dict, see the same samples per optimizer step (global batch t is samples
+[t*B, (t+1)*B); micro-batch k of DP rank d is the slice (k*dp + d) of it), use the same optimizer and clip
+by the global gradient norm. The 3D side runs the real DeepSpeed engine (ZeRO as the case says) on forked
+gloo ranks.
+
+What is compared, and why it is round-off-proof yet sharp (`Criteria`):
+
+- the loss of every step, relative to max(1, |loss|), and the global gradient norm of every step: plain
+  sums of round-off, no amplification (in the AdamW run from the second step on, plus the change that the
+  weight differences admitted so far cause, measured as for the gradients below);
+- with SGD (`optimizer="sgd"`): every step's weight change, tensor by tensor. W_{t+1} - W_t = -lr c_t g_t,
+  so this compares every parameter's gradient before the optimizer, relative to its own norm, with a small
+  floor relative to the whole model's update for tensors whose gradient is (nearly) zero;
+- with AdamW: the final weights element by element, within the move Adam's amplification of gradient
+  round-off can explain. Adam's update u = lr m/(sqrt(v) + eps) changes with a gradient perturbation delta
+  by about lr delta / (sqrt(v) + eps): an element whose gradient is near zero (|g| ~ eps) turns a round-off
+  difference into a sizeable fraction of lr, while an element with a real gradient moves by lr delta/|g|,
+  tiny. The reference tracks v per element and sums that bound over the steps (delta = `roundoff` times
+  the tensor's largest gradient, plus, from the second step on, twice the gradient change that the weight
+  differences admitted so far cause when fed through this step's forward, measured on the reference with
+  those differences applied at random signs and, coherently, all +1 and all -1: the largest change of the
+  three); anything beyond it is a real difference.
+
+`dsx3d verify` runs both: SGD for the gradients, AdamW for the optimizer as training uses it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from dsx3d.recipe.schema import Recipe, recipe_from_dict
+from dsx3d.verify.case import (  # noqa: F401
+    CRITERIA,
+    FP32_EPS,
+    LOSS_TOL_FP32,
+    Criteria,
+    ParityCase,
+    make_batches,
+    micro_batch,
+)
+from dsx3d.verify.reference import (  # noqa: F401
+    Reference,
+    _accumulate_grads,
+    _optimizer,
+    _propagated_change,
+    build_reference,
+    hf_name,
+    run_reference,
+)
+
+"""Spacing of fp32 numbers at 1.0 (2^-23): an element w is rounded to within FP32_EPS * |w|."""
+"""Loss difference allowed in fp32, relative to max(1, |loss|)."""
+
+
+@dataclass
+class Check:
+    """One criterion's verdict: the worst value seen (as a fraction of what is allowed: <= 1 passes)."""
+
+    name: str
+    worst: float
+    where: str
+    ok: bool
+
+
+@dataclass
+class ParityResult:
+    layout: dict[str, int]
+    optimizer: str
+    losses_ref: list[float]
+    losses_3d: list[float]
+    grad_norms_ref: list[float]
+    grad_norms_3d: list[float]
+    max_abs_loss_diff: float
+    max_abs_grad_norm_diff: float
+    max_abs_param_diff: float
+    worst_param: str
+    seconds_ref: float
+    seconds_3d: float
+    checks: list[Check] = field(default_factory=list)
+    ok: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def case_recipe(case: ParityCase) -> Recipe:
+    """The recipe that runs `case` through the same engine builder as `dsx3d train`."""
+    model_cfg = {k: v for k, v in case.config.to_diff_dict().items() if not k.startswith("_")}
+    model_cfg["model_type"] = case.config.model_type
+    if case.lora is not None:
+        model_cfg = {"config": model_cfg, "lora": case.lora}
+    else:
+        model_cfg = {"config": model_cfg}
+    return recipe_from_dict(
+        {
+            "model": model_cfg,
+            "parallel": {
+                "dp": case.dp,
+                "tp": case.tp,
+                "pp": case.pp,
+                "ep": case.ep,
+                "stage_layers": case.stage_layers,
+                "sequence_parallel": case.sequence_parallel,
+            },
+            "cluster": {"nodes": 1, "gpus_per_node": case.world_size},
+            "train": {
+                "micro_batch_size": case.micro_batch_size,
+                "gradient_accumulation_steps": case.micro_batches,
+                "steps": case.steps,
+                "seq_len": case.seq_len,
+                "lr": case.lr,
+                "lr_schedule": "constant",
+                "weight_decay": case.weight_decay,
+                "betas": list(case.betas),
+                "eps": case.adam_eps,
+                "grad_clip": case.grad_clip,
+                "seed": case.seed,
+                "dtype": case.dtype,
+                "activation_checkpointing": case.activation_checkpointing,
+            },
+            "zero": {"stage": case.zero_stage},
+        }
+    )
+
+
+def case_ds_overrides(case: ParityCase) -> dict[str, Any]:
+    """What verify itself changes in the generated DeepSpeed config (the SGD run): merged by the engine
+    builder after the checker, so that it is not reported as a user's override of dsx3d's values."""
+    if case.optimizer != "sgd":
+        return {}
+    return {
+        "optimizer": {"type": "SGD", "params": {"lr": case.lr, "momentum": 0.0, "weight_decay": 0.0}},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def _rank_worker(
+    rank: int, case: ParityCase, state: dict[str, torch.Tensor], batches: torch.Tensor
+) -> dict[str, Any]:
+    from dsx3d.engine import build_engine
+    from dsx3d.models.weights import StateDictSource
+
+    engine = build_engine(
+        case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case)
+    )
+    losses, norms, shards = [], [], []
+    for batch in batches:
+        micro = iter(
+            [
+                (ids, ids)
+                for ids in (
+                    micro_batch(case, batch, k, engine.placement.dp) for k in range(case.micro_batches)
+                )
+            ]
+        )
+        losses.append(engine.train_step(micro))
+        norms.append(engine.grad_norm)
+        if case.optimizer == "sgd":
+            shards.append(engine.hf_shards())
+    if case.optimizer != "sgd":
+        shards.append(engine.hf_shards())
+    return {"losses": losses, "norms": norms, "shards": shards}
+
+
+def run_parity(
+    case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0
+) -> ParityResult:
+    """Train `model` (default: a fresh HF model of case.config, seeded) both ways and compare."""
+    from dsx3d.models.shards import merge_shards
+    from dsx3d.verify.harness import run_ranks
+
+    model = build_reference(case) if model is None else model.float()
+    state = {hf_name(k): v.detach().clone() for k, v in model.state_dict().items()}
+    initial = {hf_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    batches = make_batches(case)
+    t0 = time.perf_counter()
+    try:
+        ref = run_reference(case, model, batches)
+    except (RuntimeError, ValueError, IndexError) as err:  # plain transformers on one process, no dsx3d code
+        from dsx3d.errors import UserError
+
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise UserError.single(
+            "model config",
+            case.config.model_type,
+            f"transformers itself cannot train this config on one process ({type(err).__name__}: {first})",
+            "fix the config so that the plain HF model runs (head counts, sizes), then verify it",
+        ) from None
+    ref.snapshots = [{hf_name(n): t for n, t in snap.items()} for snap in ref.snapshots]
+    ref.adam_slack = {hf_name(n): t for n, t in ref.adam_slack.items()}
+    ref.update_slack = [{hf_name(n): d for n, d in step.items()} for step in ref.update_slack]
+    t1 = time.perf_counter()
+    results = run_ranks(_rank_worker, case.world_size, case, state, batches, timeout_s=timeout_s)
+    t2 = time.perf_counter()
+    vocab = case.config.get_text_config().vocab_size
+    sizes = {name: vocab for name, t in initial.items() if t.dim() >= 1 and t.shape[0] == vocab}
+    merged = [
+        merge_shards([r["shards"][i] for r in results], sizes) for i in range(len(results[0]["shards"]))
+    ]
+    criteria = CRITERIA[case.dtype]
+    losses_3d, norms_3d = results[0]["losses"], results[0]["norms"]
+    checks = [
+        _relative_check("loss", ref.losses, losses_3d, criteria.loss_rtol, ref.loss_slack),
+        _relative_check("grad_norm", ref.norms, norms_3d, criteria.norm_rtol, ref.norm_slack),
+    ]
+    params = set(ref.snapshots[-1])  # state-dict keys not here are tied aliases (lm_head.weight)
+    missing = sorted(params - set(merged[-1]))
+    if missing:
+        checks.append(Check("parameters", float("inf"), f"missing from the 3D model: {missing}", False))
+    elif case.optimizer == "sgd":
+        after = [*merged]  # parameters after step t, t = 1..steps
+        before = [initial, *after[:-1]]
+        checks.append(_gradient_check(ref.snapshots, before, after, criteria, ref.update_slack))
+    else:
+        checks.append(_adam_weight_check(ref.snapshots[-1], merged[-1], ref.adam_slack, criteria))
+    worst, worst_name = 0.0, ""
+    for name, tensor in merged[-1].items():
+        if name in ref.snapshots[-1]:
+            diff = (tensor - ref.snapshots[-1][name].float()).abs().max().item()
+            if diff > worst:
+                worst, worst_name = diff, name
+    return ParityResult(
+        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp, "ep": case.ep, "zero_stage": case.zero_stage},
+        optimizer=case.optimizer,
+        losses_ref=ref.losses,
+        losses_3d=losses_3d,
+        grad_norms_ref=ref.norms,
+        grad_norms_3d=norms_3d,
+        max_abs_loss_diff=max(abs(a - b) for a, b in zip(ref.losses, losses_3d, strict=True)),
+        max_abs_grad_norm_diff=max(abs(a - b) for a, b in zip(ref.norms, norms_3d, strict=True)),
+        max_abs_param_diff=worst,
+        worst_param=worst_name,
+        seconds_ref=t1 - t0,
+        seconds_3d=t2 - t1,
+        checks=checks,
+        ok=all(c.ok for c in checks),
+    )
+
+
+def _relative_check(
+    name: str, ref: list[float], got: list[float], rtol: float, slack: list[float] | None = None
+) -> Check:
+    """|got - ref| <= rtol max(1, |ref|) (+ `slack`, per step) at every step."""
+    extra = slack or [0.0] * len(ref)
+    ratios = [abs(a - b) / (rtol * max(1.0, abs(a)) + e) for a, b, e in zip(ref, got, extra, strict=True)]
+    worst = max(range(len(ratios)), key=ratios.__getitem__)
+    ok = all(r <= 1.0 for r in ratios)  # NaN never passes
+    return Check(name, ratios[worst], f"step {worst + 1}: {ref[worst]:.7g} vs {got[worst]:.7g}", ok)
+
+
+def _gradient_check(
+    ref_snapshots: list[dict[str, torch.Tensor]],
+    before: list[dict[str, torch.Tensor]],
+    after: list[dict[str, torch.Tensor]],
+    criteria: Criteria,
+    update_slack: list[dict[str, float]] | None = None,
+) -> Check:
+    """SGD: each step's weight change (= -lr x clipped gradient), tensor by tensor; `update_slack` (bf16) adds
+    per step and tensor what bf16 round-off explains."""
+    worst, where, ok = 0.0, "", True
+    for t in range(len(after)):
+        ref_delta = {n: ref_snapshots[t + 1][n] - ref_snapshots[t][n] for n in ref_snapshots[t]}
+        total = sum(float((d.double() ** 2).sum()) for d in ref_delta.values()) ** 0.5
+        for name, d_ref in ref_delta.items():
+            d_3d = after[t][name] - before[t][name].float()
+            # each side rounds W - lr g to fp32 once: one unit in the last place of an element is forgiven; a
+            # side storing a coarser dtype rounds W_t and W_t+1 to within stored_u |W| each
+            w0, w1 = ref_snapshots[t][name].abs(), ref_snapshots[t + 1][name].abs()
+            spacing = torch.maximum(FP32_EPS * torch.maximum(w1, w0), criteria.stored_u * (w0 + w1))
+            excess = ((d_3d.double() - d_ref.double()).abs() - spacing.double()).clamp(min=0)
+            err = float(excess.norm())
+            allowed = criteria.grad_rtol * float(d_ref.double().norm()) + criteria.grad_floor * total
+            if update_slack:
+                allowed += update_slack[t].get(name, 0.0)
+            ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
+            ok = ok and ratio <= 1.0
+            if not ratio <= worst:
+                worst, where = (
+                    ratio,
+                    f"step {t + 1}, {name}: |dW_3d - dW_ref| beyond 1 ulp = {err:.3g}, allowed {allowed:.3g}",
+                )
+    return Check("gradients", worst, where, ok)
+
+
+def _adam_weight_check(
+    ref: dict[str, torch.Tensor],
+    got: dict[str, torch.Tensor],
+    slack: dict[str, torch.Tensor],
+    criteria: Criteria,
+) -> Check:
+    """AdamW: final weights element by element within Adam's amplification of round-off."""
+    worst, where, ok = 0.0, "", True
+    for name, w_ref in ref.items():
+        w_ref = w_ref.float()
+        diff = (got[name].float() - w_ref).abs()
+        allowed = slack.get(name, torch.zeros_like(w_ref)) + criteria.weight_atol * w_ref.abs().clamp(min=1.0)
+        allowed = allowed + criteria.stored_u * w_ref.abs()  # the 3D side's stored copy rounds it
+        ratio = diff / allowed
+        i = int(torch.nan_to_num(ratio, nan=float("inf")).argmax()) if ratio.numel() else 0
+        value = float(ratio.flatten()[i]) if ratio.numel() else 0.0
+        ok = ok and bool((diff <= allowed).all())
+        if not value <= worst:
+            worst = value
+            where = f"{name}[{i}]: |w_3d - w_ref| = {float(diff.flatten()[i]):.3g}, allowed {float(allowed.flatten()[i]):.3g}"
+    return Check("weights", worst, where, ok)
+
+
+SGD_LR = 0.5
+"""The SGD run's learning rate: large enough that an update stands far above the weights' fp32 spacing
+(a clipped update of norm 0.5 moves a typical element by ~1e-3, ulp of a 0.02 weight is 2e-9), so the weight
+change measures the gradient to ~1e-6; at lr 1e-3 fp32 rounding of the weights alone is ~1e-4 of it."""
+
+
+def run_verify(
+    case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0
+) -> list[ParityResult]:
+    """`dsx3d verify`: the gradients through an SGD run, then the optimizer as training runs it (AdamW)."""
+    from dataclasses import replace
+
+    state = None if model is None else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    results = []
+    for optimizer in ("sgd", "adamw"):
+        fresh = None
+        if model is not None:
+            fresh = model
+            fresh.load_state_dict(state)  # type: ignore[arg-type]
+        lr = SGD_LR if optimizer == "sgd" else case.lr
+        results.append(
+            run_parity(replace(case, optimizer=optimizer, lr=lr), model=fresh, timeout_s=timeout_s)
+        )
+    return results

@@ -1,0 +1,202 @@
+"""The single-process reference of a parity case: plain HF on the same batches, its losses, gradients and weight changes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsx3d.verify.bf16_roundoff import BF16_DRAWS, Bf16Roundoff, bf16_shadow, record_step, sgd_step
+from dsx3d.verify.case import CRITERIA, ParityCase, micro_batch
+from dsx3d.verify.reference_clip import clip_by_exact_norm
+
+
+def build_reference(case: ParityCase) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(case.seed)
+    model = AutoModelForCausalLM.from_config(case.config)
+    if case.lora is not None:
+        from peft import get_peft_model
+
+        from dsx3d.models.lora import peft_config_from
+        from dsx3d.recipe.schema import LoraSection
+
+        model = get_peft_model(model, peft_config_from(LoraSection(**case.lora)))
+    return model.float()
+
+
+def hf_name(name: str) -> str:
+    """A reference parameter's name as the 3D side calls it (`dsx3d.models.lora.hf_param_name`)."""
+    from dsx3d.models.lora import hf_param_name
+
+    return hf_param_name(name)
+
+
+@dataclass
+class Reference:
+    losses: list[float]
+    norms: list[float]
+    snapshots: list[dict[str, torch.Tensor]]
+    """Parameters before each step and after the last (SGD), or only after the last (AdamW)."""
+    adam_slack: dict[str, torch.Tensor] = field(default_factory=dict)
+    """AdamW: per element, how far round-off amplified by Adam can move a weight (module docstring)."""
+    loss_slack: list[float] = field(default_factory=list)
+    norm_slack: list[float] = field(default_factory=list)
+    update_slack: list[dict[str, float]] = field(default_factory=list)
+    """SGD in bf16, per step and tensor: how far bf16 round-off moves the weight change (dsx3d.bf16_roundoff)."""
+    """AdamW, per step: how much the weight differences admitted so far can change the loss and the gradient
+    norm (0 at the first step), measured like the gradients' (`_propagated_change`)."""
+
+
+def _optimizer(case: ParityCase, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=case.lr, momentum=0.0, weight_decay=0.0)
+    return torch.optim.AdamW(
+        params, lr=case.lr, betas=case.betas, eps=case.adam_eps, weight_decay=case.weight_decay
+    )
+
+
+def _accumulate_grads(case: ParityCase, model: torch.nn.Module, batch: torch.Tensor) -> float:
+    """Backward of the mean loss over the global batch `batch` into .grad; return that loss."""
+    n_micro = case.micro_batches * case.dp
+    total = 0.0
+    for k in range(case.micro_batches):
+        for d in range(case.dp):
+            ids = micro_batch(case, batch, k, d)
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / n_micro).backward()
+            total += loss.item() / n_micro
+    return total
+
+
+def _propagated_change(
+    case: ParityCase,
+    model: torch.nn.Module,
+    named: list,
+    batch: torch.Tensor,
+    slack: dict[str, torch.Tensor],
+    t: int,
+    base_loss: float,
+    accumulate: Callable[..., float] = _accumulate_grads,
+) -> tuple[dict[str, torch.Tensor], float, float]:
+    """max over probes of |g(W + p) - g(W)| per element, p = the slack so far with random signs, then with
+    every sign +1, then -1: how much the earlier steps' admissible weight differences change this step's
+    gradient (they feed into this step's forward). Round-off differences of one summation order are not
+    independent per element (they can shift a whole tensor one way), so the coherent probes bound what random
+    signs average away. Also the loss and the (unclipped) gradient norm at the probe that moves them most."""
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in named}
+    with torch.no_grad():
+        base_norm = sum(float((g.double() ** 2).sum()) for g in grads.values()) ** 0.5
+    gen = torch.Generator().manual_seed(case.seed * 1000 + t)
+    kept = {n: p.detach().clone() for n, p in named}
+    change: dict[str, torch.Tensor] = {}
+    loss_out, norm_out = None, None
+    for probe in ("random", "plus", "minus"):
+        with torch.no_grad():
+            for n, p in named:
+                if n in slack:
+                    if probe == "random":
+                        signs = torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1
+                        p.add_(slack[n] * signs)
+                    else:
+                        p.add_(slack[n] if probe == "plus" else -slack[n])
+        for _, p in named:
+            p.grad = None
+        rng = torch.get_rng_state()
+        loss = accumulate(case, model, batch)
+        torch.set_rng_state(rng)
+        square = 0.0
+        with torch.no_grad():
+            for n, p in named:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                square += float((g.double() ** 2).sum())
+                diff = (g - grads[n]).abs()
+                change[n] = diff if n not in change else torch.maximum(change[n], diff)
+                p.copy_(kept[n])
+        norm = square**0.5
+        if loss_out is None or abs(loss - base_loss) > abs(loss_out - base_loss):
+            loss_out = loss
+        if norm_out is None or abs(norm - base_norm) > abs(norm_out - base_norm):
+            norm_out = norm
+    for n, p in named:
+        p.grad = grads[n]
+    assert loss_out is not None and norm_out is not None
+    return change, loss_out, norm_out
+
+
+def run_reference(
+    case: ParityCase, model: torch.nn.Module, batches: Any, accumulate: Callable[..., float] = _accumulate_grads
+) -> Reference:
+    """Plain HF on one process: mean loss over the global batch, global-norm clipping, the optimizer.
+    `accumulate(case, model, batch)` backpropagates one step's loss and returns it (default: `batches` of
+    token ids, each sequence its own example)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = _optimizer(case, [p for _, p in named])
+    criteria = CRITERIA[case.dtype]
+    ref = Reference([], [], [])
+    v = {n: torch.zeros_like(p) for n, p in named}
+    beta2 = case.betas[1]
+    model.train()
+    # SGD in bf16: the shadow follows its own trajectory (dsx3d.bf16_roundoff.sgd_step); AdamW measures the
+    # effect of earlier differences with its probes (_propagated_change) and runs the shadow from the reference
+    shadow_weights = None
+    if case.dtype == "bf16" and case.optimizer == "sgd":
+        shadow_weights = {n: p.detach().clone() for n, p in named}
+    for t, batch in enumerate(batches, start=1):
+        if case.optimizer == "sgd":
+            ref.snapshots.append({n: p.detach().clone() for n, p in named})
+        opt.zero_grad(set_to_none=True)
+        rng = torch.get_rng_state()
+        total = accumulate(case, model, batch)
+        after = torch.get_rng_state()
+        propagated: dict[str, torch.Tensor] = {}
+        moved_loss, moved_norm = total, None
+        if case.optimizer != "sgd" and ref.adam_slack:
+            torch.set_rng_state(rng)
+            propagated, moved_loss, moved_norm = _propagated_change(
+                case, model, named, batch, ref.adam_slack, t, total, accumulate
+            )
+            torch.set_rng_state(after)
+        max_norm = case.grad_clip if case.grad_clip > 0 else float("inf")
+        unclipped = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+        norm = clip_by_exact_norm([p for _, p in named], max_norm)
+        ref.loss_slack.append(2 * abs(moved_loss - total))
+        ref.norm_slack.append(0.0 if moved_norm is None else 2 * abs(moved_norm - float(norm)))
+        clip = min(1.0, max_norm / (float(norm) + 1e-6))
+        bf16_grad: dict[str, torch.Tensor] = {}
+        if case.dtype == "bf16":
+            torch.set_rng_state(rng)
+            shadow_loss, shadow_grads = bf16_shadow(
+                model, lambda m: _accumulate_grads(case, m, batch), shadow_weights  # noqa: B023
+            )
+            torch.set_rng_state(after)
+            rf = Bf16Roundoff()
+            record_step(rf, total, norm, unclipped, shadow_loss, shadow_grads, case.lr, max_norm)
+            ref.loss_slack[-1] += BF16_DRAWS * rf.loss[0]
+            ref.norm_slack[-1] += BF16_DRAWS * rf.norm[0]
+            ref.update_slack.append({n: BF16_DRAWS * d for n, d in rf.update[0].items()})
+            bf16_grad = rf.grad[0]
+            if shadow_weights is not None:
+                sgd_step(shadow_weights, shadow_grads, case.lr, max_norm)
+        if case.optimizer != "sgd":
+            for n, p in named:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                v[n].mul_(beta2).add_(g * g, alpha=1 - beta2)
+                v_hat = v[n] / (1 - beta2**t)
+                delta = torch.full_like(p, criteria.roundoff * float(g.abs().max()) if g.numel() else 0.0)
+                if n in propagated:
+                    delta += 2 * clip * propagated[n]
+                if n in bf16_grad and bf16_grad[n].numel():
+                    # one draw of an element's round-off can be near zero by chance: the tensor's largest
+                    delta += BF16_DRAWS * clip * float(bf16_grad[n].max())
+                step = 2 * case.lr * delta / (v_hat.sqrt() + case.adam_eps)
+                # Adam moves an element by at most a few lr per step, whatever its gradient
+                ref.adam_slack[n] = ref.adam_slack.get(n, torch.zeros_like(p)) + step.clamp(max=4 * case.lr)
+        opt.step()
+        ref.losses.append(total)
+        ref.norms.append(float(norm))
+    ref.snapshots.append({n: p.detach().clone() for n, p in named})
+    return ref

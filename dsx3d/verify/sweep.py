@@ -1,0 +1,123 @@
+"""Tiny configs nobody here picked: for every family with plans, sizes drawn at random from awkward
+values (6 or 12 heads, 1-6 KV heads, odd vocabularies, intermediate sizes that are not powers of two, tied
+or untied embeddings, attention biases on or off where the family has the key), the vocabularies of published
+checkpoints (32000 to 151936) against the small hidden sizes (so the head dominates and the cost-balanced stage
+split gives the last stage few or no layers), fp32 or bf16, and for some cases the model saved as a published
+checkpoint is (bf16 safetensors in shards with an index) and read back through verify's `--model`. Used by the
+verify sweep (scripts/bench/verify_sweep.py) and its CI sample (tests/distributed/test_verify.py)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from dsx3d.models.known_families import families_with_plans, refusal, tiny_config
+
+HEADS = (6, 12)
+HEAD_DIMS = (8, 12, 16)
+VOCABS = (127, 250, 301, 509)
+PUBLISHED_VOCABS = (32000, 32768, 50257, 128256, 151936)
+"""Vocabularies of published checkpoints (llama-2 / mistral, mistral v3, gpt-2, llama-3, qwen2)."""
+DTYPES = ("fp32", "bf16")
+INTERMEDIATE = (72, 96, 120, 136)
+LAYOUTS: list[tuple[tuple[int, int, int], int]] = [
+    # ((dp, tp, pp), ZeRO stage)
+    ((1, 2, 2), 1),
+    ((2, 2, 1), 1),
+    ((2, 1, 2), 1),
+    ((1, 2, 1), 1),
+    ((2, 2, 2), 1),
+    # pp = 1: DeepSpeed's regular engine, where ZeRO-2 and ZeRO-3 run
+    ((2, 1, 1), 2),
+    ((2, 2, 1), 2),
+    ((2, 1, 1), 3),
+    ((2, 2, 1), 3),
+]
+
+
+@dataclass(frozen=True)
+class SweepCase:
+    family: str
+    dims: dict[str, Any]
+    layout: tuple[int, int, int]
+    zero_stage: int
+    dtype: str = "fp32"
+    checkpoint: bool = False
+    """Saved as a published checkpoint (bf16, sharded, indexed) and read back through verify's --model."""
+
+    def config(self) -> PretrainedConfig:
+        return tiny_config(self.family, **self.dims)
+
+    @property
+    def label(self) -> str:
+        dims = ",".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
+        ckpt = ",ckpt" if self.checkpoint else ""
+        return f"{self.family}[{dims}]@dp{self.layout[0]}tp{self.layout[1]}pp{self.layout[2]}z{self.zero_stage},{self.dtype}{ckpt}"
+
+    def stage_layers(self) -> list[int] | None:
+        """An even split for bf16 pipelines: DeepSpeed's BF16_Optimizer crashes on a stage without parameter
+        groups ("stack expects a non-empty TensorList"), which the cost-balanced split of a large-vocabulary
+        head produces; fp32 keeps the balanced split."""
+        pp = self.layout[2]
+        if self.dtype != "bf16" or pp == 1:
+            return None
+        layers = int(self.config().get_text_config().num_hidden_layers)
+        if layers < pp:
+            return None
+        return [layers // pp + (1 if i < layers % pp else 0) for i in range(pp)]
+
+
+def _dims(rng: random.Random) -> dict[str, Any]:
+    heads = rng.choice(HEADS)
+    kv = rng.choice([k for k in (1, 2, 3, 6) if heads % k == 0 and k % 2 == 0] or [heads])
+    head_dim = rng.choice(HEAD_DIMS)
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "hidden_size": heads * head_dim,
+        "intermediate_size": rng.choice(INTERMEDIATE),
+        "vocab_size": rng.choice(PUBLISHED_VOCABS) if rng.random() < 0.3 else rng.choice(VOCABS),
+        "tie_word_embeddings": rng.random() < 0.5,
+        "attention_bias": rng.random() < 0.5,
+    }
+
+
+def _runs_in_transformers(config: PretrainedConfig) -> None:
+    """Raise unless plain HF builds `config` and runs a forward: some families derive other head counts
+    from the drawn ones (MiMo-V2 doubles the KV heads of its sliding-window layers), and a config that
+    transformers itself cannot run is refused by verify, not a case of its sweep."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_config(config)
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def sweep_cases(count: int, seed: int = 0, layouts: list[tuple[tuple[int, int, int], int]] | None = None) -> list[SweepCase]:
+    """`count` buildable cases, round-robin over the families supported at tp 2, each with random awkward
+    sizes and a layout from `layouts`. A family whose config rejects the sizes is tried with new sizes
+    (dimension keys it lacks are dropped)."""
+    rng = random.Random(seed)
+    layouts = layouts or LAYOUTS
+    families = [f for f in families_with_plans() if refusal(f, 2) is None]
+    cases: list[SweepCase] = []
+    misses = 0
+    while len(cases) < count and misses < 50 * count:
+        family = families[(len(cases) + misses) % len(families)]
+        layout, zero = layouts[rng.randrange(len(layouts))]
+        dtype = rng.choice(DTYPES)
+        case = SweepCase(family, _dims(rng), layout, zero, dtype, checkpoint=rng.random() < 0.25)
+        try:
+            config = case.config()
+            _runs_in_transformers(config)
+        except Exception:  # sizes the family's own config or model refuses: draw new ones
+            misses += 1
+            continue
+        kept = {k: v for k, v in case.dims.items() if getattr(config, k, None) == v}
+        cases.append(SweepCase(family, kept, layout, zero, case.dtype, case.checkpoint))
+    return cases

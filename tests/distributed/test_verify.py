@@ -1,0 +1,83 @@
+"""`dsx3d verify` is truthful both ways: it passes correct layouts of configs nobody here picked (a seeded
+sample of the generated sweep; `DSX3D_SWEEP=1` runs more) and fails every injected defect
+(dsx3d.verify.faults). The full sweep and its figures: scripts/bench/verify_sweep.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dsx3d.cli import main
+from dsx3d.verify.faults import FAULTS
+from dsx3d.verify.parity import ParityCase, run_verify
+from dsx3d.verify.published import published_inputs
+from dsx3d.verify.sweep import sweep_cases
+
+pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
+
+SAMPLE = int(os.environ.get("DSX3D_SWEEP_COUNT", "100" if os.environ.get("DSX3D_SWEEP") else "3"))
+SEED = int(os.environ.get("DSX3D_SWEEP_SEED", "20261130"))
+
+
+@pytest.mark.parametrize("case", sweep_cases(SAMPLE, seed=SEED), ids=lambda c: c.label)
+def test_verify_passes_generated_configs(case, tmp_path: Path) -> None:
+    dp, tp, pp = case.layout
+    config, model = case.config(), None
+    if case.checkpoint:
+        config, model = published_inputs(config, tmp_path / "published")
+    parity = ParityCase(
+        config, dp=dp, tp=tp, pp=pp, zero_stage=case.zero_stage, steps=2, dtype=case.dtype,
+        stage_layers=case.stage_layers(),
+    )
+    results = run_verify(parity, model=model)
+    for r in results:
+        assert r.ok, r.to_dict()
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_verify_fails_every_injected_fault(name: str) -> None:
+    fault = FAULTS[name]
+    dp, tp, pp = fault.layout
+    with fault.patch():
+        results = run_verify(ParityCase(fault.config(), dp=dp, tp=tp, pp=pp, ep=fault.ep, steps=2))
+    assert not all(r.ok for r in results), [r.to_dict() for r in results]
+
+
+def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """0 on a correct layout, 1 on a broken one, 2 with the key on a config transformers cannot build."""
+    args = ["verify", "--arch", "qwen3", "--dp", "1", "--tp", "2", "--pp", "1", "--steps", "2", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    with FAULTS["q/k norm gradient not all-reduced"].patch():
+        assert main(args) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["ok"] and any(not c["ok"] for run in out["runs"] for c in run["checks"])
+    from dsx3d.models.known_families import tiny_config
+
+    bad = tmp_path / "bad"
+    tiny_config("llama", pad_token_id=4000, vocab_size=128).save_pretrained(bad)
+    assert main(["verify", "--config", str(bad / "config.json")]) == 2
+    err = capsys.readouterr().err
+    assert "model.config.pad_token_id" in err and "Traceback" not in err
+
+
+def test_cli_says_dropout_is_off(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """A config with dropout (seed_oss ships 0.1) is compared without it, and the output says so."""
+    args = ["verify", "--arch", "seed_oss", "--dp", "1", "--tp", "2", "--pp", "1", "--steps", "2", "--json"]
+    from dsx3d.models import known_families as families
+
+    original = families.tiny_config
+
+    def with_dropout(model_type: str, **kw: object) -> object:
+        return original(model_type, **{"attention_dropout": 0.1, "residual_dropout": 0.1, **kw})
+
+    families.tiny_config = with_dropout  # type: ignore[assignment]
+    try:
+        assert main(args) == 0
+    finally:
+        families.tiny_config = original
+    out = json.loads(capsys.readouterr().out)
+    assert out["dropout_disabled"] == {"attention_dropout": 0.1, "residual_dropout": 0.1}
