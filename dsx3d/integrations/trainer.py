@@ -40,6 +40,7 @@ from torch.utils.data import IterableDataset, SequentialSampler
 from transformers.trainer_pt_utils import nested_concat, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize, speed_metrics
 
+from dsx3d.checkpoint.engine_load import load_checkpoint
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
 from dsx3d.integrations import patches, trl_face
@@ -296,8 +297,8 @@ class Trainer(transformers.Trainer):
         self.model_wrapped = self.deepspeed = engine.ds_engine
         scheduler: Any = self.lr_scheduler
         if resume_from_checkpoint is not None:
-            engine.ds_engine.load_checkpoint(
-                resume_from_checkpoint, load_optimizer_states=True, load_lr_scheduler_states=False
+            load_checkpoint(
+                engine.ds_engine, resume_from_checkpoint, load_optimizer_states=True, load_lr_scheduler_states=False
             )
             scheduler.load_state_dict(
                 torch.load(

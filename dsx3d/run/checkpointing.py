@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsx3d.checkpoint.engine_load import load_checkpoint
 from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, file_problem, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
 from dsx3d.checkpoint.training_format import (
@@ -416,7 +417,7 @@ class Checkpointer:
         ds_engine._config.load_universal_checkpoint = plan.reshard or universal_before
         try:
             with weights_only_loads():
-                path, client = ds_engine.load_checkpoint(str(load_dir), tag=load_tag)
+                path, client = load_checkpoint(ds_engine, str(load_dir), tag=load_tag)
         finally:
             ds_engine._config.load_universal_checkpoint = universal_before
         if path is None or CLIENT_KEY not in (client or {}):
