@@ -163,6 +163,66 @@ def _zero_optimizer_problems(config: dict[str, Any]) -> Iterator[Problem]:
         )
 
 
+def _master_weights_problems(config: dict[str, Any]) -> Iterator[Problem]:
+    """What ZeRO's optimizers assert about 16-bit master weights when they are built
+    (`ZeROOptimizer._configure_master_weights` in runtime/base_optimizer.py, with the offload check of
+    runtime/zero/stage_1_and_2.py and stage3.py): fp16 and bf16 master weights exclude each other, and either
+    needs the optimizer offloaded to the CPU with DeepSpeed's CPU Adam (bf16 master weights not, if the
+    optimizer states stay in bf16 on the device). The flags are read whatever `enabled` says; BF16_Optimizer
+    (bf16 with fp32 accumulation at ZeRO-1 without offload) does not read them."""
+    from deepspeed.runtime import config as c
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    from dsx3d.recipe.ds_optimizer import ZERO_OPTIMIZER, optimizer_wrapper
+
+    try:
+        zero, bf16, fp16 = get_zero_config(config), get_bfloat16_config(config), get_float16_config(config)
+    except Exception:  # reported by the section parsers
+        return
+    bf16_master, fp16_master = bf16.bf16_master_weights_and_grads, fp16.fp16_master_weights_and_grads
+    if not (bf16_master or fp16_master) or not 1 <= int(zero.stage) <= 3:
+        return  # outside ZeRO 1-3 DeepSpeed's whole-config check refuses the flags
+    device = getattr(zero.offload_optimizer, "device", None)
+    device = getattr(device, "value", device)
+    offload = device not in (None, "none")
+    dtype = "bf16" if bf16.enabled else "fp16" if fp16.enabled else "fp32"
+    accum = _get(config, "data_types.grad_accum_dtype")
+    try:
+        wrapper = optimizer_wrapper(dtype, int(zero.stage), accum, pipeline=False, cpu_offload=device == "cpu")
+    except ValueError:
+        return
+    if wrapper != ZERO_OPTIMIZER:
+        return
+    key = "bf16.bf16_master_weights_and_grads" if bf16_master else "fp16.fp16_master_weights_and_grads"
+    if bf16_master and fp16_master:
+        yield Problem(
+            f"deepspeed.{key}", True, "DeepSpeed refuses fp16 and bf16 master weights together",
+            "keep at most one of deepspeed.bf16.bf16_master_weights_and_grads and deepspeed.fp16.fp16_master_weights_and_grads",
+        )
+        return
+    if bf16_master and bf16.bf16_optimizer_states and not offload:
+        return
+    section = config.get("optimizer")
+    optimizer: dict[str, Any] = section if isinstance(section, dict) else {}
+    params: dict[str, Any] = optimizer["params"] if isinstance(optimizer.get("params"), dict) else {}
+    cpu_adam = (
+        str(optimizer.get("type", "")).lower() in (c.ADAM_OPTIMIZER, c.ADAMW_OPTIMIZER)
+        and not params.get(c.TORCH_ADAM_PARAM, False)
+        and device in ("cpu", "nvme")
+        and zero.zenflow is None
+    )
+    if offload and cpu_adam:
+        return
+    yield Problem(
+        f"deepspeed.{key}", True,
+        f"DeepSpeed's ZeRO-{int(zero.stage)} optimizer keeps {key[:4]} master weights and gradients only with the "
+        "optimizer offloaded to the CPU and its CPU Adam (DeepSpeedCPUAdam)",
+        "remove it, or offload the optimizer (deepspeed.zero_optimization.offload_optimizer.device: cpu) with "
+        "DeepSpeed's Adam (deepspeed.optimizer.params.torch_adam: false)",
+    )
+
+
 def _optimizer_problems(config: dict[str, Any]) -> Iterator[Problem]:
     import torch
     from deepspeed.runtime import config as c
@@ -266,6 +326,7 @@ def schema_problems(config: dict[str, Any], dp: int) -> list[Problem]:
         except Exception as err:  # pydantic's ValidationError, TypeError, DeepSpeedConfigError, ...
             problems.extend(_problems_of(err, section, prefix, config))
     problems.extend(_zero_optimizer_problems(config))
+    problems.extend(_master_weights_problems(config))
     problems.extend(_optimizer_problems(config))
     problems.extend(_scheduler_problems(config))
     if not problems:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import transformers
 
+from dsx3d.checkpoint.training.engine_load import load_checkpoint
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
 from dsx3d.integrations import patches, trl_face
@@ -301,8 +302,8 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         self.model_wrapped = self.deepspeed = engine.ds_engine
         scheduler: Any = self.lr_scheduler
         if resume_from_checkpoint is not None:
-            engine.ds_engine.load_checkpoint(
-                resume_from_checkpoint, load_optimizer_states=True, load_lr_scheduler_states=False
+            load_checkpoint(
+                engine.ds_engine, resume_from_checkpoint, load_optimizer_states=True, load_lr_scheduler_states=False
             )
             scheduler.load_state_dict(
                 torch.load(

@@ -46,6 +46,7 @@ from dsx3d.checkpoint.training.disk_format import (
     rng_path,
     tag_for,
 )
+from dsx3d.checkpoint.training.engine_load import load_checkpoint
 from dsx3d.checkpoint.training.resume import ResumePlan, layout_record, plan_resume, read_saved
 from dsx3d.checkpoint.training.rng import RNG_FORMAT, rng_state, set_rng_state  # noqa: F401
 from dsx3d.checkpoint.training.tags import choose_tag, prune, remove_tag, tag_problems, tags_to_delete  # noqa: F401
@@ -270,7 +271,7 @@ class Checkpointer:
         ds_engine._config.load_universal_checkpoint = plan.reshard or universal_before
         try:
             with weights_only_loads():
-                path, client = ds_engine.load_checkpoint(str(load_dir), tag=load_tag)
+                path, client = load_checkpoint(ds_engine, str(load_dir), tag=load_tag)
         finally:
             ds_engine._config.load_universal_checkpoint = universal_before
         if path is None or CLIENT_KEY not in (client or {}):
