@@ -631,6 +631,13 @@ def _lora(c: _Context) -> Iterator[Problem]:
     yield from lora_problems(c.recipe, c.hf_config)
 
 
+def _schedule(c: _Context) -> Iterator[Problem]:
+    """parallel.schedule: what zero bubble needs (`dsx3d.schedule_rules`)."""
+    from dsx3d.schedule_rules import schedule_problems
+
+    yield from schedule_problems(c.recipe, c.hf_config)
+
+
 RULES: list[Rule] = [
     _model_dimensions,
     _seq_len_vs_positions,
@@ -659,6 +666,7 @@ RULES: list[Rule] = [
     _model_builds,
     _tracking_packages,
     _lora,
+    _schedule,
 ]
 
 # Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.

@@ -252,6 +252,10 @@ def build_engine(
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
     if layout.pp > 1:
         release_last_stage_outputs(engine)
+        if recipe.parallel.schedule == "zb-h1":
+            from dsx3d.models.zb_schedule import install_zero_bubble
+
+            install_zero_bubble(engine)
     if moe:
         keep_pipeline_checkpoints(engine)
     module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go

@@ -99,6 +99,8 @@ class ParityCase:
     stage_layers: list[int] | None = None
     sequence_parallel: bool = True
     """parallel.sequence_parallel (takes effect with tp > 1)"""
+    schedule: str = "1f1b"
+    """parallel.schedule (with pp > 1): "1f1b" or "zb-h1"."""
     lora: dict[str, Any] | None = None
     """A recipe's model.lora section: both sides train peft LoRA adapters on the frozen model (the reference
     is `peft.get_peft_model` on the same HF model; only the adapters are compared)."""
@@ -340,6 +342,7 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "ep": case.ep,
                 "stage_layers": case.stage_layers,
                 "sequence_parallel": case.sequence_parallel,
+                "schedule": case.schedule,
             },
             "cluster": {"nodes": 1, "gpus_per_node": case.world_size},
             "train": {

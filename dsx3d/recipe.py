@@ -163,6 +163,9 @@ class ParallelSection(_Section):
     """With tp > 1, keep activations outside the TP regions (norms, dropout, residuals, pipeline messages)
     split along the sequence over the TP ranks (Megatron's sequence parallelism); train.seq_len must be a
     multiple of tp. Families that cannot run it fall back to plain TP with a warning."""
+    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    """Pipeline schedule (pp > 1): DeepSpeed's 1F1B, or zero bubble ZB-H1, which splits each backward into the
+    input gradient (sent upstream at once) and the weight gradients (run later, where 1F1B idles)."""
 
 
 class ClusterSection(_Section):

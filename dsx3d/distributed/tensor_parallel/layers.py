@@ -7,11 +7,11 @@ on every TP rank (replicated ones are counted once).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.mappings import split_last_dim
+from dsx3d.distributed.tensor_parallel.weight_grad import linear as deferrable_linear
 
 
 def mark_sharded(param: nn.Parameter, dim: int) -> None:
@@ -67,7 +67,7 @@ class RowParallelLinear(nn.Module):
             )
         if self.split_input:  # the input is replicated: keep this rank's columns
             x = split_last_dim(x, self.tp.group)
-        y = self.tp.exit_region(F.linear(x, self.weight), training=self.training)
+        y = self.tp.exit_region(deferrable_linear(x, self.weight), training=self.training)
         return y if self.bias is None else y + self.bias
 
 
