@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dsx3d.errors import UserError
-from dsx3d.estimate import memory, timing
-from dsx3d.layout import Layout, bubble_fraction
+from dsx3d.estimate import memory, schedules, timing
+from dsx3d.layout import Layout
 from dsx3d.models.shape import ModelShape, ParamCount
 from dsx3d.partition import decoder_split
 
@@ -71,6 +71,8 @@ class Setup:
     """`zero_optimization.reduce_bucket_size` (DeepSpeed's default): ZeRO's gradient buckets, in elements."""
     sequence_parallel: bool = True
     """parallel.sequence_parallel: with tp > 1, for models the engine runs with it (`ModelShape`)."""
+    schedule: str = "1f1b"
+    """parallel.schedule: "1f1b" or "zb-h1" (`dsx3d.estimate.schedules`)."""
 
     @property
     def world_size(self) -> int:
@@ -211,6 +213,7 @@ def _stage(
         sequence_parallel=sequence_parallel(shape, setup),
         moe_layers=moe_layers,
         ep=setup.ep,
+        held=schedules.held_micro_batches(setup.schedule, stage, setup.pp, setup.grad_accum),
     )
     partition = dense / setup.dp + experts / (setup.dp // setup.ep) if setup.zero_stage >= 1 else per_device
     transients = memory.transient_bytes(
@@ -359,7 +362,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
     stages = [_stage(shape, setup, hw, i, firsts[i], n, params[i]) for i, n in enumerate(layers)]
     m, p = setup.grad_accum, setup.pp
     slowest = max(stages, key=lambda st: st.micro_batch_time_s)
-    pipeline = (m + p - 1) * slowest.micro_batch_time_s
+    pipeline = schedules.pipeline_units(setup.schedule, p, m) * slowest.micro_batch_time_s
     dp_time = max(st.time_s["dp"] for st in stages)
     tied_time = 0.0
     if shape.tie_word_embeddings and p > 1:
@@ -392,7 +395,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         total_gb=peak.total_gb,
         peak_stage=peak.stage,
         step_time_s=step,
-        bubble_fraction=bubble_fraction(p, m),
+        bubble_fraction=schedules.schedule_bubble(setup.schedule, p, m),
         mfu=flops / (step * setup.world_size * hw.peak_tflops * 1e12),
         tokens_per_s=tokens / step,
         tokens_per_step=tokens,
