@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from dsx3d.distributed.tensor_parallel.weight_grad import DEFER_OK, WEIGHT_GRADS, defer_linears
@@ -59,6 +60,12 @@ _INSTRUCTIONS: dict[str, type[ds_schedule.BufferOpInstruction]] = {
 }
 
 
+def _cloned(grads: Any) -> Any:
+    if isinstance(grads, torch.Tensor):
+        return grads.clone()
+    return type(grads)(g.clone() if isinstance(g, torch.Tensor) else g for g in grads)
+
+
 def install_zero_bubble(engine: Any) -> None:
     """Run `engine` (a DeepSpeed PipelineEngine) on ZB-H1: its train schedule, B and W instructions, and the
     plain `nn.Linear`s of its stage rewired to defer their weight gradients. Refuses a gradient path that
@@ -85,8 +92,17 @@ def install_zero_bubble(engine: Any) -> None:
     reduce_grads = table[ds_schedule.ReduceGrads]
 
     def backward_input(self: Any, buffer_id: int) -> None:
-        with WEIGHT_GRADS.collect(buffer_id):
-            backward(self, buffer_id)
+        # The engine receives every output gradient into one reused buffer, and a residual stream passes that
+        # tensor itself to the last linear's backward: its queued W would read the next micro-batch's gradient.
+        # B runs on a private copy; the receive buffer stays the engine's.
+        received = self.grad_layer
+        if received is not None:
+            self.grad_layer = _cloned(received)
+        try:
+            with WEIGHT_GRADS.collect(buffer_id):
+                backward(self, buffer_id)
+        finally:
+            self.grad_layer = received
 
     def backward_weight(self: Any, buffer_id: int) -> None:
         bf16 = bool(getattr(self, "using_bf16_optimizer", False))
