@@ -27,7 +27,12 @@ from dsx3d.distributed import comm
 from dsx3d.testing.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
-BUSY = ("ForwardPass", "BackwardPass")
+BUSY = ("ForwardPass", "BackwardPass", "BackwardInput", "BackwardWeight")
+SCHEDULES = ("1f1b", "zb-h1")
+
+
+def _key(schedule: str, m: int) -> str:
+    return f"{schedule}:m{m}"
 
 
 def worker(
@@ -37,13 +42,15 @@ def worker(
     pp: int,
     rounds: int,
     warmup: int,
+    schedules: tuple[str, ...] = SCHEDULES,
 ) -> dict[str, Any]:
-    contenders, clocks = [], {}
-    for m, work in works.items():
-        c = bc.dsx3d_contender(f"m{m}", work, state, dp=1, pp=pp)
-        clocks[c.name] = bc.InstructionClock(c.engine.ds_engine)
-        contenders.append(c)
-    batches = {c.name: bc.make_batches(works[int(c.name[1:])], warmup + rounds) for c in contenders}
+    contenders, clocks, batches = [], {}, {}
+    for schedule in schedules:
+        for m, work in works.items():
+            c = bc.dsx3d_contender(_key(schedule, m), work, state, dp=1, pp=pp, schedule=schedule)
+            clocks[c.name] = bc.InstructionClock(c.engine.ds_engine)
+            contenders.append(c)
+            batches[c.name] = bc.make_batches(work, warmup + rounds)
     steps: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
     for r in range(warmup + rounds):
         for c in contenders if r % 2 == 0 else contenders[::-1]:
@@ -66,7 +73,7 @@ def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int) -> dict[str
     for i in range(n_steps):
         start = max(r["steps"][name][i]["start"] for r in per_rank)
         end = max(
-            e for r in per_rank for (kind, _, e) in r["steps"][name][i]["events"] if kind == "BackwardPass"
+            e for r in per_rank for (kind, _, e) in r["steps"][name][i]["events"] if kind in BUSY[1:]
         )
         windows.append(end - start)
         for r in per_rank:
@@ -89,21 +96,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks); p > cores oversubscribes")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8, quick 2)")
     parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=None, help="m values (default p, 2p, 4p)")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     args = parser.parse_args(argv)
     rounds, warmup, p = args.rounds or (2 if args.quick else 8), 1, args.pp
     config = bc.bench_config(args.quick)
     seq = 32 if args.quick else 128
     works = {
-        m: bc.Workload(config, micro_batch=2, seq_len=seq, global_batch=2 * m) for m in (p, 2 * p, 4 * p)
+        m: bc.Workload(config, micro_batch=2, seq_len=seq, global_batch=2 * m)
+        for m in (args.micro_batches or (p, 2 * p, 4 * p))
     }
+    schedules = tuple(args.schedules)
     warm_up()
     state = bc.make_state(config)
     with bc.provenance(args.quick) as meta:
-        per_rank = run_ranks(worker, p, works, state, p, rounds, warmup, timeout_s=900)
+        per_rank = run_ranks(worker, p, works, state, p, rounds, warmup, schedules, timeout_s=1800)
+    from dsx3d.estimate.schedules import schedule_bubble
+
     rows = []
-    for m in works:
-        figures = stage_figures(per_rank, f"m{m}", m)
-        rows.append({"m": m, "analytic": bc.rounded((p - 1) / (m + p - 1), 3), **figures})
+    for schedule in schedules:
+        for m in works:
+            figures = stage_figures(per_rank, _key(schedule, m), m)
+            rows.append({
+                "schedule": schedule, "p": p, "m": m,
+                "analytic": bc.rounded(schedule_bubble(schedule, p, m), 3),
+                "analytic_1f1b": bc.rounded((p - 1) / (m + p - 1), 3),
+                **figures,
+            })
+    windows = {(r["schedule"], r["m"]): r["window_ms"] for r in rows}
+    for r in rows:
+        if "1f1b" in schedules and r["schedule"] != "1f1b":
+            r["window_ratio_vs_1f1b"] = bc.rounded(r["window_ms"] / windows[("1f1b", r["m"])], 3)
     from dsx3d.models.pipeline import stage_bounds
 
     bounds = stage_bounds(config, p, seq, None)

@@ -202,13 +202,16 @@ def dsx3d_contender(
     tp: int = 1,
     pp: int = 1,
     deepspeed: dict[str, Any] | None = None,
+    schedule: str = "1f1b",
     **train: Any,
 ) -> Contender:
-    """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides."""
+    """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides; `schedule`: parallel.schedule."""
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
     recipe = recipe_for(work, dp, tp, pp, **train)
+    if schedule != recipe.parallel.schedule:
+        recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"schedule": schedule})})
     if deepspeed:
         recipe = recipe.model_copy(update={"deepspeed": deepspeed})
     engine = build_engine(recipe, hf_config=work.config, source=StateDictSource(state))
