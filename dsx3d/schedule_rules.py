@@ -48,7 +48,9 @@ def schedule_problems(recipe: Recipe, hf_config: Any) -> Iterator[Problem]:
         yield Problem(
             KEY,
             "zb-h1",
-            "with train.activation_checkpointing the deferred weight passes would keep each recomputed layer's "
-            "inputs alive until their W pass, which undoes the memory the checkpointing saves",
+            "with train.activation_checkpointing the gradients are right, but every micro-batch between its B and "
+            "W pass keeps each deferred linear's recomputed input and output gradient (for a Llama layer over ten "
+            "times its checkpoint), which undoes the memory the checkpointing saves and which the memory estimate "
+            "does not count",
             "set train.activation_checkpointing: false, or parallel.schedule: 1f1b",
         )

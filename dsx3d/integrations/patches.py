@@ -64,6 +64,7 @@ PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("deepspeed", "runtime.bf16_optimizer.BF16_Optimizer.clear_lp_grads", ("self",)),
     ("deepspeed", "runtime.bf16_optimizer.BF16_Optimizer.update_hp_grads", ("self",)),
     ("deepspeed", "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.create_gradient_handling_hooks", ("self",)),
+    ("deepspeed", "runtime.pipe.p2p.send", ("tensor", "dest_stage", "async_op")),
     ("deepspeed", "runtime.pipe.engine.PipelineEngine.eval_batch", None),
     ("deepspeed", "runtime.engine.DeepSpeedEngine.get_global_grad_norm", ("self",)),
     ("deepspeed", "comm.torch.build_shm_op", None),
@@ -74,6 +75,10 @@ PRIVATE_ATTRIBUTES = {
     # table and schedule win: dsx3d.models.zb_schedule, release_last_stage_outputs)
     "deepspeed.runtime.pipe.engine.PipelineEngine._exec_schedule": ("self._INSTRUCTION_MAP[type(cmd)]",),
     "deepspeed.runtime.pipe.engine.PipelineEngine.train_batch": ("self._train_schedule()",),
+    # zb-h1 posts the pipeline sends: the engine sends through the p2p module's `send`, which maps stages to ranks
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_send_activations": ("p2p.send(",),
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_send_grads": ("p2p.send(",),
+    "deepspeed.runtime.pipe.p2p.send": ("_grid.stage_to_global(stage_id=dest_stage)",),
     # ZeRO-1's per-parameter hooks are named grad_handling_hook (zb_schedule lets deferred weights skip them)
     "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.create_gradient_handling_hooks": (
         "def grad_handling_hook",

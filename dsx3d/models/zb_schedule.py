@@ -14,8 +14,10 @@ import functools
 from typing import Any
 
 import torch
+from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from dsx3d.distributed.pending_sends import PendingSends
 from dsx3d.distributed.tensor_parallel.weight_grad import DEFER_OK, WEIGHT_GRADS, defer_linears
 from dsx3d.models import zb_plan
 
@@ -26,6 +28,14 @@ class BackwardInput(ds_schedule.BufferOpInstruction):
 
 class BackwardWeight(ds_schedule.BufferOpInstruction):
     """W: the queued weight gradients of one micro-batch, added to the parameters' `.grad`."""
+
+
+class PostActivation(ds_schedule.SendActivation):
+    """SendActivation that does not wait for the next stage's receive (`PendingSends`)."""
+
+
+class PostGrad(ds_schedule.SendGrad):
+    """SendGrad that does not wait for the previous stage's receive (`PendingSends`)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -50,20 +60,22 @@ class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
         yield [ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
 
 
+SENDS = PendingSends()
+"""The posted sends of this process's zero-bubble steps (one pipeline stage per process)."""
+
 _INSTRUCTIONS: dict[str, type[ds_schedule.BufferOpInstruction]] = {
     "B": BackwardInput,
     "W": BackwardWeight,
-    "SendAct": ds_schedule.SendActivation,
+    "SendAct": PostActivation,
     "RecvAct": ds_schedule.RecvActivation,
-    "SendGrad": ds_schedule.SendGrad,
+    "SendGrad": PostGrad,
     "RecvGrad": ds_schedule.RecvGrad,
 }
 
 
-def _cloned(grads: Any) -> Any:
-    if isinstance(grads, torch.Tensor):
-        return grads.clone()
-    return type(grads)(g.clone() if isinstance(g, torch.Tensor) else g for g in grads)
+def _storages(received: Any) -> set[int]:
+    tensors = [received] if isinstance(received, torch.Tensor) else list(received or ())
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
 def install_zero_bubble(engine: Any) -> None:
@@ -87,22 +99,25 @@ def install_zero_bubble(engine: Any) -> None:
             setattr(p, DEFER_OK, True)  # ZeRO-1 bookkeeping only: it reduces `.grad` at ReduceGrads
     defer_linears(engine.module)
     WEIGHT_GRADS.clear()
+    SENDS.wait()
     table = dict(engine._INSTRUCTION_MAP)
     backward = table[ds_schedule.BackwardPass]
     reduce_grads = table[ds_schedule.ReduceGrads]
 
     def backward_input(self: Any, buffer_id: int) -> None:
-        # The engine receives every output gradient into one reused buffer, and a residual stream passes that
-        # tensor itself to the last linear's backward: its queued W would read the next micro-batch's gradient.
-        # B runs on a private copy; the receive buffer stays the engine's.
-        received = self.grad_layer
-        if received is not None:
-            self.grad_layer = _cloned(received)
-        try:
-            with WEIGHT_GRADS.collect(buffer_id):
-                backward(self, buffer_id)
-        finally:
-            self.grad_layer = received
+        with WEIGHT_GRADS.collect(buffer_id):
+            backward(self, buffer_id)
+        # The engine receives every output gradient into one reused buffer, and a residual stream hands that
+        # tensor itself to the last linear's backward: a queued product reading it would see the next
+        # micro-batch's gradient. Only those get a private copy.
+        WEIGHT_GRADS.own_grads(buffer_id, _storages(self.grad_layer))
+
+    def post(instruction: Any) -> Any:
+        def run(self: Any, buffer_id: int) -> None:
+            with SENDS.posting(ds_p2p):
+                instruction(self, buffer_id)
+
+        return run
 
     def backward_weight(self: Any, buffer_id: int) -> None:
         bf16 = bool(getattr(self, "using_bf16_optimizer", False))
@@ -113,6 +128,7 @@ def install_zero_bubble(engine: Any) -> None:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def reduce_grads_checked(self: Any) -> None:
+        SENDS.wait()
         left = sorted(k for k, jobs in WEIGHT_GRADS.pending.items() if jobs)
         WEIGHT_GRADS.clear()
         if left:
@@ -121,6 +137,8 @@ def install_zero_bubble(engine: Any) -> None:
 
     table[BackwardInput] = backward_input
     table[BackwardWeight] = backward_weight
+    table[PostActivation] = post(table[ds_schedule.SendActivation])
+    table[PostGrad] = post(table[ds_schedule.SendGrad])
     table[ds_schedule.ReduceGrads] = reduce_grads_checked
     engine._INSTRUCTION_MAP = table
     engine._train_schedule = lambda: ZeroBubbleH1Schedule(

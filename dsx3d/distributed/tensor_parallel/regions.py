@@ -129,10 +129,11 @@ class _RegionLinear(torch.autograd.Function):
         dx = grad.matmul(weight)  # (..., out/t) @ (out/t, in): partial over TP
         ctx.entry.contribute(dx if mask is None else dx * mask)
         g2 = grad.reshape(-1, grad.shape[-1])
-        want_w = ctx.params[0] if ctx.needs_input_grad[1] else None
-        want_b = ctx.params[1] if ctx.has_bias and ctx.needs_input_grad[2] else None
-        if WEIGHT_GRADS.defer(want_w, want_b, g2, xm.reshape(-1, xm.shape[-1])):  # a zero-bubble B pass
-            return None, None, None, None, None
+        if WEIGHT_GRADS.key is not None:  # a zero-bubble B pass: queue dW and db for its W pass if they can wait
+            want_w = ctx.params[0] if ctx.needs_input_grad[1] else None
+            want_b = ctx.params[1] if ctx.has_bias and ctx.needs_input_grad[2] else None
+            if WEIGHT_GRADS.defer(want_w, want_b, g2, xm.reshape(-1, xm.shape[-1])):
+                return None, None, None, None, None
         grad_weight = None
         if ctx.needs_input_grad[1]:  # frozen base weights (LoRA) need none
             grad_weight = g2.t().matmul(xm.reshape(-1, xm.shape[-1]))  # (out/t, n) @ (n, in), overlaps the collective

@@ -3,8 +3,8 @@
 A linear's backward has two independent parts: the input gradient dx = dy W, which the previous pipeline stage
 waits for, and the weight gradient dW = dy^T x (db = sum dy), which nobody waits for. While a stage runs a B
 pass (`WEIGHT_GRADS.collect(micro_batch)`), the linears dsx3d computes itself (the TP projections of
-`regions._RegionLinear`, row-parallel linears, and at tp = 1 the decoder layers' `nn.Linear`s rewired by
-`defer_linears`) return only dx and queue (W, b, dy, x); its W pass (`WEIGHT_GRADS.run(micro_batch)`) computes
+`regions._RegionLinear`; the row-parallel linears and, at tp = 1, the decoder layers' `nn.Linear`s and the
+LM head once `defer_linears` switched them) return only dx and queue (W, b, dy, x); its W pass (`WEIGHT_GRADS.run(micro_batch)`) computes
 the queued products and adds them to `.grad`. Outside B passes (1F1B, evaluation) nothing is queued.
 
 Only leaf parameters without gradient hooks are deferred (a hook, e.g. a LoRA adapter summed over TP, must see
@@ -93,6 +93,16 @@ class WeightGradQueue:
                 _accumulate(job.bias, job.grad.sum(0))
         return len(jobs)
 
+    def own_grads(self, key: int, shared: set[int]) -> int:
+        """Give the queued products of micro-batch `key` a private copy of any output gradient stored in one
+        of the `shared` storages (data pointers of a buffer the caller reuses); the number copied."""
+        copied = 0
+        for job in self.pending.get(key, []):
+            if job.grad.untyped_storage().data_ptr() in shared:
+                job.grad = job.grad.clone()
+                copied += 1
+        return copied
+
     def clear(self) -> None:
         self.pending.clear()
         self.key = None
@@ -132,11 +142,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def defer_linears(module: nn.Module) -> int:
-    """Rewire every plain `nn.Linear` inside `module` with a trainable weight to `linear`; the number rewired.
-    (dsx3d's TP linears defer on their own.)"""
+    """Rewire every plain `nn.Linear` inside `module` with a trainable weight to `linear`, and switch dsx3d's
+    row-parallel linears and LM head (tp = 1) to it; the number rewired. (The column projections of `regions` defer on their own.)"""
     count = 0
     for sub in module.modules():
-        if type(sub) is nn.Linear and sub.weight.requires_grad:
+        if hasattr(sub, "defer_weight_grad"):  # a row-parallel linear or the LM head: their own switch
+            sub.defer_weight_grad = True  # type: ignore[assignment]
+            count += 1
+        elif type(sub) is nn.Linear and sub.weight.requires_grad:
             sub.forward = _linear_forward(sub)  # type: ignore[method-assign]
             count += 1
     return count
