@@ -255,7 +255,7 @@ def build_engine(
         if recipe.parallel.schedule == "zb-h1":
             from dsx3d.models.zb_schedule import install_zero_bubble
 
-            install_zero_bubble(engine)
+            install_zero_bubble(engine, recipe.parallel.zb_costs)
     if moe:
         keep_pipeline_checkpoints(engine)
     module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go

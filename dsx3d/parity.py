@@ -101,6 +101,8 @@ class ParityCase:
     """parallel.sequence_parallel (takes effect with tp > 1)"""
     schedule: str = "1f1b"
     """parallel.schedule (with pp > 1): "1f1b" or "zb-h1"."""
+    zb_costs: tuple[float, float, float] | None = None
+    """parallel.zb_costs: the F, B, W durations zb-h1's order is built for."""
     lora: dict[str, Any] | None = None
     """A recipe's model.lora section: both sides train peft LoRA adapters on the frozen model (the reference
     is `peft.get_peft_model` on the same HF model; only the adapters are compared)."""
@@ -343,6 +345,7 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "stage_layers": case.stage_layers,
                 "sequence_parallel": case.sequence_parallel,
                 "schedule": case.schedule,
+                "zb_costs": case.zb_costs,
             },
             "cluster": {"nodes": 1, "gpus_per_node": case.world_size},
             "train": {

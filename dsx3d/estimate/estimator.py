@@ -73,6 +73,8 @@ class Setup:
     """parallel.sequence_parallel: with tp > 1, for models the engine runs with it (`ModelShape`)."""
     schedule: str = "1f1b"
     """parallel.schedule: "1f1b" or "zb-h1" (`dsx3d.estimate.schedules`)."""
+    zb_costs: tuple[float, float, float] | None = None
+    """parallel.zb_costs: relative F, B, W durations the zb-h1 order is built for (None: equal)."""
 
     @property
     def world_size(self) -> int:
@@ -213,7 +215,7 @@ def _stage(
         sequence_parallel=sequence_parallel(shape, setup),
         moe_layers=moe_layers,
         ep=setup.ep,
-        held=schedules.held_micro_batches(setup.schedule, stage, setup.pp, setup.grad_accum),
+        held=schedules.held_micro_batches(setup.schedule, stage, setup.pp, setup.grad_accum, setup.zb_costs),
     )
     partition = dense / setup.dp + experts / (setup.dp // setup.ep) if setup.zero_stage >= 1 else per_device
     transients = memory.transient_bytes(
@@ -362,7 +364,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
     stages = [_stage(shape, setup, hw, i, firsts[i], n, params[i]) for i, n in enumerate(layers)]
     m, p = setup.grad_accum, setup.pp
     slowest = max(stages, key=lambda st: st.micro_batch_time_s)
-    pipeline = schedules.pipeline_units(setup.schedule, p, m) * slowest.micro_batch_time_s
+    pipeline = schedules.pipeline_units(setup.schedule, p, m, setup.zb_costs) * slowest.micro_batch_time_s
     dp_time = max(st.time_s["dp"] for st in stages)
     tied_time = 0.0
     if shape.tie_word_embeddings and p > 1:
@@ -395,7 +397,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         total_gb=peak.total_gb,
         peak_stage=peak.stage,
         step_time_s=step,
-        bubble_fraction=schedules.schedule_bubble(setup.schedule, p, m),
+        bubble_fraction=schedules.schedule_bubble(setup.schedule, p, m, setup.zb_costs),
         mfu=flops / (step * setup.world_size * hw.peak_tflops * 1e12),
         tokens_per_s=tokens / step,
         tokens_per_step=tokens,

@@ -1,6 +1,7 @@
 """The zero-bubble ZB-H1 schedule inside DeepSpeed's PipelineEngine (`parallel.schedule: zb-h1`).
 
-`ZeroBubbleH1Schedule` is a DeepSpeed `PipeSchedule` that yields the order of `dsx3d.models.zb_plan`, with two
+`ZeroBubbleH1Schedule` is a DeepSpeed `PipeSchedule` that yields the order of `dsx3d.models.zb_greedy` (built for
+the relative F, B and W durations of `parallel.zb_costs`; with equal ones it is `dsx3d.models.zb_plan`'s), with two
 instructions of its own: `BackwardInput` (B: DeepSpeed's backward pass, with the weight gradients of dsx3d's
 linears queued, `dsx3d.distributed.tensor_parallel.weight_grad`) and `BackwardWeight` (W: the queued products of
 one micro-batch added to `.grad`). `install_zero_bubble` gives one engine the schedule and the two instructions
@@ -19,7 +20,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from dsx3d.distributed.pending_sends import PendingSends
 from dsx3d.distributed.tensor_parallel.weight_grad import DEFER_OK, WEIGHT_GRADS, defer_linears
-from dsx3d.models import zb_plan
+from dsx3d.models import zb_greedy
 
 
 class BackwardInput(ds_schedule.BufferOpInstruction):
@@ -39,20 +40,23 @@ class PostGrad(ds_schedule.SendGrad):
 
 
 @functools.lru_cache(maxsize=64)
-def _ticks(stages: int, micro_batches: int) -> tuple[tuple[zb_plan.Op | None, ...], ...]:
-    return tuple(tuple(row) for row in zb_plan.compute_ticks(stages, micro_batches))
+def _program(stages: int, micro_batches: int, stage: int, costs: tuple[float, float, float]) -> tuple[tuple[str, int], ...]:
+    plan = zb_greedy.best_plan(stages, micro_batches, zb_greedy.Costs.uniform(stages, *costs))
+    return tuple(zb_greedy.stage_program(plan, stage))
 
 
 class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
-    """ZB-H1 for one stage: its transfers and work, then the tied-gradient reduce, the reduce and the step."""
+    """ZB-H1 for one stage: its transfers and work, then the tied-gradient reduce, the reduce and the step.
+    `costs`: the relative F, B, W durations the order is built for."""
+
+    costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
     def num_pipe_buffers(self) -> int:
         return max(2, self.micro_batches)
 
     def steps(self):  # type: ignore[no-untyped-def]
-        ticks = [list(row) for row in _ticks(self.stages, self.micro_batches)]
         loads = self.stage_id in (0, self.stages - 1)
-        for name, j in zb_plan.stage_program(ticks, self.stage_id):
+        for name, j in _program(self.stages, self.micro_batches, self.stage_id, tuple(self.costs)):
             if name == "F":
                 yield ([ds_schedule.LoadMicroBatch(j)] if loads else []) + [ds_schedule.ForwardPass(j)]
             else:
@@ -78,7 +82,7 @@ def _storages(received: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
-def install_zero_bubble(engine: Any) -> None:
+def install_zero_bubble(engine: Any, costs: tuple[float, float, float] | None = None) -> None:
     """Run `engine` (a DeepSpeed PipelineEngine) on ZB-H1: its train schedule, B and W instructions, and the
     plain `nn.Linear`s of its stage rewired to defer their weight gradients. Refuses a gradient path that
     accumulates outside `.grad` (ZeRO's separate fp32 accumulation attribute, BF16 immediate updates)."""
@@ -141,6 +145,9 @@ def install_zero_bubble(engine: Any) -> None:
     table[PostGrad] = post(table[ds_schedule.SendGrad])
     table[ds_schedule.ReduceGrads] = reduce_grads_checked
     engine._INSTRUCTION_MAP = table
-    engine._train_schedule = lambda: ZeroBubbleH1Schedule(
-        micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id
-    )
+    def train_schedule() -> ZeroBubbleH1Schedule:
+        schedule = ZeroBubbleH1Schedule(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
+        schedule.costs = tuple(costs) if costs else schedule.costs  # type: ignore[assignment]
+        return schedule
+
+    engine._train_schedule = train_schedule

@@ -48,11 +48,12 @@ def worker(
     rounds: int,
     warmup: int,
     schedules: tuple[str, ...] = SCHEDULES,
+    zb_costs: tuple[float, float, float] | None = None,
 ) -> dict[str, Any]:
     contenders, clocks, batches = [], {}, {}
     for schedule in schedules:
         for m, work in works.items():
-            c = bc.dsx3d_contender(_key(schedule, m), work, state, dp=1, pp=pp, schedule=schedule)
+            c = bc.dsx3d_contender(_key(schedule, m), work, state, dp=1, pp=pp, schedule=schedule, zb_costs=zb_costs)
             clocks[c.name] = bc.InstructionClock(c.engine.ds_engine)
             contenders.append(c)
             batches[c.name] = bc.make_batches(work, warmup + rounds)
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=None, help="m values (default p, 2p, 4p)")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--zb-costs", type=float, nargs=3, default=None, metavar=("F", "B", "W"),
+                        help="relative F, B, W durations zb-h1's order is built for (parallel.zb_costs)")
     args = parser.parse_args(argv)
     rounds, warmup, p = args.rounds or (2 if args.quick else 8), 1, args.pp
     config = bc.bench_config(args.quick)
@@ -150,10 +153,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for m in (args.micro_batches or (p, 2 * p, 4 * p))
     }
     schedules = tuple(args.schedules)
+    zb_tuple = tuple(args.zb_costs) if args.zb_costs else None
     warm_up()
     state = bc.make_state(config)
     with bc.provenance(args.quick) as meta:
-        per_rank = run_ranks(worker, p, works, state, p, rounds, warmup, schedules, timeout_s=1800)
+        per_rank = run_ranks(worker, p, works, state, p, rounds, warmup, schedules, zb_tuple, timeout_s=1800)
     from dsx3d.estimate.schedules import schedule_bubble
 
     rows = []
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             figures = stage_figures(per_rank, _key(schedule, m), m)
             rows.append({
                 "schedule": schedule, "p": p, "m": m,
-                "analytic": bc.rounded(schedule_bubble(schedule, p, m), 3),
+                "analytic": bc.rounded(schedule_bubble(schedule, p, m, zb_tuple), 3),
                 "analytic_1f1b": bc.rounded((p - 1) / (m + p - 1), 3),
                 **figures,
             })

@@ -203,6 +203,7 @@ def dsx3d_contender(
     pp: int = 1,
     deepspeed: dict[str, Any] | None = None,
     schedule: str = "1f1b",
+    zb_costs: tuple[float, float, float] | None = None,
     **train: Any,
 ) -> Contender:
     """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides; `schedule`: parallel.schedule."""
@@ -210,8 +211,9 @@ def dsx3d_contender(
     from dsx3d.models.weights import StateDictSource
 
     recipe = recipe_for(work, dp, tp, pp, **train)
-    if schedule != recipe.parallel.schedule:
-        recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"schedule": schedule})})
+    if schedule != recipe.parallel.schedule or zb_costs:
+        update = {"schedule": schedule, "zb_costs": zb_costs}
+        recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=update)})
     if deepspeed:
         recipe = recipe.model_copy(update={"deepspeed": deepspeed})
     engine = build_engine(recipe, hf_config=work.config, source=StateDictSource(state))
