@@ -257,6 +257,10 @@ def build_engine(
     if layout.pp > 1:
         release_last_stage_outputs(engine)
         count_empty_as_zero(engine)  # a stage without decoder layers may count no gradient in the norm
+        if recipe.parallel.schedule == "zb-h1":
+            from dsx3d.models.zb_schedule import install_zero_bubble
+
+            install_zero_bubble(engine, recipe.parallel.zb_costs)
     if moe:
         keep_pipeline_checkpoints(engine)
     module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go

@@ -234,6 +234,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="sequence parallelism with tp > 1 (default: the recipe's, else on)",
     )
     p.add_argument(
+        "--schedule", choices=("1f1b", "zb-h1"), help="pipeline schedule with pp > 1 (default: the recipe's, else 1f1b)"
+    )
+    p.add_argument(
         "--reduce-bucket-size",
         type=positive(float),
         help="ZeRO's zero_optimization.reduce_bucket_size in elements (default: the recipe's, else 5e8)",
@@ -265,6 +268,8 @@ def _from_recipe(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
         activation_checkpointing=t.activation_checkpointing,
         stage_layers=tuple(par.stage_layers) if par.stage_layers else None,
         sequence_parallel=par.sequence_parallel,
+        schedule=par.schedule,
+        zb_costs=par.zb_costs,
         reduce_bucket_size=_reduce_bucket_size(recipe.deepspeed),
     )
     return shape_from_hf_config(hf_config), setup, recipe.cluster.gpus_per_node
@@ -311,6 +316,7 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Setup, Hardware]:
         fp32_grad_accum=args.fp32_grad_accum,
         sequence_parallel=args.sequence_parallel,
         reduce_bucket_size=args.reduce_bucket_size,
+        schedule=args.schedule,
     )
     setup = replace(
         setup,

@@ -18,6 +18,7 @@ from dsx3d.cli.args import degree, gpus_per_node, output_file, world_size
 from dsx3d.cli.json_output import emit
 from dsx3d.cli.registry import summary
 from dsx3d.errors import Problem, UserError
+from dsx3d.estimate.schedules import schedule_bubble
 from dsx3d.plan.layout import Layout, bubble_fraction
 from dsx3d.plan.stages import stage_layers_for
 from dsx3d.recipe.checks import check_recipe
@@ -43,6 +44,8 @@ class Plan:
     """False when the model unties embedding and head: then no tied groups exist."""
     stage_layers: list[int] | None = None
     """Decoder layers per stage as the engine splits them (from a recipe; None for bare degrees)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule (`--schedule`, else the recipe's parallel.schedule)."""
 
     def describe(self) -> dict[str, Any]:
         lay = self.layout
@@ -58,7 +61,10 @@ class Plan:
         data["pp_node_crossings"] = sorted({s for g in lay.pp_groups() for s in lay.node_crossings(g)})
         data["stage_layers"] = self.stage_layers
         data["micro_batches"] = self.micro_batches
-        data["bubble_fraction"] = bubble_fraction(lay.pp, self.micro_batches) if self.micro_batches else None
+        data["schedule"] = self.schedule
+        data["bubble_fraction"] = (
+            schedule_bubble(self.schedule, lay.pp, self.micro_batches) if self.micro_batches else None
+        )
         data["warnings"] = list(self.warnings)
         return data
 
@@ -123,9 +129,11 @@ def _plan_from_recipe(args: argparse.Namespace) -> Plan:
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise UserError(errors)
+    chosen = getattr(args, "schedule", None)
     return Plan(
         layout=recipe.layout(args.world_size),
         micro_batches=recipe.train.gradient_accumulation_steps,
+        schedule=recipe.parallel.schedule if chosen in (None, "any") else chosen,
         warnings=[str(p) for p in problems],
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
         stage_layers=stage_layers_for(
@@ -231,7 +239,13 @@ def render_plan(plan: Plan) -> str:
         lines.append(f"decoder layers per stage: {plan.stage_layers}")
     if d["tied_groups"]:
         lines.append(f"tied embedding groups (first and last stage): {_groups(d['tied_groups'])}")
-    if plan.micro_batches:
+    if plan.micro_batches and plan.schedule == "zb-h1" and lay.pp > 1:
+        m, p = plan.micro_batches, lay.pp
+        lines.append(
+            f"bubble with m = {m} micro-batches, schedule zb-h1: {d['bubble_fraction']:.1%} "
+            f"(1F1B: {bubble_fraction(p, m):.1%})"
+        )
+    elif plan.micro_batches:
         m, p = plan.micro_batches, lay.pp
         lines.append(
             f"bubble with m = {m} micro-batches: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {d['bubble_fraction']:.1%}"

@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=bounded_float(0.0, 1.0), default=1e-3)
     p.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=0)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--schedule", choices=["1f1b", "zb-h1"], default="1f1b", help="pipeline schedule (pp > 1)")
     p.add_argument(
         "--stage-layers", type=_layer_counts, default=None, metavar="N,N,...",
         help="decoder layers per pipeline stage (parallel.stage_layers; default: the cost-balanced split)",
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     case = ParityCase(
         config, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, steps=args.steps, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr, dtype=args.dtype, seed=args.seed,
-        activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage,
+        activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage, schedule=args.schedule,
         stage_layers=args.stage_layers,
     )
     raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config, data=False))

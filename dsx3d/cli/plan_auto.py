@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="count DeepSpeed's unsharded fp32 gradient buffer (default: as dsx3d's config, bf16 with ZeRO >= 1)",
     )
+    add_option(
+        group, "--schedule", choices=("1f1b", "zb-h1", "any"), default="any",
+        help="pipeline schedule of the candidates with pp > 1 (default any: both are tried)",
+    )
     add_option(group, "--top", type=positive(int, 10_000), default=5, help="candidates to show (default 5)")
     add_option(group, "--write-recipe", metavar="FILE", help="write the chosen layout as a recipe YAML")
     add_hardware_arguments(group)
@@ -105,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         model=model,
         hf_config=hf_config,
         max_micro_batch=args.max_micro_batch,
+        schedules=("1f1b", "zb-h1") if getattr(args, "schedule", "any") in (None, "any") else (args.schedule,),
     )
     if not result.checked:
         log.warning("no model config given (bare --params): candidates were not checked by dsx3d check")

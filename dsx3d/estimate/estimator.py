@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dsx3d.errors import UserError
-from dsx3d.estimate import memory, timing
+from dsx3d.estimate import memory, schedules, timing
 from dsx3d.estimate.inputs import GB, Hardware, Setup, sequence_parallel  # noqa: F401
 from dsx3d.estimate.stage_time import _stage_time  # noqa: F401
 from dsx3d.models.shape import ModelShape, ParamCount
-from dsx3d.plan.layout import Layout, bubble_fraction
+from dsx3d.plan.layout import Layout
 from dsx3d.plan.stages import decoder_split
 
 
@@ -141,6 +141,7 @@ def _stage(
         sequence_parallel=sequence_parallel(shape, setup),
         moe_layers=moe_layers,
         ep=setup.ep,
+        held=schedules.held_micro_batches(setup.schedule, stage, setup.pp, setup.grad_accum, setup.zb_costs),
     )
     partition = dense / setup.dp + experts / (setup.dp // setup.ep) if setup.zero_stage >= 1 else per_device
     transients = memory.transient_bytes(
@@ -191,7 +192,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
     stages = [_stage(shape, setup, hw, i, firsts[i], n, params[i]) for i, n in enumerate(layers)]
     m, p = setup.grad_accum, setup.pp
     slowest = max(stages, key=lambda st: st.micro_batch_time_s)
-    pipeline = (m + p - 1) * slowest.micro_batch_time_s
+    pipeline = schedules.pipeline_units(setup.schedule, p, m, setup.zb_costs) * slowest.micro_batch_time_s
     dp_time = max(st.time_s["dp"] for st in stages)
     tied_time = 0.0
     if shape.tie_word_embeddings and p > 1:
@@ -224,7 +225,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         total_gb=peak.total_gb,
         peak_stage=peak.stage,
         step_time_s=step,
-        bubble_fraction=bubble_fraction(p, m),
+        bubble_fraction=schedules.schedule_bubble(setup.schedule, p, m, setup.zb_costs),
         mfu=flops / (step * setup.world_size * hw.peak_tflops * 1e12),
         tokens_per_s=tokens / step,
         tokens_per_step=tokens,

@@ -65,6 +65,10 @@ class Setup:
     """`zero_optimization.reduce_bucket_size` (DeepSpeed's default): ZeRO's gradient buckets, in elements."""
     sequence_parallel: bool = True
     """parallel.sequence_parallel: with tp > 1, for models the engine runs with it (`ModelShape`)."""
+    schedule: str = "1f1b"
+    """parallel.schedule: "1f1b" or "zb-h1" (`dsx3d.estimate.schedules`)."""
+    zb_costs: tuple[float, float, float] | None = None
+    """parallel.zb_costs: relative F, B, W durations the zb-h1 order is built for (None: equal)."""
 
     @property
     def world_size(self) -> int:

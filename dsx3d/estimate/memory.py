@@ -228,9 +228,10 @@ def stage_activation_bytes(
     sequence_parallel: bool = False,
     moe_layers: int = 0,
     ep: int = 1,
+    held: int | None = None,
 ) -> float:
     """Peak activation bytes on one device of `stage` (see the module docstring for the model); `moe_layers`
-    of its `layers` are MoE layers."""
+    of its `layers` are MoE layers; `held`: micro-batches in flight (default 1F1B's, `in_flight`)."""
     if shape.hidden_size == 0:
         return 0.0
 
@@ -252,7 +253,7 @@ def stage_activation_bytes(
     tokens = seq_len * micro_batch
     hidden = tokens * shape.hidden_size * dtype_bytes(dtype) / (tp if sequence_parallel else 1)
     first, last = stage == 0, stage == pp - 1
-    held = in_flight(stage, pp, micro_batches)
+    held = in_flight(stage, pp, micro_batches) if held is None else held
     if checkpointing:
         per_micro_batch = layers * hidden
         total = one_layer if layers else 0.0

@@ -55,6 +55,16 @@ PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("deepspeed", "pipe.PipelineModule._partition_layers", ("self", "method")),
     ("deepspeed", "pipe.PipelineModule._set_bounds", ("self", "start", "stop")),
     ("deepspeed", "runtime.pipe.engine.PipelineEngine.reset_activation_shape", ("self",)),
+    # zero bubble (dsx3d.models.zb_schedule): a per-engine schedule and instruction table, B/W passes
+    ("deepspeed", "runtime.pipe.engine.PipelineEngine._train_schedule", ("self",)),
+    ("deepspeed", "runtime.pipe.engine.PipelineEngine._INSTRUCTION_MAP", None),
+    ("deepspeed", "runtime.pipe.engine.PipelineEngine._exec_backward_pass", ("self", "buffer_id")),
+    ("deepspeed", "runtime.pipe.engine.PipelineEngine._exec_reduce_grads", ("self",)),
+    ("deepspeed", "runtime.pipe.schedule.BufferOpInstruction.__init__", ("self", "buffer_id")),
+    ("deepspeed", "runtime.bf16_optimizer.BF16_Optimizer.clear_lp_grads", ("self",)),
+    ("deepspeed", "runtime.bf16_optimizer.BF16_Optimizer.update_hp_grads", ("self",)),
+    ("deepspeed", "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.create_gradient_handling_hooks", ("self",)),
+    ("deepspeed", "runtime.pipe.p2p.send", ("tensor", "dest_stage", "async_op")),
     ("deepspeed", "runtime.pipe.engine.PipelineEngine.eval_batch", None),
     ("deepspeed", "runtime.engine.DeepSpeedEngine.get_global_grad_norm", ("self",)),
     ("deepspeed", "comm.torch.build_shm_op", None),
@@ -63,6 +73,19 @@ PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("deepspeed", "monitor.monitor.MonitorMaster.write_events", ("self", "event_list")),
 ]
 PRIVATE_ATTRIBUTES = {
+    # the engine dispatches through `self._INSTRUCTION_MAP` and asks `self._train_schedule()` (an instance's own
+    # table and schedule win: dsx3d.models.zb_schedule, release_last_stage_outputs)
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_schedule": ("self._INSTRUCTION_MAP[type(cmd)]",),
+    "deepspeed.runtime.pipe.engine.PipelineEngine.train_batch": ("self._train_schedule()",),
+    # zb-h1 posts the pipeline sends: the engine sends through the p2p module's `send`, which maps stages to ranks
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_send_activations": ("p2p.send(",),
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_send_grads": ("p2p.send(",),
+    "deepspeed.runtime.pipe.p2p.send": ("_grid.stage_to_global(stage_id=dest_stage)",),
+    # ZeRO-1's per-parameter hooks are named grad_handling_hook (zb_schedule lets deferred weights skip them)
+    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.create_gradient_handling_hooks": (
+        "def grad_handling_hook",
+        "self.process_gradients(param, i)",
+    ),
     # attributes PipelineModule.__init__ sets and dsx3d's _partition_layers reads (checked in its source)
     "deepspeed.pipe.PipelineModule.__init__": ("self._grid", "self._topo", "self._partition_layers("),
 }

@@ -107,6 +107,7 @@ def enumerate_setups(
     seq_len: int,
     base: Setup | None = None,
     max_micro_batch: int = 16,
+    schedules: tuple[str, ...] = ("1f1b", "zb-h1"),
 ) -> tuple[list[Setup], list[str]]:
     """Every candidate `Setup` of the search space (module docstring) and the notes on what was left out.
     `base` carries the fields the search does not vary (dtype, flash_attention, split, ...)."""
@@ -144,7 +145,7 @@ def enumerate_setups(
             ]
             for ep, zero in [(e, z) for e in eps for z in ([1] if pp > 1 else [1, 2, 3]) if e == 1 or z < 3]:
                 for b in _divisors(per_replica, max_micro_batch):
-                    for ckpt in (False, True):
+                    for ckpt, schedule in _schedule_options(pp, base.schedule, schedules):
                         setups.append(
                             replace(
                                 base,
@@ -157,10 +158,19 @@ def enumerate_setups(
                                 seq_len=seq_len,
                                 grad_accum=per_replica // b,
                                 activation_checkpointing=ckpt,
+                                schedule=schedule,
                                 stage_layers=None,
                             )
                         )
     return setups, skipped
+
+
+def _schedule_options(pp: int, default: str, schedules: tuple[str, ...]) -> list[tuple[bool, str]]:
+    """(activation checkpointing, pipeline schedule) pairs to try: with pp > 1 each of `schedules`, zb-h1 only
+    without checkpointing (`dsx3d.recipe.checks.schedule`); with pp = 1 the schedule does not matter."""
+    if pp == 1:
+        return [(False, default), (True, default)]
+    return [(ckpt, s) for ckpt in (False, True) for s in schedules if not (ckpt and s == "zb-h1")]
 
 
 def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: str = "runs/auto") -> Recipe:
@@ -168,7 +178,7 @@ def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: 
     return Recipe.model_validate(
         {
             "model": model,
-            "parallel": {"dp": setup.dp, "tp": setup.tp, "pp": setup.pp, "ep": setup.ep},
+            "parallel": {"dp": setup.dp, "tp": setup.tp, "pp": setup.pp, "ep": setup.ep, "schedule": setup.schedule},
             "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
             "train": {
                 "micro_batch_size": setup.micro_batch_size,
@@ -232,6 +242,7 @@ def plan_layouts(
     checker: Checker | None = None,
     use_checker: bool = True,
     max_micro_batch: int = 16,
+    schedules: tuple[str, ...] = ("1f1b", "zb-h1"),
 ) -> PlanResult:
     """Search, judge and rank (module docstring). `model` and `hf_config` feed the checker; without a
     `model` section (a bare shape) the checker is skipped."""
@@ -243,7 +254,8 @@ def plan_layouts(
     if not use_checker:
         checker = None
     setups, skipped = enumerate_setups(
-        shape, cluster, global_batch=global_batch, seq_len=seq_len, base=base, max_micro_batch=max_micro_batch
+        shape, cluster, global_batch=global_batch, seq_len=seq_len, base=base, max_micro_batch=max_micro_batch,
+        schedules=schedules,
     )
     candidates = [_judge(s, shape, hw, cluster, model, hf_config, checker) for s in setups]
     ranked = sorted((c for c in candidates if c.status == "ok"), key=_speed_order)

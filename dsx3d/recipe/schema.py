@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PositiveFloat,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -123,6 +124,13 @@ class ParallelSection(_Section):
     """With tp > 1, keep activations outside the TP regions (norms, dropout, residuals, pipeline messages)
     split along the sequence over the TP ranks (Megatron's sequence parallelism); train.seq_len must be a
     multiple of tp. Families that cannot run it fall back to plain TP with a warning."""
+    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    """Pipeline schedule (pp > 1): DeepSpeed's 1F1B, or zero bubble ZB-H1, which splits each backward into the
+    input gradient (sent upstream at once) and the weight gradients (run later, where 1F1B idles)."""
+    zb_costs: tuple[PositiveFloat, PositiveFloat, PositiveFloat] | None = None
+    """zb-h1: relative durations of a micro-batch's F, B (input gradient) and W (weight gradients) passes, e.g.
+    measured [1.0, 1.35, 0.6]; the order is built for them (`dsx3d.models.zb_greedy`). Unset: [1, 1, 1], the
+    time model's (each is one pass over the matrix products), which gives the plain ZB-H1 order."""
 
 
 class ClusterSection(_Section):

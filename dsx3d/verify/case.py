@@ -42,7 +42,7 @@ CRITERIA = {
     ),
     # bf16 compute against an fp32 reference: fp32's criterion (gradients are accumulated, clipped and applied
     # in fp32) plus what bf16 itself does to each compared quantity, measured on the reference
-    # (dsx3d.bf16_roundoff), plus each stored weight's rounding to bf16
+    # (dsx3d.verify.bf16_roundoff), plus each stored weight's rounding to bf16
     "bf16": Criteria(
         loss_rtol=1e-5, norm_rtol=1e-5, grad_rtol=1e-4, grad_floor=1e-6, roundoff=1e-5, weight_atol=1e-6,
         stored_u=BF16_U,
@@ -78,6 +78,10 @@ class ParityCase:
     stage_layers: list[int] | None = None
     sequence_parallel: bool = True
     """parallel.sequence_parallel (takes effect with tp > 1)"""
+    schedule: str = "1f1b"
+    """parallel.schedule (with pp > 1): "1f1b" or "zb-h1"."""
+    zb_costs: tuple[float, float, float] | None = None
+    """parallel.zb_costs: the F, B, W durations zb-h1's order is built for."""
     lora: dict[str, Any] | None = None
     """A recipe's model.lora section: both sides train peft LoRA adapters on the frozen model (the reference
     is `peft.get_peft_model` on the same HF model; only the adapters are compared)."""

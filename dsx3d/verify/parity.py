@@ -107,6 +107,8 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "ep": case.ep,
                 "stage_layers": case.stage_layers,
                 "sequence_parallel": case.sequence_parallel,
+                "schedule": case.schedule,
+                "zb_costs": case.zb_costs,
             },
             "cluster": {"nodes": 1, "gpus_per_node": case.world_size},
             "train": {

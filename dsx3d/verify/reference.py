@@ -46,7 +46,7 @@ class Reference:
     loss_slack: list[float] = field(default_factory=list)
     norm_slack: list[float] = field(default_factory=list)
     update_slack: list[dict[str, float]] = field(default_factory=list)
-    """SGD in bf16, per step and tensor: how far bf16 round-off moves the weight change (dsx3d.bf16_roundoff)."""
+    """SGD in bf16, per step and tensor: how far bf16 round-off moves the weight change (dsx3d.verify.bf16_roundoff)."""
     """AdamW, per step: how much the weight differences admitted so far can change the loss and the gradient
     norm (0 at the first step), measured like the gradients' (`_propagated_change`)."""
 
@@ -140,7 +140,7 @@ def run_reference(
     v = {n: torch.zeros_like(p) for n, p in named}
     beta2 = case.betas[1]
     model.train()
-    # SGD in bf16: the shadow follows its own trajectory (dsx3d.bf16_roundoff.sgd_step); AdamW measures the
+    # SGD in bf16: the shadow follows its own trajectory (dsx3d.verify.bf16_roundoff.sgd_step); AdamW measures the
     # effect of earlier differences with its probes (_propagated_change) and runs the shadow from the reference
     shadow_weights = None
     if case.dtype == "bf16" and case.optimizer == "sgd":

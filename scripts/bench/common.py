@@ -202,13 +202,18 @@ def dsx3d_contender(
     tp: int = 1,
     pp: int = 1,
     deepspeed: dict[str, Any] | None = None,
+    schedule: str = "1f1b",
+    zb_costs: tuple[float, float, float] | None = None,
     **train: Any,
 ) -> Contender:
-    """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides."""
+    """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides; `schedule`: parallel.schedule."""
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
     recipe = recipe_for(work, dp, tp, pp, **train)
+    if schedule != recipe.parallel.schedule or zb_costs:
+        update = {"schedule": schedule, "zb_costs": zb_costs}
+        recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=update)})
     if deepspeed:
         recipe = recipe.model_copy(update={"deepspeed": deepspeed})
     engine = build_engine(recipe, hf_config=work.config, source=StateDictSource(state))
@@ -382,11 +387,12 @@ class InstructionClock:
 
     The engine dispatches each schedule instruction through its class-level `_INSTRUCTION_MAP`; an instance
     copy whose entries are timed wrappers shadows it for this engine only. `events` holds
-    (instruction name, start, end) in `time.perf_counter()` seconds (CLOCK_MONOTONIC: comparable across the
-    processes of one machine)."""
+    (instruction name, start, end, cpu): start and end in `time.perf_counter()` seconds (CLOCK_MONOTONIC:
+    comparable across the processes of one machine), cpu the calling thread's CPU seconds inside it (steady
+    when the machine is oversubscribed, where wall time also counts waiting for a core)."""
 
     def __init__(self, engine: Any, after: Callable[[str], None] | None = None):
-        self.events: list[tuple[str, float, float]] = []
+        self.events: list[tuple[str, float, float, float]] = []
         timed = {}
         for kind, fn in engine._INSTRUCTION_MAP.items():  # the engine's own table if it has one
             timed[kind] = self._timed(kind.__name__, fn, after)
@@ -396,16 +402,16 @@ class InstructionClock:
         self, name: str, fn: Callable[..., Any], after: Callable[[str], None] | None
     ) -> Callable[..., Any]:
         def run(engine: Any, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             out = fn(engine, *args, **kwargs)
-            self.events.append((name, t0, time.perf_counter()))
+            self.events.append((name, t0, time.perf_counter(), time.thread_time() - c0))
             if after is not None:
                 after(name)
             return out
 
         return run
 
-    def take(self) -> list[tuple[str, float, float]]:
+    def take(self) -> list[tuple[str, float, float, float]]:
         events, self.events = self.events, []
         return events
 

@@ -53,3 +53,8 @@ timeout 450 "$PY" -m scripts.bench.gpu "$@"
 if [ "${DSX3D_GPU_MEMORY:-1}" != 0 ]; then
   timeout 300 "$PY" -m scripts.bench.memory --device cuda >&2
 fi
+# zero bubble: measured idle per stage and step-window ratio, zb-h1 against 1f1b (p 2, m 4 8 16; CPU ranks on
+# the GPU box: the schedule's order and the engine's overheads, not GPU kernels); DSX3D_GPU_ZB=0 skips it
+if [ "${DSX3D_GPU_ZB:-1}" != 0 ]; then
+  timeout 500 "$PY" -m scripts.bench.bubble --pp 2 --micro-batches 4 8 16 --rounds 6 >&2
+fi

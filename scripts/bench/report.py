@@ -103,20 +103,44 @@ def alternatives(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _cells(values: list[Any], fmt: str) -> str:
+    return ", ".join("-" if x is None else format(x, fmt) for x in values)
+
+
 def bubble(r: dict[str, Any]) -> list[str]:
-    out = [f"## Pipeline bubble, p = {r['pp']}", ""] + _header(r)
+    out = [f"## Pipeline bubble, p = {r['pp']}: 1F1B and zb-h1", ""] + _header(r)
     w = r["workload"]
     out += [
         f"Tiny Llama ({w['layers']} layers, width {w['hidden']}, vocabulary {w['vocab']}), micro-batch {w['micro_batch']} x "
-        f"{w['seq_len']} tokens, stage bounds {r['stage_bounds']} over [embedding, layers, norm, head]; {r['rounds']} timed steps per m.",
+        f"{w['seq_len']} tokens, stage bounds {r['stage_bounds']} over [embedding, layers, norm, head]; {r['rounds']} timed steps per "
+        "row. Idle per stage: measured in wall time, and replayed with each instruction's CPU time as its duration "
+        "(`scripts/bench/replay.py`). Ratios are zb-h1 / 1F1B at the same m.",
         "",
-        "| m | (p-1)/(m+p-1) | measured idle, mean of stages | per stage | busy ms per micro-batch, per stage |",
-        "|---|---|---|---|---|",
+        "| schedule | m | analytic idle | idle, wall, per stage | idle, replayed, per stage | window ms (wall / replayed) "
+        "| window ratio (wall / replayed) | CPU ms per micro-batch F / B / W, per stage | busy CPU ratio "
+        "| step peak MiB per stage | peak ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
-        per_stage = ", ".join(f"{x:.3f}" for x in row["idle_per_stage"])
-        busy = ", ".join(f"{x:.1f}" for x in row["busy_ms_per_micro_batch"])
-        out.append(f"| {row['m']} | {row['analytic']:.3f} | {row['idle_mean']:.3f} | {per_stage} | {busy} |")
+        rep = row.get("replayed")
+        parts = row.get("part_ms_per_micro_batch")
+        fbw = "-"
+        if parts:
+            fbw = "; ".join(
+                " / ".join(f"{parts[k]['cpu'][i]:.1f}" for k in ("F", "B", "W")) for i in range(len(row["idle_per_stage"]))
+            )
+        ratio = row.get("window_ratio_vs_1f1b")
+        ratios = "-" if ratio is None else f"{ratio:.2f} / {rep['window_ratio_vs_1f1b']:.2f}" if rep else f"{ratio:.2f}"
+        out.append(
+            f"| {row.get('schedule', '1f1b')} | {row['m']} | {row['analytic']:.3f} | {_cells(row['idle_per_stage'], '.3f')} "
+            f"| {_cells(rep['idle_per_stage'], '.3f') if rep else '-'} "
+            f"| {row['window_ms']:.0f} / {rep['window_ms']:.0f} | {ratios} | {fbw} "
+            f"| {row.get('busy_cpu_ratio_vs_1f1b', '-')} | {_cells(row.get('peak_mib_over_step_start', []), '.1f')} "
+            f"| {_cells(row.get('peak_ratio_vs_1f1b', []), '.2f') or '-'} |"
+            if rep
+            else f"| {row.get('schedule', '1f1b')} | {row['m']} | {row['analytic']:.3f} | "
+            f"{_cells(row['idle_per_stage'], '.3f')} | - | {row['window_ms']:.0f} | {ratios} | - | - | - | - |"
+        )
     out.append("")
     return out
 

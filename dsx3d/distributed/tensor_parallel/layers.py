@@ -12,6 +12,7 @@ from torch import nn
 
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.mappings import split_last_dim
+from dsx3d.distributed.tensor_parallel.weight_grad import linear as deferrable_linear
 
 
 def mark_sharded(param: nn.Parameter, dim: int) -> None:
@@ -58,6 +59,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _empty_param(self.out_features, self.in_features, like=linear.weight)
         mark_sharded(self.weight, 1)
         self.bias = None if linear.bias is None else _empty_param(self.out_features, like=linear.bias)
+        self.defer_weight_grad = False  # set by a zero-bubble engine (weight_grad.defer_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.on_shards:
@@ -67,7 +69,10 @@ class RowParallelLinear(nn.Module):
             )
         if self.split_input:  # the input is replicated: keep this rank's columns
             x = split_last_dim(x, self.tp.group)
-        y = self.tp.exit_region(F.linear(x, self.weight), training=self.training)
+        y = self.tp.exit_region(
+            deferrable_linear(x, self.weight) if self.defer_weight_grad else F.linear(x, self.weight),
+            training=self.training,
+        )
         return y if self.bias is None else y + self.bias
 
 
@@ -114,7 +119,10 @@ class VocabParallelHead(nn.Module):
         self.weight = weight
         self.bias = bias
         self.tp, self.vocab_start = tp, vocab_start
+        self.defer_weight_grad = False  # set by a zero-bubble engine (at tp > 1 the region defers on its own)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.defer_weight_grad and self.tp.size == 1:
+            return deferrable_linear(hidden, self.weight, self.bias)
         full = self.tp.enter_region(hidden, training=self.training)
         return self.tp.column_linear(full, self.weight, self.bias, training=self.training)

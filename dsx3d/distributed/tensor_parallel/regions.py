@@ -34,6 +34,7 @@ from dsx3d.distributed.tensor_parallel.mappings import (
     own_rows,
     reduce_scatter_rows,
 )
+from dsx3d.distributed.tensor_parallel.weight_grad import WEIGHT_GRADS
 
 
 class RegionEntry:
@@ -116,6 +117,7 @@ class _RegionLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, entry: RegionEntry, mask=None):
         ctx.entry = entry
         ctx.has_bias = bias is not None
+        ctx.params = (weight, bias)
         xm = x if mask is None else x * mask
         ctx.save_for_backward(xm, weight, mask)
         entry.consumers += 1
@@ -127,6 +129,11 @@ class _RegionLinear(torch.autograd.Function):
         dx = grad.matmul(weight)  # (..., out/t) @ (out/t, in): partial over TP
         ctx.entry.contribute(dx if mask is None else dx * mask)
         g2 = grad.reshape(-1, grad.shape[-1])
+        if WEIGHT_GRADS.key is not None:  # a zero-bubble B pass: queue dW and db for its W pass if they can wait
+            want_w = ctx.params[0] if ctx.needs_input_grad[1] else None
+            want_b = ctx.params[1] if ctx.has_bias and ctx.needs_input_grad[2] else None
+            if WEIGHT_GRADS.defer(want_w, want_b, g2, xm.reshape(-1, xm.shape[-1])):
+                return None, None, None, None, None
         grad_weight = None
         if ctx.needs_input_grad[1]:  # frozen base weights (LoRA) need none
             grad_weight = g2.t().matmul(xm.reshape(-1, xm.shape[-1]))  # (out/t, n) @ (n, in), overlaps the collective

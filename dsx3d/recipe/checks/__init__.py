@@ -87,6 +87,13 @@ def _vocab_holds_the_tokenizer(c: _Context) -> Iterator[Problem]:
         )
 
 
+def _schedule(c: _Context) -> Iterator[Problem]:
+    """parallel.schedule: what zero bubble needs (`dsx3d.recipe.checks.schedule`)."""
+    from dsx3d.recipe.checks.schedule import schedule_problems
+
+    yield from schedule_problems(c.recipe, c.hf_config)
+
+
 RULES: list[Rule] = [
     _model_dimensions,
     _seq_len_vs_positions,
@@ -116,6 +123,7 @@ RULES: list[Rule] = [
     _model_builds,
     _tracking_packages,
     _lora,
+    _schedule,
 ]
 
 # Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.
