@@ -8,7 +8,7 @@ from typing import Any
 def packing(r: dict[str, Any]) -> list[str]:
     lay, w, q = r["layout"], r["workload"], r["packed_over_padded"]
     load = f"load average {r['loadavg_start']} -> {r['loadavg_end']}"
-    out = [f"### Packed SFT rows against padded examples (dp{lay['dp']} tp{lay['tp']} pp{lay['pp']})", ""]
+    out = [f"## Packed SFT rows against padded examples (dp{lay['dp']} tp{lay['tp']} pp{lay['pp']})", ""]
     out += [
         f"`{r['command']}`; {load}. Synthetic chat examples of {w['lengths']} tokens, seq_len {w['seq_len']}, "
         f"micro-batch {w['micro_batch']}, global batch {w['global_batch']} rows, {r['rounds']} alternated steps each:",
