@@ -36,6 +36,7 @@ from dsx3d.plan.layout import Layout, RankPlacement
 from dsx3d.recipe.checks import check_recipe, raise_for_errors
 from dsx3d.recipe.ds_config import build_ds_config
 from dsx3d.recipe.hf_config import load_hf_config
+from dsx3d.recipe.lr_schedule import scheduler_factory
 from dsx3d.recipe.schema import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -202,7 +203,8 @@ def build_engine(
     is the group's. `param_groups` splits the model's
     parameters into optimizer groups (the Trainer drop-in exempts biases and norms from weight decay, as HF
     does); by default every trainable parameter is in one group. A top-level `ds_overrides` key set to None
-    removes that section. `check_data` adds the checker's rules on the
+    removes that section (`"scheduler": None`: no LR scheduler in the engine at all; without a scheduler
+    section the engine steps the recipe's HF schedule, dsx3d.recipe.lr_schedule). `check_data` adds the checker's rules on the
     recipe's data pipeline (for `dsx3d train`, which reads it)."""
     world = comm.get_world_size()
     hf_config = hf_config if hf_config is not None else load_hf_config(recipe.model)
@@ -211,6 +213,11 @@ def build_engine(
     if layout.world_size != world:
         raise UserError.single("parallel", f"dp*tp*pp={layout.world_size}", f"the job has {world} processes", "match the launcher's process count")
     ds_config = build_ds_config(recipe, world, hidden_size=model_dim(hf_config, "hidden_size"))
+    # the recipe's schedule is HF's, unless a "scheduler" section brings DeepSpeed's (or an override of None
+    # asks for none: the Trainer's HF scheduler sets the rates itself)
+    lr_scheduler = None
+    if "scheduler" not in ds_config and "scheduler" not in (ds_overrides or {}):
+        lr_scheduler = scheduler_factory(recipe.train)
     if ds_overrides:
         from dsx3d.recipe.ds_config import merge_overrides
 
@@ -253,7 +260,9 @@ def build_engine(
     moe = isinstance(module, StagedPipelineModule) and getattr(module, "dsx3d_moe_marker", None) is not None
     if moe:
         params = _expert_param_groups(module, params)  # type: ignore[arg-type]
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config, mpu=mpu)
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=params, config=ds_config, mpu=mpu, lr_scheduler=lr_scheduler
+    )
     if layout.pp > 1:
         release_last_stage_outputs(engine)
         count_empty_as_zero(engine)  # a stage without decoder layers may count no gradient in the norm

@@ -1,8 +1,10 @@
-"""The DeepSpeed JSON of a recipe: batch arithmetic over dp, precision, optimizer, schedule, pipeline knobs.
+"""The DeepSpeed JSON of a recipe: batch arithmetic over dp, precision, optimizer, pipeline knobs.
 
 DeepSpeed's world for batch arithmetic is the data-parallel size, so dsx3d writes `train_batch_size`
 itself instead of leaving "auto" to transformers or accelerate (which would fill in the whole world).
 The layout travels in a top-level "dsx3d" section, which DeepSpeed ignores and accelerate passes along.
+It has no "scheduler" section: the recipe's schedule is HF's, built by the engine builder
+(dsx3d.recipe.lr_schedule); a `deepspeed.scheduler` in the recipe brings DeepSpeed's own.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
         "bf16": {"enabled": train.dtype == "bf16"},
         "fp16": {"enabled": train.dtype == "fp16"},
         "optimizer": _optimizer(train),
-        "scheduler": _scheduler(train),
         "pipeline": {
             # Stages exchange tuples of tensors; partitioning them over TP ranks only handles one tensor.
             "pipe_partitioned": False,
@@ -153,36 +154,6 @@ def _optimizer(train: TrainSection) -> dict[str, Any]:
             "adam_w_mode": True,
         },
     }
-
-
-def _scheduler(train: TrainSection) -> dict[str, Any]:
-    """DeepSpeed's schedules (runtime/lr_schedules.py) with linear warm-up over train.warmup_steps.
-
-    DeepSpeed needs at least one warm-up step; with warmup_steps 0 the warm-up starts at the full rate.
-    """
-    warmup = max(1, train.warmup_steps)
-    if train.lr_schedule == "cosine":
-        cosine: dict[str, Any] = {
-            "total_num_steps": train.steps,
-            "warmup_num_steps": warmup,
-            "warmup_min_ratio": 0.0 if train.warmup_steps else 1.0,
-            "cos_min_ratio": train.min_lr / train.lr,
-            "warmup_type": "linear",
-        }
-        if not train.warmup_steps:
-            # WarmupCosineLR built at iteration -1 sets the rate to 0 for the first step whatever the
-            # ratios; starting it at iteration 0 keeps the optimizer's full rate for step 1.
-            cosine["last_batch_iteration"] = 0
-        return {"type": "WarmupCosineLR", "params": cosine}
-    params: dict[str, Any] = {
-        "warmup_min_lr": 0.0 if train.warmup_steps else train.lr,
-        "warmup_max_lr": train.lr,
-        "warmup_num_steps": warmup,
-        "warmup_type": "linear",
-    }
-    if train.lr_schedule == "constant":
-        return {"type": "WarmupLR", "params": params}
-    return {"type": "WarmupDecayLR", "params": {"total_num_steps": train.steps, **params}}
 
 
 def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

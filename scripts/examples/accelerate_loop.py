@@ -4,7 +4,8 @@
     accelerate launch --config_file accelerate.yaml scripts/examples/accelerate_loop.py --model DIR [--steps N]
 
 A layout with tp 1 and pp 1 (data parallel, ZeRO 0-3) is plain accelerate + DeepSpeed: this loop trains as
-accelerate documents it (DummyOptim and DummyScheduler because the JSON has optimizer and scheduler sections).
+accelerate documents it (DummyOptim because the JSON has an optimizer section; the JSON has no scheduler, so the
+loop hands DeepSpeed HF's schedule through DummyScheduler's lr_scheduler_callable, as `dsx3d train` does).
 A layout with tp > 1 or pp > 1 is refused at `accelerator.prepare` with a dsx3d error that says what to use
 instead (dsx3d.Trainer, `-m dsx3d.train`, or the engine loop in engine_loop.py): accelerate's loop runs one
 whole model replica per process. The check is installed by `patches.install()` below (or by importing
@@ -25,12 +26,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--model", required=True, help="local HF checkpoint directory")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=32)
     args = p.parse_args(argv)
 
     from accelerate import Accelerator
     from accelerate.utils import DummyOptim, DummyScheduler
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, get_scheduler
 
     from dsx3d.integrations import patches
 
@@ -45,7 +47,15 @@ def main(argv: list[str] | None = None) -> list[float]:
     ids = torch.randint(0, vocab, (samples, args.seq_len), generator=g)
     loader = torch.utils.data.DataLoader([{"input_ids": t, "labels": t} for t in ids], batch_size=micro)
     optimizer = (DummyOptim if "optimizer" in ds_config else torch.optim.AdamW)(model.parameters(), lr=args.lr)
-    scheduler = DummyScheduler(optimizer) if "scheduler" in ds_config else None
+    if "scheduler" in ds_config:  # a DeepSpeed schedule the user wrote into the JSON
+        scheduler = DummyScheduler(optimizer)
+    else:  # HF's cosine schedule over the optimizer DeepSpeed builds, stepped by the engine at each optimizer step
+        scheduler = DummyScheduler(
+            optimizer,
+            lr_scheduler_callable=lambda opt: get_scheduler(
+                "cosine", opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps
+            ),
+        )
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     losses = []
     model.train()

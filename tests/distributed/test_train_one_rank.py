@@ -20,6 +20,7 @@ from dsx3d.run.metrics import read_metrics
 pytestmark = pytest.mark.usefixtures("warm")
 
 STEPS = 3
+LR = 3e-3
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -40,10 +41,32 @@ def _recipe(tmp: Path, report_to: Any) -> dict[str, Any]:
         },
         "parallel": {"dp": 1, "tp": 1, "pp": 1},
         "cluster": {"nodes": 1, "gpus_per_node": 1},
-        "train": {"steps": STEPS, "seq_len": 32, "micro_batch_size": 2, "dtype": "fp32", "report_to": report_to},
+        "train": {
+            "steps": STEPS,
+            "seq_len": 32,
+            "micro_batch_size": 2,
+            "dtype": "fp32",
+            "report_to": report_to,
+            "lr": LR,
+            "warmup_steps": 1,
+            "lr_schedule": "cosine",
+        },
         "data": {"tokenizer_vocab_size": 512, "cache_dir": str(tmp / "cache")},
         "output_dir": str(tmp / "run"),
     }
+
+
+def _hf_lrs() -> list[float]:
+    import torch
+    from transformers import get_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    scheduler, out = get_scheduler("cosine", opt, num_warmup_steps=1, num_training_steps=STEPS), []
+    for _ in range(STEPS):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    return out
 
 
 def _main_without_launcher(recipe: str) -> None:
@@ -63,6 +86,8 @@ def test_one_rank_without_launcher_variables_trains_and_reports_to_csv(tmp_path:
     assert child.exitcode == 0
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    # the rate each step used is HF's cosine schedule (one warm-up step): 0, the peak, then the decay
+    assert [r["lr"] for r in records] == pytest.approx(_hf_lrs(), abs=1e-12)
     csv_dir = tmp_path / "run" / "csv" / "run"
     for figure in ("loss", "lr", "grad_norm", "tokens_per_s"):
         with (csv_dir / f"train_{figure}.csv").open() as f:

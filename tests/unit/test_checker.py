@@ -191,6 +191,14 @@ CASES = [
         id="auto-left-unresolved",
     ),
     pytest.param(
+        {"deepspeed": {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2}}}},
+        None,
+        "deepspeed.scheduler",
+        "warning",
+        "HF's get_scheduler",
+        id="deepspeed-scheduler-replaces-the-hf-schedule",
+    ),
+    pytest.param(
         {"deepspeed": {"wall_clock_breakdown": True}},
         None,
         "deepspeed.wall_clock_breakdown",
@@ -319,8 +327,8 @@ def test_hf_style_auto_values_resolve_from_the_recipe() -> None:
         "zero_optimization": {"stage": "auto", "reduce_bucket_size": "auto"},
     }
     recipe = recipe_from_dict(deep_merge(copy.deepcopy(BASE), {"deepspeed": auto}))
-    # no error; the one warning: another schedule type than the recipe's shadows train.lr_schedule
-    assert [(p.key, p.severity) for p in check_recipe(recipe)] == [("deepspeed.scheduler.type", "warning")]
+    # no error; the one warning: DeepSpeed's schedule replaces the recipe's (HF's)
+    assert [(p.key, p.severity) for p in check_recipe(recipe)] == [("deepspeed.scheduler", "warning")]
     config = build_ds_config(recipe, hidden_size=64)
     assert auto_paths(config) == []
     plain = build_ds_config(recipe_from_dict(copy.deepcopy(BASE)))
@@ -330,7 +338,7 @@ def test_hf_style_auto_values_resolve_from_the_recipe() -> None:
     assert config["scheduler"] == {
         "type": "WarmupLR",
         "params": {"warmup_min_lr": 0.0, "warmup_max_lr": recipe.train.lr, "warmup_num_steps": recipe.train.warmup_steps},
-    }  # another schedule than dsx3d's: its own parameters only
+    }  # DeepSpeed's schedule, its own parameters only
     assert config["zero_optimization"] == {"stage": recipe.zero.stage, "reduce_bucket_size": 64 * 64}
 
 

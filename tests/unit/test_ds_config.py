@@ -91,44 +91,28 @@ def test_world_size_as_batch_divisor_is_what_fails(parse_ds_config) -> None:
         parse_ds_config({**config, "train_batch_size": 2 * 4 * 8}, dp=2)
 
 
-@pytest.mark.parametrize(
-    ("schedule", "cls"),
-    [
-        ("constant", lr_schedules.WarmupLR),
-        ("cosine", lr_schedules.WarmupCosineLR),
-        ("linear", lr_schedules.WarmupDecayLR),
-    ],
-)
-def test_scheduler_params_fit_deepspeed(schedule: str, cls: type) -> None:
-    sched = build_ds_config(_tiny(train={"lr_schedule": schedule, "min_lr": 3.0e-4}))["scheduler"]
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_generated_config_has_no_scheduler(schedule: str) -> None:
+    """The recipe's schedule is HF's, built by the engine builder (tests/unit/test_lr_schedule_hf.py);
+    DeepSpeed's schedules repeat the start rate and warm up over at least 2 steps."""
+    assert "scheduler" not in build_ds_config(_tiny(train={"lr_schedule": schedule, "min_lr": 3.0e-4}))
+
+
+@pytest.mark.parametrize("cls", [lr_schedules.WarmupLR, lr_schedules.WarmupCosineLR, lr_schedules.WarmupDecayLR])
+def test_a_scheduler_override_is_deepspeeds_with_auto_from_the_recipe(cls: type) -> None:
+    """`deepspeed.scheduler` brings DeepSpeed's own schedule; its "auto" parameters come from the recipe."""
+    skip = ("optimizer", "last_batch_iteration", "warmup_type")
+    auto = {n: "auto" for n in inspect.signature(cls).parameters if n not in skip}  # DeepSpeed's own names
+    recipe = _tiny(train={"min_lr": 3.0e-4}, deepspeed={"scheduler": {"type": cls.__name__, "params": auto}})
+    sched = build_ds_config(recipe)["scheduler"]
     assert sched["type"] == cls.__name__
     inspect.signature(cls).bind(None, **sched["params"])  # raises TypeError on a wrong parameter name
     assert sched["params"]["warmup_num_steps"] == 5
-    if schedule == "cosine":
+    if cls is lr_schedules.WarmupCosineLR:
         assert sched["params"]["cos_min_ratio"] == pytest.approx(0.1)
         assert sched["params"]["total_num_steps"] == 200
     else:
         assert sched["params"]["warmup_max_lr"] == 3.0e-3
-
-
-def test_no_warmup_starts_at_full_rate() -> None:
-    params = build_ds_config(_tiny(train={"warmup_steps": 0, "lr_schedule": "constant"}))["scheduler"][
-        "params"
-    ]
-    assert params["warmup_min_lr"] == params["warmup_max_lr"] and params["warmup_num_steps"] >= 1
-
-
-@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
-def test_first_step_runs_at_full_rate_without_warmup(schedule: str) -> None:
-    """DeepSpeed's schedulers, built as the engine builds them, give step 1 the peak rate (WarmupCosineLR
-    built at iteration -1 would give it 0)."""
-    import torch
-
-    recipe = _tiny(train={"warmup_steps": 0, "lr_schedule": schedule})
-    sched = build_ds_config(recipe)["scheduler"]
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=recipe.train.lr)
-    getattr(lr_schedules, sched["type"])(opt, **sched["params"])
-    assert opt.param_groups[0]["lr"] == pytest.approx(recipe.train.lr)
 
 
 def test_bf16_accumulates_in_fp32_only_with_zero() -> None:

@@ -21,6 +21,7 @@ from dsx3d.recipe.checks.deepspeed import (
     _deepspeed_timers,
     _fp16,
     _grad_accum_dtype,
+    _scheduler_override,
     _shadowing_overrides,
 )
 from dsx3d.recipe.checks.environment import _data_dirs, _monitor_packages, _output_dir, _tracking_packages
@@ -100,6 +101,7 @@ RULES: list[Rule] = [
     _output_dir,
     _data_dirs,
     _shadowing_overrides,
+    _scheduler_override,
     _world_size_matches,
     _zero_with_pipeline,
     _low_precision_without_zero_under_tp,

@@ -1,4 +1,4 @@
-"""Checks of the DeepSpeed section: batch and precision overrides, contradictions, values left on auto, timers, and overrides that replace what dsx3d generates."""
+"""Checks of the DeepSpeed section: batch and precision overrides, contradictions, values left on auto, timers, and overrides that replace what dsx3d generates (the schedule included)."""
 
 from __future__ import annotations
 
@@ -139,7 +139,6 @@ _OVERRIDE_SOURCES = {
     "optimizer.params.eps": "train.eps",
     "optimizer.params.weight_decay": "train.weight_decay",
     "optimizer": "dsx3d's AdamW settings from train",
-    "scheduler": "train.lr_schedule, train.warmup_steps, train.steps and train.min_lr",
     "pipeline.activation_checkpoint_interval": "train.activation_checkpointing",
     "pipeline": "dsx3d's pipeline settings",
     "dsx3d": "the layout dsx3d records (parallel, cluster, train)",
@@ -201,6 +200,24 @@ def _shadowing_overrides(c: _Context) -> Iterator[Problem]:
             f"replaces {generated!r}, which dsx3d derives from {source}; DeepSpeed will use the override",
             f"remove deepspeed.{path} and set {source} instead, if that is what you meant",
         )
+
+
+def _scheduler_override(c: _Context) -> Iterator[Problem]:
+    """The generated config has no scheduler: the engine steps HF's schedule for train.lr_schedule,
+    train.warmup_steps, train.steps and train.min_lr (dsx3d.recipe.lr_schedule). A `deepspeed.scheduler`
+    section replaces it with DeepSpeed's, whose rates per step are not HF's."""
+    given = c.overrides.get("scheduler")
+    if given is None:
+        return
+    kind = given.get("type") if isinstance(given, dict) else given
+    yield _warning(
+        "deepspeed.scheduler",
+        kind,
+        "replaces the recipe's schedule (HF's get_scheduler from train.lr_schedule, train.warmup_steps, "
+        "train.steps and train.min_lr) with DeepSpeed's own, whose rates per step differ from HF's (its warm-up "
+        "repeats the start rate and lasts at least 2 steps)",
+        "remove deepspeed.scheduler and set the train.* schedule keys, if that is what you meant",
+    )
 
 
 def _deepspeed_schema(c: _Context) -> Iterator[Problem]:
