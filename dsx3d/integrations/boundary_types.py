@@ -1,0 +1,57 @@
+"""Named types for what crosses into dsx3d from Hugging Face and DeepSpeed.
+
+The classes are imported for the type checker only (DeepSpeed's import is heavy and sets up its
+accelerator), so every alias here is a string at run time: use them in annotations, never in pydantic
+fields or `isinstance`. DeepSpeed ships no type information, so its engines read as `Any` to mypy; the
+alias still tells a reader which object is meant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from dsx3d.recipe.json_values import JSONObject, JSONValue
+
+if TYPE_CHECKING:
+    import torch
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from transformers import PretrainedConfig, PreTrainedModel, TrainingArguments
+
+__all__ = [
+    "Batch",
+    "DSConfig",
+    "DSEngine",
+    "HFConfig",
+    "HFModel",
+    "HFTrainingArguments",
+    "JSONObject",
+    "JSONValue",
+    "ParamGroup",
+    "PipeEngine",
+]
+
+HFConfig: TypeAlias = "PretrainedConfig"
+"""A model's Hugging Face config (any family; attributes are read by name)."""
+
+HFModel: TypeAlias = "PreTrainedModel"
+"""A Hugging Face model (possibly on the meta device)."""
+
+HFTrainingArguments: TypeAlias = "TrainingArguments"
+"""`transformers.TrainingArguments` (or a TRL subclass of it)."""
+
+DSEngine: TypeAlias = "DeepSpeedEngine"
+"""DeepSpeed's engine (`deepspeed.initialize` with pp = 1)."""
+
+PipeEngine: TypeAlias = "PipelineEngine"
+"""DeepSpeed's pipeline engine, whose methods dsx3d patches."""
+
+DSConfig: TypeAlias = JSONObject
+"""A DeepSpeed config: the JSON object `deepspeed.initialize(config=...)` reads."""
+
+Batch: TypeAlias = "Mapping[str, torch.Tensor]"
+"""A collated batch as a Trainer's data collator hands it over."""
+
+ParamGroup: TypeAlias = "dict[str, Any]"
+"""One of a torch optimizer's param groups (torch types them so: "params" plus any setting)."""
