@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PretrainedConfig
@@ -26,6 +26,7 @@ from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.errors import UserError
 from dsx3d.integrations.bf16_norm import count_empty_as_zero
+from dsx3d.integrations.boundary_types import DSConfig, DSEngine, JSONObject, PipeEngine
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline, release_last_stage_outputs
 from dsx3d.models.sequential import SequentialLM, build_sequential
@@ -49,12 +50,12 @@ input_ids is (input_ids, position_ids) (dsx3d.models.packed)."""
 class Engine3D:
     """A DeepSpeed engine (PipelineEngine with pp > 1, the regular one with pp = 1) with its layout."""
 
-    ds_engine: Any
+    ds_engine: DSEngine | PipeEngine
     module: StagedPipelineModule | SequentialLM
     layout: Layout
     placement: RankPlacement
     hf_config: PretrainedConfig
-    ds_config: dict[str, Any]
+    ds_config: DSConfig
     mpu: DataTensorParallelGroups | None = None
     """The dp/tp groups of a pp = 1 engine; None with a pipeline (the engine's grid holds them)."""
 
@@ -64,7 +65,8 @@ class Engine3D:
 
     @property
     def zero_stage(self) -> int:
-        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        zero = cast(JSONObject, self.ds_config.get("zero_optimization", {}))
+        return int(cast(int, zero.get("stage", 0)))
 
     def train_step(self, micro_batches: Iterator[MicroBatch]) -> float:
         """One optimizer step over gradient_accumulation_steps micro-batches of this DP rank; the loss is

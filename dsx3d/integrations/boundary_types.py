@@ -1,6 +1,7 @@
 """Named types for what crosses into dsx3d from Hugging Face and DeepSpeed.
 
-The classes are imported for the type checker only (DeepSpeed's import is heavy and sets up its
+This module imports nothing of dsx3d, so any package may import it. The classes are imported for the type
+checker only (DeepSpeed's import is heavy and sets up its
 accelerator), so every alias here is a string at run time: use them in annotations, never in pydantic
 fields or `isinstance`. DeepSpeed ships no type information, so its engines read as `Any` to mypy; the
 alias still tells a reader which object is meant.
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias
-
-from dsx3d.recipe.json_values import JSONObject, JSONValue
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +31,15 @@ __all__ = [
     "PipeEngine",
 ]
 
+JSONValue: TypeAlias = "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
+"""A value JSON can hold."""
+
+JSONObject: TypeAlias = "dict[str, JSONValue]"
+"""A JSON object (a recipe's model.config, its deepspeed overrides)."""
+
+DSConfig: TypeAlias = "dict[str, JSONValue]"
+"""A DeepSpeed config, or overrides for one: the JSON object `deepspeed.initialize(config=...)` reads."""
+
 HFConfig: TypeAlias = "PretrainedConfig"
 """A model's Hugging Face config (any family; attributes are read by name)."""
 
@@ -46,9 +54,6 @@ DSEngine: TypeAlias = "DeepSpeedEngine"
 
 PipeEngine: TypeAlias = "PipelineEngine"
 """DeepSpeed's pipeline engine, whose methods dsx3d patches."""
-
-DSConfig: TypeAlias = JSONObject
-"""A DeepSpeed config: the JSON object `deepspeed.initialize(config=...)` reads."""
 
 Batch: TypeAlias = "Mapping[str, torch.Tensor]"
 """A collated batch as a Trainer's data collator hands it over."""

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from dsx3d.errors import UserError
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.models.shape import model_dim, text_config
 
 
-def experts_per_layer(config: Any) -> int | None:
+def experts_per_layer(config: HFConfig) -> int | None:
     """E, the experts of each MoE layer, for a family whose plan names an experts module (`moe_tp_experts`,
     which dsx3d splits over TP and EP); None for a dense model."""
     from dsx3d.models import tp_plan
@@ -41,7 +42,7 @@ def valid_expert_splits(num_experts: int, tp_choices: list[int], ep_choices: lis
     return [(t, e) for t in tp_choices for e in ep_choices if num_experts % (t * e) == 0]
 
 
-def adds_auxiliary_loss(config: Any, skeleton: Any) -> bool:
+def adds_auxiliary_loss(config: HFConfig, skeleton: Any) -> bool:
     """Whether the family's CausalLM adds a loss computed from recorded router logits in this configuration
     (`output_router_logits` on, `_can_record_outputs["router_logits"]` declared, and the forward's loss
     depends on them). The last is probed by running the head on meta tensors (no memory, no FLOPs)."""

@@ -23,6 +23,7 @@ from dsx3d.distributed import comm
 from dsx3d.distributed.expert_parallel.experts import ExpertContext
 from dsx3d.distributed.expert_parallel.groups import ExpertGroups, create_expert_groups, moe_marker
 from dsx3d.distributed.tensor_parallel.context import TPContext
+from dsx3d.integrations.boundary_types import PipeEngine
 from dsx3d.models.family_spec import FamilySpec, resolve_family
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipe_layers import (
@@ -116,7 +117,7 @@ def holds_ep_shards(module: nn.Module) -> bool:
     return any(getattr(p, "allreduce", True) is False for p in module.parameters())
 
 
-def release_last_stage_outputs(engine: Any) -> None:
+def release_last_stage_outputs(engine: PipeEngine) -> None:
     """DeepSpeed's PipelineEngine keeps every stage's outputs in `pipe_buffers["outputs"]` until their
     backward, which frees them on every stage but the last (runtime/pipe/engine.py, _exec_backward_pass
     returns early there). The last stage's outputs are the logits, b*s*V/tp of them, and it has two buffers:
@@ -128,7 +129,7 @@ def release_last_stage_outputs(engine: Any) -> None:
     table = dict(engine._INSTRUCTION_MAP)
     backward = table[schedule.BackwardPass]
 
-    def backward_then_release(self: Any, buffer_id: int) -> None:
+    def backward_then_release(self: PipeEngine, buffer_id: int) -> None:
         backward(self, buffer_id)
         self.pipe_buffers["outputs"][buffer_id] = None
 

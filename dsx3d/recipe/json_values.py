@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import TypeAlias
 
-JSONValue: TypeAlias = "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
-"""A value JSON can hold."""
+from dsx3d.integrations.boundary_types import DSConfig, JSONObject, JSONValue
 
-JSONObject: TypeAlias = "dict[str, JSONValue]"
-"""A JSON object (model.config, deepspeed overrides, a DeepSpeed config)."""
+__all__ = ["DSConfig", "JSONObject", "JSONValue", "MAX_MAPPING_VALUES"]
 
 MAX_MAPPING_VALUES = 100_000
 """Values in model.config or deepspeed, counted through YAML aliases (a YAML "billion laughs" stays small

@@ -54,6 +54,7 @@ from dsx3d.distributed import comm
 from dsx3d.engine import Engine3D
 from dsx3d.errors import RunFailure, UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
+from dsx3d.integrations.boundary_types import DSEngine
 from dsx3d.recipe.schema import Recipe, dump_recipe
 
 log = logging.getLogger("dsx3d")
@@ -149,7 +150,7 @@ class _SaveLog:
 
 
 @contextlib.contextmanager
-def _recording(engine: Any, save_log: _SaveLog) -> Iterator[None]:
+def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
     """DeepSpeed's writes through `save_log`: a failure is recorded instead of raised, so the rank still
     reaches DeepSpeed's closing barrier with its peers."""
     checkpoint_engine = engine.checkpoint_engine

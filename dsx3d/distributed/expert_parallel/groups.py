@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsx3d.distributed import comm
+from dsx3d.integrations.boundary_types import PipeEngine
 
 
 @dataclass
@@ -76,7 +77,7 @@ def moe_marker(num_experts: int) -> Any:
     return MoEMarker()
 
 
-def keep_pipeline_checkpoints(ds_engine: Any) -> None:
+def keep_pipeline_checkpoints(ds_engine: PipeEngine) -> None:
     """DeepSpeed writes an engine with MoE layers in its per-expert format, which only knows its own MoE
     modules; pipeline stages save their layers themselves. The MoE flag is what the optimizer set-up and the
     BF16 optimizer's gradient reduction read, so it stays on, and only save/load see it off."""
