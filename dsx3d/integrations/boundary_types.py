@@ -15,15 +15,28 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 if TYPE_CHECKING:
     import torch
     from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine
-    from transformers import PretrainedConfig, PreTrainedModel, TrainingArguments
+    from deepspeed.runtime.pipe.module import LayerSpec
+    from transformers import (
+        BaseImageProcessor,
+        FeatureExtractionMixin,
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        ProcessorMixin,
+        TrainingArguments,
+    )
 
 __all__ = [
     "Batch",
+    "DSCheckpointEngine",
     "DSConfig",
+    "DSLayerSpec",
     "DSEngine",
     "HFConfig",
     "HFModel",
+    "HFProcessor",
     "HFTrainingArguments",
     "JSONObject",
     "JSONValue",
@@ -54,6 +67,15 @@ DSEngine: TypeAlias = "DeepSpeedEngine"
 
 PipeEngine: TypeAlias = "PipelineEngine"
 """DeepSpeed's pipeline engine, whose methods dsx3d patches."""
+
+DSLayerSpec: TypeAlias = "LayerSpec"
+"""One layer of a DeepSpeed PipelineModule, built on the stage that owns it (a TiedLayerSpec too)."""
+
+DSCheckpointEngine: TypeAlias = "CheckpointEngine"
+"""How a DeepSpeed engine writes and reads checkpoint files (torch.save/load or a decoupled writer)."""
+
+HFProcessor: TypeAlias = "PreTrainedTokenizerBase | BaseImageProcessor | FeatureExtractionMixin | ProcessorMixin"
+"""A tokenizer or processor, as `Trainer(processing_class=...)` takes it (saved next to an exported model)."""
 
 Batch: TypeAlias = "Mapping[str, torch.Tensor]"
 """A collated batch as a Trainer's data collator hands it over."""

@@ -39,7 +39,7 @@ from dsx3d.checkpoint.hf.writer import (
 )
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
-from dsx3d.integrations.boundary_types import JSONObject
+from dsx3d.integrations.boundary_types import HFProcessor, JSONObject
 from dsx3d.models.lora import is_adapter_name
 from dsx3d.models.shards import local_shape
 
@@ -112,7 +112,7 @@ def run_dtype(engine: Engine3D) -> torch.dtype:
 def export_hf(
     engine: Engine3D,
     out_dir: str | Path,
-    tokenizer: Any = None,
+    tokenizer: HFProcessor | str | Path | None = None,
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,

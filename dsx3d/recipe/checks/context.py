@@ -41,7 +41,7 @@ class _Context:
 Rule = Callable[[_Context], Iterator[Problem]]
 
 
-def _warning(key: str, value: Any, reason: str, fix: str) -> Problem:
+def _warning(key: str, value: object, reason: str, fix: str) -> Problem:
     return Problem(key, value, reason, fix, severity="warning")
 
 
