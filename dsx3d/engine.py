@@ -26,7 +26,7 @@ from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.errors import UserError
 from dsx3d.integrations.bf16_norm import count_empty_as_zero
-from dsx3d.integrations.boundary_types import DSConfig, DSEngine, JSONObject, PipeEngine
+from dsx3d.integrations.boundary_types import DSConfig, DSEngine, JSONObject, ParamGroup, PipeEngine
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline, release_last_stage_outputs
 from dsx3d.models.sequential import SequentialLM, build_sequential
@@ -166,7 +166,7 @@ def lora_spec(recipe: Recipe) -> LoraSpec | None:
     return LoraSpec(peft_config_from(recipe.model.lora), recipe.train.seed)
 
 
-def _expert_param_groups(module: StagedPipelineModule, params: list[Any]) -> list[dict[str, Any]]:
+def _expert_param_groups(module: StagedPipelineModule, params: list[torch.nn.Parameter]) -> list[ParamGroup]:
     """Expert parameters split over the EP group get their own optimizer groups (DeepSpeed's `moe` groups),
     which ZeRO partitions over the expert-data-parallel group; the groups are registered first."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -196,7 +196,7 @@ def build_engine(
     hf_config: PretrainedConfig | None = None,
     source: WeightSource | None = None,
     ds_overrides: dict[str, Any] | None = None,
-    param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+    param_groups: Callable[[torch.nn.Module], list[ParamGroup]] | None = None,
     check_data: bool = False,
 ) -> Engine3D:
     """Build this rank's model (its pipeline stage, or with pp = 1 the whole TP-sharded model) and its

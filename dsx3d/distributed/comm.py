@@ -79,7 +79,7 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None = None) -> t
     return tensor
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
+def broadcast_object(obj: T, src: int = 0) -> T:
     if not is_initialized():
         return obj
     box = [obj]

@@ -15,7 +15,7 @@ gradient flows back through the travelling tensor.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -100,8 +100,8 @@ def capture_router_logits(routers: list[tuple[nn.Module, int]]) -> Iterator[list
     """Collect what the routers output during the block, in call order."""
     seen: list[torch.Tensor] = []
 
-    def hook(index: int) -> Any:
-        def record(module: nn.Module, args: Any, output: Any) -> None:
+    def hook(index: int) -> Callable[[nn.Module, tuple[object, ...], Any], None]:
+        def record(module: nn.Module, args: tuple[object, ...], output: Any) -> None:
             value = output[index] if isinstance(output, tuple) else output
             if value is not None:
                 seen.append(value)
@@ -124,7 +124,7 @@ def append_router_logits(carried: torch.Tensor | None, new: list[torch.Tensor]) 
     return stacked if carried is None else torch.cat([carried, stacked.to(carried.dtype)])
 
 
-def no_lm_loss(logits: torch.Tensor, labels: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+def no_lm_loss(logits: torch.Tensor, labels: object, *args: object, **kwargs: object) -> torch.Tensor:
     """Stands in for the family's language-model loss on the last stage, which dsx3d computes on vocab
     shards itself: what the family's forward returns as `loss` is then its auxiliary terms alone."""
     return torch.zeros((), dtype=torch.float32, device=logits.device)

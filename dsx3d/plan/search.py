@@ -22,7 +22,7 @@ from dsx3d.estimate import Estimate, Hardware, ModelShape, Setup, estimate
 from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.recipe.schema import ModelSection, Recipe
 
-Checker = Callable[[Recipe, HFConfig | None], list[Problem]]
+Checker = Callable[[Recipe, "HFConfig | None"], list[Problem]]
 
 
 @dataclass(frozen=True)

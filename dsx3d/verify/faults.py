@@ -136,7 +136,7 @@ def loss_over_wrong_micro_batch_count() -> contextlib.AbstractContextManager[Non
     """The loss of each micro-batch is divided by one micro-batch too many before the backward."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    def scale(self: Any, prescaled_loss: Any, **kwargs: Any) -> Any:
+    def scale(self: PipeEngine, prescaled_loss: torch.Tensor, **kwargs: object) -> torch.Tensor:
         return prescaled_loss / (self.gradient_accumulation_steps() + 1)
 
     return _patched(PipelineEngine, "_scale_loss_by_gas", scale)
