@@ -97,7 +97,7 @@ def _read_betas(args: HFTrainingArguments) -> tuple[float, float] | None:
     return None if betas == (_hf_default("adam_beta1"), _hf_default("adam_beta2")) else betas
 
 
-def _write_betas(args: HFTrainingArguments, value: Any) -> None:
+def _write_betas(args: HFTrainingArguments, value: tuple[float, float]) -> None:
     args.adam_beta1, args.adam_beta2 = (float(v) for v in value)
 
 
@@ -118,7 +118,7 @@ def _write_schedule(args: HFTrainingArguments, value: str) -> None:
     args.lr_scheduler_type = SchedulerType(value)
 
 
-def _warmup_to_recipe(value: Any) -> int | None:
+def _warmup_to_recipe(value: float) -> int | None:
     """HF's warm-up (steps, or below 1 a ratio of the training steps) as the recipe's whole steps, if it is one."""
     return int(value) if value >= 1 or value == 0 else None  # HF's get_warmup_steps truncates steps >= 1
 
@@ -141,7 +141,7 @@ SHARED: list[Shared] = [
 ]
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, bool) or isinstance(b, bool):
