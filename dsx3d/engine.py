@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PretrainedConfig
@@ -26,6 +26,7 @@ from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.errors import UserError
 from dsx3d.integrations.bf16_norm import count_empty_as_zero
+from dsx3d.integrations.boundary_types import DSConfig, DSEngine, JSONObject, ParamGroup, PipeEngine
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline, release_last_stage_outputs
 from dsx3d.models.sequential import SequentialLM, build_sequential
@@ -50,12 +51,12 @@ input_ids is (input_ids, position_ids) (dsx3d.models.packed)."""
 class Engine3D:
     """A DeepSpeed engine (PipelineEngine with pp > 1, the regular one with pp = 1) with its layout."""
 
-    ds_engine: Any
+    ds_engine: DSEngine | PipeEngine
     module: StagedPipelineModule | SequentialLM
     layout: Layout
     placement: RankPlacement
     hf_config: PretrainedConfig
-    ds_config: dict[str, Any]
+    ds_config: DSConfig
     mpu: DataTensorParallelGroups | None = None
     """The dp/tp groups of a pp = 1 engine; None with a pipeline (the engine's grid holds them)."""
 
@@ -65,7 +66,8 @@ class Engine3D:
 
     @property
     def zero_stage(self) -> int:
-        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        zero = cast(JSONObject, self.ds_config.get("zero_optimization", {}))
+        return int(cast(int, zero.get("stage", 0)))
 
     def train_step(self, micro_batches: Iterator[MicroBatch]) -> float:
         """One optimizer step over gradient_accumulation_steps micro-batches of this DP rank; the loss is
@@ -165,7 +167,7 @@ def lora_spec(recipe: Recipe) -> LoraSpec | None:
     return LoraSpec(peft_config_from(recipe.model.lora), recipe.train.seed)
 
 
-def _expert_param_groups(module: StagedPipelineModule, params: list[Any]) -> list[dict[str, Any]]:
+def _expert_param_groups(module: StagedPipelineModule, params: list[torch.nn.Parameter]) -> list[ParamGroup]:
     """Expert parameters split over the EP group get their own optimizer groups (DeepSpeed's `moe` groups),
     which ZeRO partitions over the expert-data-parallel group; the groups are registered first."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -195,7 +197,7 @@ def build_engine(
     hf_config: PretrainedConfig | None = None,
     source: WeightSource | None = None,
     ds_overrides: dict[str, Any] | None = None,
-    param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+    param_groups: Callable[[torch.nn.Module], list[ParamGroup]] | None = None,
     check_data: bool = False,
 ) -> Engine3D:
     """Build this rank's model (its pipeline stage, or with pp = 1 the whole TP-sharded model) and its

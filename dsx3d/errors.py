@@ -6,7 +6,6 @@ The CLI turns a `UserError` into one message on stderr and exit code 2, without 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -14,7 +13,7 @@ class Problem:
     """One thing wrong with a recipe or a command line."""
 
     key: str
-    value: Any
+    value: object
     reason: str
     fix: str
     severity: str = "error"  # "error" stops the run; "warning" is reported and allowed
@@ -31,7 +30,7 @@ class UserError(Exception):
         super().__init__("\n".join(str(p) for p in self.problems))
 
     @classmethod
-    def single(cls, key: str, value: Any, reason: str, fix: str) -> UserError:
+    def single(cls, key: str, value: object, reason: str, fix: str) -> UserError:
         return cls(Problem(key, value, reason, fix))
 
 

@@ -36,6 +36,7 @@ from dsx3d.data.stream import EvalBatches
 from dsx3d.distributed import comm
 from dsx3d.engine import Engine3D, build_engine
 from dsx3d.errors import RunFailure, UserError
+from dsx3d.integrations.boundary_types import HFProcessor
 from dsx3d.models.shape import shape_from_hf_config
 from dsx3d.recipe.schema import Recipe, dump_recipe, load_recipe
 from dsx3d.run.data import check_vocab, prepare_once_per_node
@@ -160,7 +161,7 @@ def _save_beside_run(
     paths: RunPaths,
     recipe: Recipe,
     engine: Engine3D,
-    tokenizer: Any,
+    tokenizer: HFProcessor,
     rows: list[dict[str, Any]],
     info: RankInfo,
     removed: list[str] | None,
@@ -237,7 +238,7 @@ def _client_state(step: int, stream: MicroBatchStream, engine: Engine3D) -> dict
     }
 
 
-def _finish(engine: Engine3D, paths: RunPaths, tokenizer: Any, info: RankInfo, recipe: Recipe) -> None:
+def _finish(engine: Engine3D, paths: RunPaths, tokenizer: HFProcessor | None, info: RankInfo, recipe: Recipe) -> None:
     if info.rank == 0 and plot_loss(paths.metrics, paths.loss_plot, f"{paths.root.name}: loss"):
         log.info("loss curve: %s", paths.loss_plot)
     lora = recipe.model.lora

@@ -12,6 +12,7 @@ from dsx3d.cli.args import bounded_float, bounded_int
 from dsx3d.cli.json_output import emit
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.recipe.schema import MAX_SEED
 
 log = logging.getLogger("dsx3d")
@@ -114,7 +115,7 @@ def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, flo
     return config, None, _without_dropout(config)
 
 
-def _check_size(option: str, value: str, config: Any) -> None:
+def _check_size(option: str, value: str, config: HFConfig) -> None:
     """verify trains copies of the model on this machine: sizes in bounds, small models only."""
     from dsx3d.models.shape import shape_from_hf_config
     from dsx3d.recipe.hf_config import dimension_problems
@@ -135,7 +136,7 @@ def _summary(err: Exception) -> str:
     return (lines[-1] if lines else type(err).__name__)[:300]
 
 
-def _without_dropout(config: Any) -> dict[str, float]:
+def _without_dropout(config: HFConfig) -> dict[str, float]:
     """Dropout set to 0: single-process HF and the ranks cannot draw the same masks (the ranks draw per TP
     region), so verify compares the deterministic model. Returns what was turned off."""
     from dsx3d.models.shape import dropout_probabilities, text_config

@@ -12,12 +12,12 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO
 
 _result_stream: IO[str] | None = None
 
 
-def emit(obj: Any) -> None:
+def emit(obj: object) -> None:
     """Write `obj` as one JSON line on the command's stdout (the real one, also inside `json_mode`)."""
     stream = _result_stream if _result_stream is not None else sys.stdout
     stream.write(json.dumps(obj) + "\n")

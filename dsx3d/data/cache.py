@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -28,7 +27,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "dsx3d"
 
 
-def digest(*parts: Any) -> str:
+def digest(*parts: object) -> str:
     """A short stable hash of JSON-serialisable parts (16 hex digits: collisions are not a concern here)."""
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -39,7 +38,7 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     write_atomic(path, lambda f: np.save(f, array))
 
 
-def save_json_atomic(path: Path, obj: Any) -> None:
+def save_json_atomic(path: Path, obj: object) -> None:
     write_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 

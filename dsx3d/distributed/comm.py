@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
+
+T = TypeVar("T")
 
 
 def init_distributed(
@@ -76,7 +79,7 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None = None) -> t
     return tensor
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
+def broadcast_object(obj: T, src: int = 0) -> T:
     if not is_initialized():
         return obj
     box = [obj]
@@ -84,13 +87,13 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return box[0]
 
 
-def all_gather_object(obj: object) -> list[object]:
+def all_gather_object(obj: T) -> list[T]:
     """Every rank's `obj`, in rank order (small picklable objects: metadata, not tensors)."""
     if not is_initialized():
         return [obj]
     out: list[object] = [None] * get_world_size()
     dist.all_gather_object(out, obj)
-    return out
+    return cast("list[T]", out)
 
 
 def gather_to(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> list[torch.Tensor] | None:

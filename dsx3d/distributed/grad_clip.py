@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dsx3d.distributed import comm
+from dsx3d.integrations.boundary_types import DSEngine
 
 
 def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -54,7 +55,7 @@ def clip_grads(
     return float(norm)
 
 
-def install_fp32_clipping(engine: Any, tp_rank: int) -> None:
+def install_fp32_clipping(engine: DSEngine, tp_rank: int) -> None:
     """Make `engine` (ZeRO-0, fp32) clip with `clip_grads` and record the norm for get_global_grad_norm()."""
 
     def clip() -> None:

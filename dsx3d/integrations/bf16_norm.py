@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from dsx3d.integrations.boundary_types import DSEngine
 
-def count_empty_as_zero(engine: Any) -> None:
+
+def count_empty_as_zero(engine: DSEngine) -> None:
     """Make `engine`'s BF16_Optimizer count a rank without norm-counted gradients as a zero norm."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 

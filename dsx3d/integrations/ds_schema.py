@@ -16,16 +16,17 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from dsx3d.errors import Problem
+from dsx3d.integrations.boundary_types import DSConfig, JSONObject, JSONValue
 
 _FIX = "see DeepSpeed's config reference (https://www.deepspeed.ai/docs/config-json/) for this key"
 # optimizer.params keys DeepSpeed's engine consumes itself before building the torch optimizer
 _ENGINE_OPTIMIZER_KEYS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states")
 
 
-def _parsers() -> list[tuple[str, str, Callable[[dict[str, Any]], Any]]]:
+def _parsers() -> list[tuple[str, str, Callable[[DSConfig], object]]]:
     """(section key, path prefix of the parser's error locations, parser of the whole dict): the parsers
     `DeepSpeedConfig._initialize_params` calls, in its order. A parser built from the whole dict reports
     locations from the top (prefix ""), one built from a section from inside it."""
@@ -65,7 +66,7 @@ def _parsers() -> list[tuple[str, str, Callable[[dict[str, Any]], Any]]]:
     ]
 
 
-def _data_types(param_dict: dict[str, Any]) -> None:
+def _data_types(param_dict: DSConfig) -> None:
     from deepspeed.runtime.config import DtypeEnum
 
     section = param_dict.get("data_types", {})
@@ -81,13 +82,13 @@ def _data_types(param_dict: dict[str, Any]) -> None:
 
 
 class _AtPath(Exception):
-    def __init__(self, path: str, value: Any, reason: str, fix: str):
+    def __init__(self, path: str, value: object, reason: str, fix: str):
         super().__init__(reason)
         self.problem = Problem(f"deepspeed.{path}", value, reason, fix)
 
 
-def _get(config: dict[str, Any], path: str) -> Any:
-    value: Any = config
+def _get(config: DSConfig, path: str) -> JSONValue:
+    value: JSONValue = config
     for part in path.split(".") if path else []:
         if not isinstance(value, dict) or part not in value:
             return None
@@ -100,7 +101,7 @@ def _summary(err: BaseException) -> str:
     return (lines[0] if lines else type(err).__name__)[:300]
 
 
-def _problems_of(err: Exception, section: str, prefix: str, config: dict[str, Any]) -> Iterator[Problem]:
+def _problems_of(err: Exception, section: str, prefix: str, config: DSConfig) -> Iterator[Problem]:
     from pydantic import ValidationError
 
     if isinstance(err, _AtPath):
@@ -148,7 +149,7 @@ def _signature_problems(cls: Any, params: Any, path: str, skip: int, dropped: tu
             yield Problem(f"deepspeed.{path}.{key}", value, f"{cls.__name__} expects a number", "give a number")
 
 
-def _zero_optimizer_problems(config: dict[str, Any]) -> Iterator[Problem]:
+def _zero_optimizer_problems(config: DSConfig) -> Iterator[Problem]:
     """What ZeRO-1/2's optimizer asserts when it is built (runtime/zero/stage_1_and_2.py): its all-gather
     buckets hold a whole number of 4-byte-aligned 16-bit pairs."""
     zero = config.get("zero_optimization")
@@ -163,7 +164,7 @@ def _zero_optimizer_problems(config: dict[str, Any]) -> Iterator[Problem]:
         )
 
 
-def _master_weights_problems(config: dict[str, Any]) -> Iterator[Problem]:
+def _master_weights_problems(config: DSConfig) -> Iterator[Problem]:
     """What ZeRO's optimizers assert about 16-bit master weights when they are built
     (`ZeROOptimizer._configure_master_weights` in runtime/base_optimizer.py, with the offload check of
     runtime/zero/stage_1_and_2.py and stage3.py): fp16 and bf16 master weights exclude each other, and either
@@ -187,7 +188,7 @@ def _master_weights_problems(config: dict[str, Any]) -> Iterator[Problem]:
     device = getattr(device, "value", device)
     offload = device not in (None, "none")
     dtype = "bf16" if bf16.enabled else "fp16" if fp16.enabled else "fp32"
-    accum = _get(config, "data_types.grad_accum_dtype")
+    accum = cast("str | None", _get(config, "data_types.grad_accum_dtype"))  # DeepSpeed validated data_types
     try:
         wrapper = optimizer_wrapper(dtype, int(zero.stage), accum, pipeline=False, cpu_offload=device == "cpu")
     except ValueError:
@@ -204,8 +205,8 @@ def _master_weights_problems(config: dict[str, Any]) -> Iterator[Problem]:
     if bf16_master and bf16.bf16_optimizer_states and not offload:
         return
     section = config.get("optimizer")
-    optimizer: dict[str, Any] = section if isinstance(section, dict) else {}
-    params: dict[str, Any] = optimizer["params"] if isinstance(optimizer.get("params"), dict) else {}
+    optimizer: JSONObject = section if isinstance(section, dict) else {}
+    params = cast(JSONObject, optimizer["params"]) if isinstance(optimizer.get("params"), dict) else {}
     cpu_adam = (
         str(optimizer.get("type", "")).lower() in (c.ADAM_OPTIMIZER, c.ADAMW_OPTIMIZER)
         and not params.get(c.TORCH_ADAM_PARAM, False)
@@ -223,7 +224,7 @@ def _master_weights_problems(config: dict[str, Any]) -> Iterator[Problem]:
     )
 
 
-def _optimizer_problems(config: dict[str, Any]) -> Iterator[Problem]:
+def _optimizer_problems(config: DSConfig) -> Iterator[Problem]:
     import torch
     from deepspeed.runtime import config as c
 
@@ -257,7 +258,7 @@ def _optimizer_problems(config: dict[str, Any]) -> Iterator[Problem]:
         )
 
 
-def _scheduler_problems(config: dict[str, Any]) -> Iterator[Problem]:
+def _scheduler_problems(config: DSConfig) -> Iterator[Problem]:
     import torch
     from deepspeed.runtime import lr_schedules
 
@@ -294,7 +295,7 @@ _WHOLE_CONFIG_PATHS = (
 )
 
 
-def _whole_config_problems(config: dict[str, Any], dp: int) -> Iterator[Problem]:
+def _whole_config_problems(config: DSConfig, dp: int) -> Iterator[Problem]:
     """DeepSpeed's own parse of the whole config and its cross-section checks (fp16 with bf16, ZeRO stage
     bounds, master-weight options) with `dp` as its world."""
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -312,7 +313,7 @@ def _whole_config_problems(config: dict[str, Any], dp: int) -> Iterator[Problem]
         yield Problem(f"deepspeed.{path or 'config'}", _get(config, path) if path else None, f"DeepSpeed refuses the config: {message}", _FIX)
 
 
-def schema_problems(config: dict[str, Any], dp: int) -> list[Problem]:
+def schema_problems(config: DSConfig, dp: int) -> list[Problem]:
     """Every problem DeepSpeed's own parsers find in the final DeepSpeed `config` of a run with `dp`
     data-parallel ranks, each named `deepspeed.<path>`; none if it would parse on every rank."""
     problems: list[Problem] = []

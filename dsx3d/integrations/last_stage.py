@@ -15,15 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dsx3d.distributed import comm
+from dsx3d.distributed.comm import ProcessGroup
 from dsx3d.distributed.tensor_parallel.mappings import gather_last_dim
 from dsx3d.integrations.batches import count_targets
 from dsx3d.integrations.trl_face import token_statistics
+
+Captured: TypeAlias = "torch.Tensor | tuple[Captured, ...] | list[Captured] | dict[str, Captured]"
+"""What evaluation keeps of a micro-batch: logits, or what preprocess_logits_for_metrics made of them."""
 
 
 def argmax_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -39,7 +43,7 @@ class VocabShard:
     start: int
     vocab: int
     """The real vocabulary size (columns past it are padding)."""
-    group: Any
+    group: ProcessGroup | None
 
     def full(self, logits: torch.Tensor) -> torch.Tensor:
         """(b, s, V/tp) -> (b, s, V): all-gathered over the TP group, padding columns dropped."""
@@ -79,8 +83,8 @@ class LastStageLoss:
         """N: scored tokens in the current optimizer step over all DP ranks."""
         self.scale = 1.0
         """m * dp: DeepSpeed's divisor."""
-        self.capture: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
-        self.captured: list[Any] = []
+        self.capture: Callable[[torch.Tensor, torch.Tensor], Captured] | None = None
+        self.captured: list[Captured] = []
         self.stats: list[torch.Tensor] | None = None
         """When a list, training appends each micro-batch's token statistics (dsx3d.integrations.trl_face)."""
 
@@ -103,13 +107,15 @@ class LastStageLoss:
         return self.compute_loss_func(outputs, labels, num_items_in_batch=items)  # type: ignore[misc]
 
 
-def capture_for(preprocess: Callable[..., Any] | None, shard: VocabShard) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+def capture_for(
+    preprocess: Callable[[torch.Tensor, torch.Tensor], Captured] | None, shard: VocabShard
+) -> Callable[[torch.Tensor, torch.Tensor], Captured]:
     """What evaluation keeps per micro-batch (on CPU): HF's `preprocess_logits_for_metrics(logits, labels)`, on
     full logits, except `argmax_logits`, which runs on the shards; without one, the full logits themselves."""
     if preprocess is argmax_logits:
         return lambda logits, labels: shard.argmax(logits).cpu()
 
-    def keep(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+    def keep(logits: torch.Tensor, labels: torch.Tensor) -> Captured:
         full = shard.full(logits.detach())
         out = preprocess(full, labels) if preprocess is not None else full
         return _to_cpu(out)
@@ -117,7 +123,7 @@ def capture_for(preprocess: Callable[..., Any] | None, shard: VocabShard) -> Cal
     return keep
 
 
-def _to_cpu(value: Any) -> Any:
+def _to_cpu(value: Captured) -> Captured:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, tuple | list):

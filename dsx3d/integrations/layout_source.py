@@ -18,11 +18,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
-
-from transformers import PretrainedConfig
+from typing import cast
 
 from dsx3d.errors import Problem, UserError
+from dsx3d.integrations.boundary_types import DSConfig, HFConfig, JSONObject, JSONValue
 from dsx3d.integrations.patches import is_recipe_path
 from dsx3d.integrations.trainer_args import Claim
 from dsx3d.recipe.ds_config import AUTO, auto_paths, deep_merge, resolve_auto
@@ -34,7 +33,7 @@ DS_SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosin
 Claims = dict[str, list[Claim]]
 
 
-def layout_source(deepspeed: str | dict[str, Any] | None) -> str | dict[str, Any]:
+def layout_source(deepspeed: str | DSConfig | None) -> str | DSConfig:
     """`TrainingArguments.deepspeed`, else the config `accelerate launch` names in its environment."""
     if deepspeed:
         return deepspeed
@@ -50,7 +49,7 @@ def layout_source(deepspeed: str | dict[str, Any] | None) -> str | dict[str, Any
     )
 
 
-def load_layout(source: str | dict[str, Any], model: dict[str, Any], hidden_size: int | None) -> tuple[Recipe, Claims]:
+def load_layout(source: str | DSConfig, model: JSONObject, hidden_size: int | None) -> tuple[Recipe, Claims]:
     """The recipe behind `source` with its model section replaced by `model` (the Trainer's model), and the
     values it gives explicitly, by recipe train field."""
     if is_recipe_path(source):
@@ -64,7 +63,7 @@ def load_layout(source: str | dict[str, Any], model: dict[str, Any], hidden_size
     return recipe_from_ds_config(config, name, model), _dsx3d_json_claims(config, name)
 
 
-def _recipe_file(path: str, model: dict[str, Any]) -> tuple[Recipe, Claims]:
+def _recipe_file(path: str, model: JSONObject) -> tuple[Recipe, Claims]:
     recipe = load_recipe(path)
     explicit = recipe.model_dump(mode="json", exclude_unset=True)  # unset keys stay unset: they are not claims
     recipe = recipe_from_dict({**explicit, "model": model}, source=path)
@@ -72,7 +71,7 @@ def _recipe_file(path: str, model: dict[str, Any]) -> tuple[Recipe, Claims]:
     return recipe, claims
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def _read_json(path: str) -> DSConfig:
     p = Path(path)
     fix = "pass the JSON written by `dsx3d config RECIPE`, or a DeepSpeed JSON with a \"dsx3d\": {\"recipe\": ...} section"
     if not p.is_file():
@@ -86,7 +85,7 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
-def recipe_from_ds_config(config: dict[str, Any], name: str, model: dict[str, Any]) -> Recipe:
+def recipe_from_ds_config(config: DSConfig, name: str, model: JSONObject) -> Recipe:
     """The recipe a `dsx3d config` JSON came from: layout from its "dsx3d" section, batch arithmetic, clipping
     and ZeRO stage from its top level; every other top-level key travels as a DeepSpeed override, so the
     checker sees (and the engine keeps) whatever the user edited."""
@@ -129,8 +128,8 @@ def recipe_from_ds_config(config: dict[str, Any], name: str, model: dict[str, An
     return recipe_from_dict(data, source=name)
 
 
-def _dsx3d_json_claims(config: dict[str, Any], name: str) -> Claims:
-    section = config["dsx3d"]
+def _dsx3d_json_claims(config: DSConfig, name: str) -> Claims:
+    section = cast(JSONObject, config["dsx3d"])  # a mapping: how the caller recognised this JSON
     found = {
         "micro_batch_size": ("train_micro_batch_size_per_gpu", config.get("train_micro_batch_size_per_gpu")),
         "gradient_accumulation_steps": ("gradient_accumulation_steps", config.get("gradient_accumulation_steps")),
@@ -146,13 +145,13 @@ def _dsx3d_json_claims(config: dict[str, Any], name: str) -> Claims:
 
 
 def _hf_config_with_recipe(
-    config: dict[str, Any], name: str, recipe_path: Path, model: dict[str, Any], hidden_size: int | None
+    config: DSConfig, name: str, recipe_path: Path, model: JSONObject, hidden_size: int | None
 ) -> tuple[Recipe, Claims]:
     recipe, claims = _recipe_file(str(recipe_path), model)
     problems: list[Problem] = []
     overrides = {k: v for k, v in config.items() if k != "dsx3d"}
 
-    def claim(field: str, key: str, value: Any) -> None:
+    def claim(field: str, key: str, value: JSONValue) -> None:
         if value is not None and value != AUTO:
             claims.setdefault(field, []).append((f"{Path(name).name}: {key}", value))
 
@@ -177,7 +176,7 @@ def _hf_config_with_recipe(
         kind = str(optimizer.get("type", "AdamW"))
         if kind.lower() not in ("adam", "adamw"):
             problems.append(Problem(f"{name}: optimizer.type", kind, "dsx3d.Trainer trains with AdamW", "use AdamW, or drop the optimizer section"))
-        params = optimizer.get("params", {})
+        params = cast(JSONObject, optimizer.get("params", {}))
         for field, key in (("lr", "lr"), ("betas", "betas"), ("eps", "eps"), ("weight_decay", "weight_decay")):
             claim(field, f"optimizer.params.{key}", params.get(key))
     scheduler = overrides.pop("scheduler", None)
@@ -190,7 +189,7 @@ def _hf_config_with_recipe(
             )  # fmt: skip
         else:
             claim("lr_schedule", "scheduler.type", DS_SCHEDULERS[kind])
-        params = scheduler.get("params", {})
+        params = cast(JSONObject, scheduler.get("params", {}))
         claim("lr", "scheduler.params.warmup_max_lr", params.get("warmup_max_lr"))
         claim("warmup_steps", "scheduler.params.warmup_num_steps", params.get("warmup_num_steps"))
         claim("steps", "scheduler.params.total_num_steps", params.get("total_num_steps"))
@@ -201,7 +200,7 @@ def _hf_config_with_recipe(
             if "stage" in recipe.zero.model_fields_set and recipe.zero.stage != stage:
                 problems.append(Problem(f"zero_optimization.stage ({name})", stage, f"disagrees with zero.stage = {recipe.zero.stage} ({recipe_path})",
                                         "give the ZeRO stage in one place, or the same in each"))  # fmt: skip
-            recipe = recipe.model_copy(update={"zero": recipe.zero.model_copy(update={"stage": int(stage)})})
+            recipe = recipe.model_copy(update={"zero": recipe.zero.model_copy(update={"stage": int(cast(int, stage))})})
         if zero.get("stage") == AUTO:
             del zero["stage"]
     # what is left: ZeRO's bucket sizes from the hidden size (HF's formulas), nothing else
@@ -218,14 +217,14 @@ def _hf_config_with_recipe(
     return recipe, claims
 
 
-def model_config_mapping(config: PretrainedConfig) -> dict[str, Any]:
+def model_config_mapping(config: HFConfig) -> JSONObject:
     """An HF config as a recipe's `model.config` mapping."""
     mapping = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
     mapping["model_type"] = config.model_type
     return mapping
 
 
-def ds_config_of_recipe(path: str | Path) -> dict[str, Any]:
+def ds_config_of_recipe(path: str | Path) -> DSConfig:
     """The DeepSpeed config a recipe generates for this job's world size (WORLD_SIZE, else the cluster's): what
     `TrainingArguments(deepspeed="recipe.yaml")` hands transformers (dsx3d.integrations.patches)."""
     from dsx3d.recipe.checks import check_recipe, raise_for_errors

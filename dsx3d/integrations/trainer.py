@@ -26,10 +26,14 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import transformers
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from transformers import EvalPrediction, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
+from transformers.data.data_collator import DataCollator
+from transformers.trainer_utils import TrainOutput
 
 from dsx3d.checkpoint.training.engine_load import load_checkpoint
 from dsx3d.distributed import comm
@@ -39,6 +43,7 @@ from dsx3d.integrations.batches import (
     count_targets,
     to_micro_batch,
 )
+from dsx3d.integrations.boundary_types import Batch, HFModel, HFTrainingArguments, ParamGroup
 from dsx3d.integrations.last_stage import LastStageLoss
 from dsx3d.integrations.layout_source import layout_source, load_layout
 from dsx3d.integrations.peft_model import lora_from_peft_model
@@ -64,6 +69,10 @@ from dsx3d.models.lora import hf_param_name
 from dsx3d.plan.layout import Layout, RankPlacement
 from dsx3d.recipe.schema import Recipe
 
+if TYPE_CHECKING:
+    from dsx3d.engine import Engine3D, MicroBatch
+    from dsx3d.models.weights import WeightSource
+
 log = logging.getLogger("dsx3d")
 
 # At import, before the user builds TrainingArguments: transformers must accept a recipe path, and accelerate
@@ -86,20 +95,20 @@ class EngineOptimizer(torch.optim.Optimizer):
     the engine steps and clears the real optimizer. `defaults` are the optimizer's settings, as HF's own
     optimizer would hold them (HF's polynomial schedule starts from defaults["lr"])."""
 
-    def __init__(self, live_groups: Callable[[], list[dict[str, Any]]], defaults: dict[str, Any]):
-        self._live: Callable[[], list[dict[str, Any]]] | None = None
+    def __init__(self, live_groups: Callable[[], list[ParamGroup]], defaults: dict[str, object]):
+        self._live: Callable[[], list[ParamGroup]] | None = None
         super().__init__([torch.zeros(1, requires_grad=True)], defaults)  # torch's bookkeeping, on a placeholder
         self._live = live_groups
 
     @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[ParamGroup]:
         return self._live() if self._live is not None else self.__dict__["_own_groups"]
 
     @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+    def param_groups(self, groups: list[ParamGroup]) -> None:
         self.__dict__["_own_groups"] = groups  # only torch's __init__ assigns, before the view is live
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -111,10 +120,10 @@ class _State:
     recipe: Recipe
     layout: Layout
     placement: RankPlacement
-    source: Any
-    engine: Any = None
+    source: WeightSource | None
+    engine: Engine3D | None = None
     loss: LastStageLoss | None = None
-    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    pending: list[MicroBatch] = field(default_factory=list)
     eval_steps: int = 0
     batch_tokens: int = 0
     """With TRL's SFTTrainer: the tokens of this step's batches so far, as it counts them (trl_face)."""
@@ -135,19 +144,19 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
 
     def __init__(
         self,
-        model: Any = None,
-        args: transformers.TrainingArguments | None = None,
-        data_collator: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        model_init: Any = None,
-        compute_loss_func: Any = None,
-        compute_metrics: Any = None,
-        callbacks: list[Any] | None = None,
-        optimizers: tuple[Any, Any] = (None, None),
-        optimizer_cls_and_kwargs: Any = None,
-        preprocess_logits_for_metrics: Any = None,
+        model: HFModel | None = None,
+        args: HFTrainingArguments | None = None,
+        data_collator: DataCollator | None = None,
+        train_dataset: Dataset[Batch] | IterableDataset[Batch] | None = None,
+        eval_dataset: Dataset[Batch] | dict[str, Dataset[Batch]] | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        model_init: Callable[..., HFModel] | None = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, object]] | None = None,
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ):
         given = {
             "model_init": model_init,
@@ -215,19 +224,19 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
     # -- the engine ----------------------------------------------------------------------------------------
 
     @property
-    def _hf_model(self) -> Any:
-        return self.model
+    def _hf_model(self) -> HFModel:
+        return cast(HFModel, self.model)  # the model given to __init__
 
     @property
     def layout(self) -> Layout:
         return self._dsx3d.layout
 
     @property
-    def engine3d(self) -> Any:
+    def engine3d(self) -> Engine3D:
         """The `dsx3d.engine.Engine3D` (built at the first train(), evaluate(), predict() or save_model())."""
         return self._engine()
 
-    def _engine(self) -> Any:
+    def _engine(self) -> Engine3D:
         state = self._dsx3d
         if state.engine is None:
             from dsx3d.engine import build_engine
@@ -263,12 +272,13 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         its buffers, so a change of micro-batch size (training <-> evaluation) must reset them."""
         state = self._dsx3d
         if rows != state.rows:
+            assert state.engine is not None  # built by the first train/evaluate call
             reset = getattr(state.engine.ds_engine, "reset_activation_shape", None)  # pipeline engines only
             if reset is not None:
                 reset()
             state.rows = rows
 
-    def _param_groups(self, module: torch.nn.Module) -> list[dict[str, Any]]:
+    def _param_groups(self, module: torch.nn.Module) -> list[ParamGroup]:
         """HF's grouping (create_optimizer): weight decay on every parameter but biases and norms."""
         decay_names = {hf_param_name(n) for n in self.get_decay_parameter_names(self._hf_model)}
         decay: list[torch.nn.Parameter] = []
@@ -282,7 +292,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         ]
         return [g for g in groups if g["params"]]
 
-    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             ds_engine = self._engine().ds_engine
             args = self.args
@@ -291,8 +301,8 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         return self.optimizer
 
     def _prepare_for_training(
-        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
-    ) -> tuple[Any, Any]:
+        self, max_steps: int, train_dataloader: DataLoader[Batch], resume_from_checkpoint: str | None
+    ) -> tuple[torch.nn.Module | None, DataLoader[Batch]]:
         engine = self._engine()
         if self._created_lr_scheduler:  # a second train() gets a fresh schedule, as in HF
             self.lr_scheduler = None
@@ -300,7 +310,8 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         self.create_optimizer()
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = self.deepspeed = engine.ds_engine
-        scheduler: Any = self.lr_scheduler
+        scheduler = self.lr_scheduler
+        assert scheduler is not None  # created just above
         if resume_from_checkpoint is not None:
             load_checkpoint(
                 engine.ds_engine, resume_from_checkpoint, load_optimizer_states=True, load_lr_scheduler_states=False
@@ -321,21 +332,21 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         # `model` is what HF counts parameters of and calls zero_grad() on: the HF model, never run.
         return self.model, train_dataloader
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         output = super().train(*args, **kwargs)
-        if not _is_meta(self.model):
-            _load_trained_weights(self._engine(), self.model)  # so that trainer.model.save_pretrained() saves them
+        if not _is_meta(self._hf_model):
+            _load_trained_weights(self._engine(), self._hf_model)  # so that trainer.model.save_pretrained() saves them
         return output
 
     # -- data ----------------------------------------------------------------------------------------------
 
     # -- training ------------------------------------------------------------------------------------------
 
-    def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device) -> None:
+    def _get_num_items_in_batch(self, batch_samples: list[Batch], device: torch.device) -> None:
         return None  # training_step counts the step's tokens itself (over DP ranks, not the world)
 
     def training_step(
-        self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None
+        self, model: torch.nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
         """Buffer micro-batches up to the accumulation boundary, then run the whole step in the pipeline. The
         step's loss is returned at the boundary and 0 before it, so HF's running sum is the per-step loss."""
@@ -368,10 +379,10 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         )  # nccl: on GPU
         return int(t.item()) // (self.layout.tp * self.layout.pp)
 
-    def _clip_grad_norm(self, model: Any) -> float:
+    def _clip_grad_norm(self, model: torch.nn.Module) -> float:
         return self._engine().grad_norm  # the engine clipped by the global norm inside train_batch
 
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float:
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: torch.Tensor | float | None = None) -> float:
         return self._engine().grad_norm
 
     def _get_learning_rate(self) -> float:
@@ -379,11 +390,11 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         # scheduler's belief: the log then shows what trained
         return self._engine().lr
 
-    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+    def floating_point_ops(self, inputs: dict[str, torch.Tensor | Any]) -> int:
         # every tp x pp rank of a DP rank sees the same batch; HF sums over all ranks
         return super().floating_point_ops(inputs) // (self.layout.tp * self.layout.pp)
 
-    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+    def _track_num_input_tokens(self, inputs: Batch) -> None:
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)  # gathers over the world: each DP rank's batch tp x pp times
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // (

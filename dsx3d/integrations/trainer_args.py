@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dsx3d.errors import Problem
+from dsx3d.integrations.boundary_types import HFTrainingArguments
 from dsx3d.recipe.schema import Recipe, TrainSection
 
 log = logging.getLogger("dsx3d")
@@ -47,9 +48,9 @@ class Shared:
     hf_key: str
     layout_decides: bool
     """Whether the layout's default applies when nobody gives the value (else HF's)."""
-    read: Callable[[Any], Any]
+    read: Callable[[HFTrainingArguments], Any]
     """The HF value in the recipe's terms, or None when left at HF's default."""
-    write: Callable[[Any, Any], None]
+    write: Callable[[HFTrainingArguments, Any], None]
     """Set the HF fields to a value in the terms `read` returns."""
     from_layout: Callable[[Any], Any] = lambda v: v
     """A layout claim (in the recipe's terms) in the terms `read` returns."""
@@ -64,60 +65,60 @@ def _hf_default(name: str) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
 
 
-def _plain(name: str, cast: Callable[[Any], Any] = lambda v: v) -> tuple[Callable[[Any], Any], Callable[[Any, Any], None]]:
-    def read(args: Any) -> Any:
+def _plain(name: str, cast: Callable[[Any], Any] = lambda v: v) -> tuple[Callable[[HFTrainingArguments], Any], Callable[[HFTrainingArguments, Any], None]]:
+    def read(args: HFTrainingArguments) -> Any:
         value = getattr(args, name)
         return None if value == _hf_default(name) else cast(value)
 
-    def write(args: Any, value: Any) -> None:
+    def write(args: HFTrainingArguments, value: Any) -> None:
         setattr(args, name, value)
 
     return read, write
 
 
-def _read_dtype(args: Any) -> str | None:
+def _read_dtype(args: HFTrainingArguments) -> str | None:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else None  # both False: HF's default (fp32), not given
 
 
-def _write_dtype(args: Any, value: str) -> None:
+def _write_dtype(args: HFTrainingArguments, value: str) -> None:
     args.bf16, args.fp16 = value == "bf16", value == "fp16"
 
 
-def _read_checkpointing(args: Any) -> bool | None:
+def _read_checkpointing(args: HFTrainingArguments) -> bool | None:
     return True if args.activation_checkpointing else None
 
 
-def _write_checkpointing(args: Any, value: bool) -> None:
+def _write_checkpointing(args: HFTrainingArguments, value: bool) -> None:
     args.activation_checkpointing = args.gradient_checkpointing = value  # the second is HF's deprecated alias
 
 
-def _read_betas(args: Any) -> tuple[float, float] | None:
+def _read_betas(args: HFTrainingArguments) -> tuple[float, float] | None:
     betas = (float(args.adam_beta1), float(args.adam_beta2))
     return None if betas == (_hf_default("adam_beta1"), _hf_default("adam_beta2")) else betas
 
 
-def _write_betas(args: Any, value: Any) -> None:
+def _write_betas(args: HFTrainingArguments, value: tuple[float, float]) -> None:
     args.adam_beta1, args.adam_beta2 = (float(v) for v in value)
 
 
-def _read_clip(args: Any) -> float | None:
+def _read_clip(args: HFTrainingArguments) -> float | None:
     value = args.max_grad_norm  # HF clips only when it is a positive number: None and 0 (or below) do not clip
     return None if value == _hf_default("max_grad_norm") else float(value) if value is not None and value > 0 else 0.0
 
 
-def _read_schedule(args: Any) -> str | None:
+def _read_schedule(args: HFTrainingArguments) -> str | None:
     """The SchedulerType's value (any of HF's), None when left at HF's default."""
     name = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
     return None if name == _hf_default("lr_scheduler_type") else name
 
 
-def _write_schedule(args: Any, value: str) -> None:
+def _write_schedule(args: HFTrainingArguments, value: str) -> None:
     from transformers.trainer_utils import SchedulerType
 
     args.lr_scheduler_type = SchedulerType(value)
 
 
-def _warmup_to_recipe(value: Any) -> int | None:
+def _warmup_to_recipe(value: float) -> int | None:
     """HF's warm-up (steps, or below 1 a ratio of the training steps) as the recipe's whole steps, if it is one."""
     return int(value) if value >= 1 or value == 0 else None  # HF's get_warmup_steps truncates steps >= 1
 
@@ -140,7 +141,7 @@ SHARED: list[Shared] = [
 ]
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, bool) or isinstance(b, bool):
@@ -150,7 +151,7 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def reconcile(args: Any, recipe: Recipe, layout_claims: dict[str, list[Claim]]) -> tuple[Recipe, list[Problem]]:
+def reconcile(args: HFTrainingArguments, recipe: Recipe, layout_claims: dict[str, list[Claim]]) -> tuple[Recipe, list[Problem]]:
     """Agree TrainingArguments and the layout on every SHARED value; returns the recipe with the agreed values
     and the disagreements. `args` is updated in place (only when there is no problem)."""
     problems: list[Problem] = []
@@ -218,7 +219,7 @@ def _recipe_train(train: TrainSection, agreed: dict[str, Any]) -> tuple[TrainSec
     return TrainSection.model_validate(values), problems
 
 
-def unsupported_args(args: Any) -> list[Problem]:
+def unsupported_args(args: HFTrainingArguments) -> list[Problem]:
     """TrainingArguments dsx3d.Trainer cannot honour; each would otherwise be ignored or train differently."""
     optim = str(getattr(args.optim, "value", args.optim))
     include = [str(getattr(v, "value", v)) for v in (args.include_for_metrics or [])]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import transformers
 
 if TYPE_CHECKING:
+    from dsx3d.engine import Engine3D
     from dsx3d.integrations.trainer import _State
     from dsx3d.plan.layout import Layout
 
@@ -20,7 +21,7 @@ class EngineTrainerBase(transformers.Trainer):
         @property
         def layout(self) -> Layout: ...
 
-        def _engine(self) -> Any: ...
+        def _engine(self) -> Engine3D: ...
 
         def _shape_rows(self, rows: int) -> None: ...
 

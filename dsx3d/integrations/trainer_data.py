@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 from accelerate.data_loader import SeedableRandomSampler
-from torch.utils.data import IterableDataset, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
 from dsx3d.errors import UserError
 from dsx3d.integrations.batches import (
     DataParallelBatchSampler,
     ShardedDataLoader,
 )
+from dsx3d.integrations.boundary_types import Batch, HFTrainingArguments
 from dsx3d.integrations.trainer_base import EngineTrainerBase
 
 log = logging.getLogger("dsx3d")
@@ -27,7 +28,7 @@ class DataLoadersMixin(EngineTrainerBase):
             raise ValueError("Trainer: training requires a train_dataset.")
         return self._sharded_loader(self.train_dataset, "Training", train=True)
 
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> ShardedDataLoader:
+    def get_eval_dataloader(self, eval_dataset: str | Dataset[Batch] | None = None) -> ShardedDataLoader:
         if eval_dataset is None and self.eval_dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         if isinstance(eval_dataset, str):
@@ -36,7 +37,7 @@ class DataLoadersMixin(EngineTrainerBase):
             dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         return self._sharded_loader(dataset, "Evaluation", train=False)
 
-    def get_test_dataloader(self, test_dataset: Any) -> ShardedDataLoader:
+    def get_test_dataloader(self, test_dataset: Dataset[Batch]) -> ShardedDataLoader:
         return self._sharded_loader(test_dataset, "test", train=False)
 
     def _sharded_loader(self, dataset: Any, description: str, train: bool) -> ShardedDataLoader:
@@ -57,7 +58,7 @@ class DataLoadersMixin(EngineTrainerBase):
         train_cfg, args, place = self._dsx3d.recipe.train, self.args, self._dsx3d.placement
         if train and args.train_sampling_strategy == "random":
             seed = args.data_seed if args.data_seed is not None else args.seed
-            sampler: Any = SeedableRandomSampler(
+            sampler: Sampler[int] = SeedableRandomSampler(
                 dataset, data_seed=seed
             )  # what accelerate gives HF's Trainer
         else:
@@ -90,11 +91,11 @@ class DataLoadersMixin(EngineTrainerBase):
             prefetch_factor=args.dataloader_prefetch_factor if workers else None,
         )
 
-    def num_examples(self, dataloader: Any) -> int:
+    def num_examples(self, dataloader: DataLoader[Batch]) -> int:
         if isinstance(dataloader, ShardedDataLoader):
             return dataloader.num_samples
         return super().num_examples(dataloader)
 
-    def get_total_train_batch_size(self, args: Any) -> int:
+    def get_total_train_batch_size(self, args: HFTrainingArguments) -> int:
         """micro-batch x accumulation x dp: TP and PP ranks share their DP rank's samples."""
         return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.layout.dp

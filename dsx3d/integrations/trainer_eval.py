@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from transformers.trainer_pt_utils import nested_concat, nested_numpify
@@ -16,7 +16,7 @@ from dsx3d.integrations.batches import (
     empty_micro_batch,
     to_micro_batch,
 )
-from dsx3d.integrations.last_stage import capture_for
+from dsx3d.integrations.last_stage import Captured, capture_for
 from dsx3d.integrations.trainer_base import EngineTrainerBase
 from dsx3d.integrations.trainer_setup import (
     _trim,
@@ -87,7 +87,7 @@ class EvaluationMixin(EngineTrainerBase):
         batches = iter(dataloader)
         total_loss, local_tokens = 0.0, 0
         kept: list[
-            tuple[Any, Any]
+            tuple[torch.Tensor, torch.Tensor]
         ] = []  # this rank's real micro-batches: (labels, input_ids) as the collator made them
         for _ in range(steps):
             real = [b for _, b in zip(range(m), batches, strict=False)]
@@ -103,7 +103,7 @@ class EvaluationMixin(EngineTrainerBase):
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         tokens = self._count_over_dp(local_tokens)
         self._dsx3d.eval_steps = steps
-        metrics: dict[str, Any] = {}
+        metrics: dict[str, float] = {}
         preds: Any = None
         labels: Any = None
         if loss.capture is not None:
@@ -123,7 +123,9 @@ class EvaluationMixin(EngineTrainerBase):
             predictions=preds, label_ids=labels, metrics=metrics, num_samples=len(dataloader.dataset)
         )
 
-    def _gather_predictions(self, captured: list[Any], kept: list[tuple[Any, Any]]) -> tuple[Any, Any, Any]:
+    def _gather_predictions(
+        self, captured: list[Captured], kept: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[Any, Any, Any]:
         """Every rank gets the predictions, labels and inputs of all micro-batches in dataset order (micro-batch
         j came from DP rank j % dp, its (j // dp)-th), each cut back to the rows and columns the collator made,
         then concatenated as HF does (nested_concat, padding -100), as numpy arrays (lists with
@@ -135,15 +137,14 @@ class EvaluationMixin(EngineTrainerBase):
                 place.dp,
                 [(_trim(p, lab.shape), lab, ids) for p, (lab, ids) in zip(captured, kept, strict=True)],
             )
-        per_dp: dict[int, list[Any]] = {}
+        per_dp: dict[int, list[tuple[Captured, torch.Tensor, torch.Tensor]]] = {}
         for item in comm.all_gather_object(mine):
             if item is not None:
-                sent: Any = item
-                per_dp[sent[0]] = sent[1]
+                per_dp[item[0]] = item[1]
         ordered = [per_dp[j % layout.dp][j // layout.dp] for j in range(sum(len(b) for b in per_dp.values()))]
         if not self.args.eval_do_concat_batches:
             return tuple([nested_numpify(b[i]) for b in ordered] for i in range(3))  # type: ignore[return-value]
-        out: list[Any] = [None, None, None]
+        out: list[Captured | None] = [None, None, None]
         for batch in ordered:
             out = [
                 v if o is None else nested_concat(o, v, padding_index=-100)
@@ -151,7 +152,7 @@ class EvaluationMixin(EngineTrainerBase):
             ]
         return tuple(nested_numpify(o) if o is not None else None for o in out)  # type: ignore[return-value]
 
-    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+    def prediction_step(self, *args: object, **kwargs: object) -> NoReturn:  # type: ignore[override]
         raise UserError.single(
             "prediction_step",
             None,

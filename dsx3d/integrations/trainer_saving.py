@@ -6,7 +6,6 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
@@ -58,7 +57,8 @@ class SavingMixin(EngineTrainerBase):
         Resuming needs the same layout."""
         self._engine().ds_engine.save_checkpoint(output_dir)
         if self.args.should_save:
-            scheduler: Any = self.lr_scheduler
+            scheduler = self.lr_scheduler
+            assert scheduler is not None  # created with the optimizer, before any checkpoint
             torch.save(scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
 
     def _load_best_model(self) -> None:

@@ -5,18 +5,25 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
-from dsx3d.integrations.last_stage import LastStageLoss, VocabShard
+from dsx3d.integrations.boundary_types import HFModel, JSONObject
+from dsx3d.integrations.last_stage import Captured, LastStageLoss, VocabShard
 from dsx3d.integrations.layout_source import model_config_mapping
 from dsx3d.models.lora import hf_param_name
+
+if TYPE_CHECKING:
+    from dsx3d.engine import Engine3D
+    from dsx3d.models.shards import Shard
+    from dsx3d.models.weights import WeightSource
 
 log = logging.getLogger("dsx3d")
 
@@ -69,7 +76,7 @@ def _align_accelerate_state(args: transformers.TrainingArguments) -> None:
         )
 
 
-def _local_checkpoint(model: Any) -> str | None:
+def _local_checkpoint(model: torch.nn.Module) -> str | None:
     path = Path(str(getattr(model, "name_or_path", "") or ""))
     if (path / "config.json").is_file() and any(
         (path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")
@@ -78,17 +85,17 @@ def _local_checkpoint(model: Any) -> str | None:
     return None
 
 
-def _is_meta(model: Any) -> bool:
+def _is_meta(model: torch.nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def _model_section(model: Any) -> dict[str, Any]:
+def _model_section(model: HFModel) -> JSONObject:
     """The recipe's model: the meta model's checkpoint directory (read slice by slice), else its config."""
     path = _local_checkpoint(model) if _is_meta(model) else None
     return {"name_or_path": path} if path else {"config": model_config_mapping(model.config)}
 
 
-def _weight_source(model: Any, seed: int) -> Any:
+def _weight_source(model: HFModel, seed: int) -> WeightSource | None:
     """The weights: the model's own tensors; for a meta model its checkpoint (None: the engine's default
     source reads `model.name_or_path`) or, without one, a fresh layout-independent initialisation."""
     from dsx3d.models.init_source import InitSource
@@ -104,19 +111,19 @@ def _weight_source(model: Any, seed: int) -> Any:
     return InitSource(model.config, seed)
 
 
-def _install_loss(engine: Any, compute_loss_func: Any) -> LastStageLoss:
+def _install_loss(engine: Engine3D, compute_loss_func: Callable[..., torch.Tensor] | None) -> LastStageLoss:
     """Put dsx3d.Trainer's loss in the engine's place: it wraps the engine's own (vocab-parallel) loss."""
     loss = LastStageLoss(engine.module.loss_fn, _vocab_shard(engine), compute_loss_func)
     engine.module.loss_fn = loss
     return loss
 
 
-def _vocab_shard(engine: Any) -> VocabShard:
+def _vocab_shard(engine: Engine3D) -> VocabShard:
     builder = engine.module.dsx3d_builder
     return VocabShard(builder.vocab_start, builder.vocab, builder.tp.group)
 
 
-def _trim(value: Any, shape: torch.Size) -> Any:
+def _trim(value: Captured, shape: torch.Size) -> Captured:
     """A captured micro-batch output cut to the collator's (rows, columns): tensors of the padded micro-batch's
     (rows, seq_len, ...) shape lose the padding rows and columns; others only the padding rows."""
     rows, cols = shape[0], shape[1] if len(shape) > 1 else None
@@ -130,7 +137,7 @@ def _trim(value: Any, shape: torch.Size) -> Any:
     return value
 
 
-def _load_trained_weights(engine: Any, model: Any) -> None:
+def _load_trained_weights(engine: Engine3D, model: torch.nn.Module) -> None:
     """Copy the engine's weights into the HF `model` on every rank (a collective). The DP-rank-0 ranks send
     their TP shards; every rank merges them (TP shards concatenated, vocabulary padding trimmed)."""
     from dsx3d.models.shards import merge_shards
@@ -138,7 +145,7 @@ def _load_trained_weights(engine: Any, model: Any) -> None:
     shards = engine.hf_shards()  # every rank: with ZeRO-3 it is a collective over the DP group
     if engine.placement.dp != 0:
         shards = {}
-    gathered: list[Any] = comm.all_gather_object(shards)
+    gathered: list[dict[str, Shard]] = comm.all_gather_object(shards)
     params = {hf_param_name(n): p for n, p in model.named_parameters()}  # a PeftModel: HF names
     sizes = {
         name: params[name].shape[dim]
@@ -156,10 +163,10 @@ def _load_trained_weights(engine: Any, model: Any) -> None:
                 params[name].copy_(tensor.to(params[name].dtype))
 
 
-def _refuse_save_pretrained(model: Any) -> None:
+def _refuse_save_pretrained(model: torch.nn.Module) -> None:
     """A meta-device model holds no weights, before or after training: its save_pretrained would write none."""
 
-    def save_pretrained(*args: Any, **kwargs: Any) -> None:
+    def save_pretrained(*args: object, **kwargs: object) -> None:
         raise UserError.single(
             "trainer.model.save_pretrained",
             "a meta-device model",
@@ -167,4 +174,4 @@ def _refuse_save_pretrained(model: Any) -> None:
             "call trainer.save_model(DIR) (every rank), then AutoModelForCausalLM.from_pretrained(DIR)",
         )
 
-    model.save_pretrained = save_pretrained
+    model.save_pretrained = save_pretrained  # type: ignore[assignment]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dsx3d.integrations.boundary_types import HFConfig
 
 # Attribute spellings across families (gpt2 says n_head, falcon num_kv_heads, ...), first present wins.
 _ATTRIBUTE_NAMES = {
@@ -16,12 +16,12 @@ _ATTRIBUTE_NAMES = {
 }
 
 
-def text_config(config: Any) -> Any:
+def text_config(config: HFConfig) -> HFConfig:
     """The language model's config: multimodal configs nest it (`get_text_config`), plain ones are it."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def model_dim(config: Any, name: str) -> int | None:
+def model_dim(config: HFConfig, name: str) -> int | None:
     """One dimension of the text model (`num_attention_heads`, ...) under any family's spelling, or None."""
     text = text_config(config)
     for attr in _ATTRIBUTE_NAMES.get(name, (name,)):

@@ -10,6 +10,8 @@ from typing import Any
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from dsx3d.integrations.boundary_types import HFConfig
+
 # Families whose configs declare no plans, given explicitly: model_type -> (pp plan, tp plan).
 EXTRA_PLANS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
 
@@ -21,7 +23,7 @@ EXTRA_TP_STYLES: dict[str, dict[str, str]] = {
 
 
 
-def declared_tp_plan(config: Any) -> dict[str, str]:
+def declared_tp_plan(config: HFConfig) -> dict[str, str]:
     """The family's `base_model_tp_plan` with dsx3d's additions (EXTRA_TP_STYLES), as the engine applies it."""
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     return {**plan, **EXTRA_TP_STYLES.get(str(getattr(config, "model_type", "")), {})}

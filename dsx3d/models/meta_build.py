@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsx3d.errors import UserError
+from dsx3d.integrations.boundary_types import HFConfig, HFModel
 from dsx3d.models import tp_plan
 from dsx3d.models.config_dims import text_config
 
@@ -12,7 +13,7 @@ from dsx3d.models.config_dims import text_config
 _ERROR_KEYS = {"padding_idx": "pad_token_id", "num_embeddings": "vocab_size"}
 
 
-def build_meta_model(config: Any) -> Any:
+def build_meta_model(config: HFConfig) -> HFModel:
     """The family's causal LM built from `config` on the meta device (no memory; about 0.3 s for 70B). A
     config transformers accepts but cannot build (a pad_token_id outside the vocabulary, ...) raises a
     `UserError` naming the key."""
@@ -38,7 +39,7 @@ def build_meta_model(config: Any) -> Any:
         ) from None
 
 
-def _meta_layers(config: Any) -> tuple[Any, list[Any]]:
+def _meta_layers(config: HFConfig) -> tuple[Any, list[Any]]:
     """(FamilySpec, the decoder layers of a meta-device model of `config`): no memory, and fast even at 70B."""
     from dsx3d.models.family_spec import resolve_family
 
@@ -47,7 +48,7 @@ def _meta_layers(config: Any) -> tuple[Any, list[Any]]:
     return spec, list(getattr(getattr(lm, spec.base_prefix), spec.layers_name))
 
 
-def sequence_parallel_blocker(config: Any) -> str | None:
+def sequence_parallel_blocker(config: HFConfig) -> str | None:
     """Why the engine runs this model without sequence parallelism even when the recipe asks for it
     (`dsx3d.models.tp_plan.sequence_parallel_blocker`, what the engine's builder checks), or None."""
     from torch import nn

@@ -15,17 +15,18 @@ gradient flows back through the travelling tensor.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from dsx3d.errors import UserError
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.models.shape import model_dim, text_config
 
 
-def experts_per_layer(config: Any) -> int | None:
+def experts_per_layer(config: HFConfig) -> int | None:
     """E, the experts of each MoE layer, for a family whose plan names an experts module (`moe_tp_experts`,
     which dsx3d splits over TP and EP); None for a dense model."""
     from dsx3d.models import tp_plan
@@ -41,7 +42,7 @@ def valid_expert_splits(num_experts: int, tp_choices: list[int], ep_choices: lis
     return [(t, e) for t in tp_choices for e in ep_choices if num_experts % (t * e) == 0]
 
 
-def adds_auxiliary_loss(config: Any, skeleton: Any) -> bool:
+def adds_auxiliary_loss(config: HFConfig, skeleton: Any) -> bool:
     """Whether the family's CausalLM adds a loss computed from recorded router logits in this configuration
     (`output_router_logits` on, `_can_record_outputs["router_logits"]` declared, and the forward's loss
     depends on them). The last is probed by running the head on meta tensors (no memory, no FLOPs)."""
@@ -99,8 +100,8 @@ def capture_router_logits(routers: list[tuple[nn.Module, int]]) -> Iterator[list
     """Collect what the routers output during the block, in call order."""
     seen: list[torch.Tensor] = []
 
-    def hook(index: int) -> Any:
-        def record(module: nn.Module, args: Any, output: Any) -> None:
+    def hook(index: int) -> Callable[[nn.Module, tuple[object, ...], Any], None]:
+        def record(module: nn.Module, args: tuple[object, ...], output: Any) -> None:
             value = output[index] if isinstance(output, tuple) else output
             if value is not None:
                 seen.append(value)
@@ -123,7 +124,7 @@ def append_router_logits(carried: torch.Tensor | None, new: list[torch.Tensor]) 
     return stacked if carried is None else torch.cat([carried, stacked.to(carried.dtype)])
 
 
-def no_lm_loss(logits: torch.Tensor, labels: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+def no_lm_loss(logits: torch.Tensor, labels: object, *args: object, **kwargs: object) -> torch.Tensor:
     """Stands in for the family's language-model loss on the last stage, which dsx3d computes on vocab
     shards itself: what the family's forward returns as `loss` is then its auxiliary terms alone."""
     return torch.zeros((), dtype=torch.float32, device=logits.device)

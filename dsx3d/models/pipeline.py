@@ -23,6 +23,7 @@ from dsx3d.distributed import comm
 from dsx3d.distributed.expert_parallel.experts import ExpertContext
 from dsx3d.distributed.expert_parallel.groups import ExpertGroups, create_expert_groups, moe_marker
 from dsx3d.distributed.tensor_parallel.context import TPContext
+from dsx3d.integrations.boundary_types import DSCheckpointEngine, DSLayerSpec, PipeEngine
 from dsx3d.models.family_spec import FamilySpec, resolve_family
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipe_layers import (
@@ -78,7 +79,7 @@ class StagedPipelineModule(PipelineModule):
             path = path.replace("-model_states.pt", f"-expert_{self.expert_context.ep_rank:02d}-model_states.pt")
         return path
 
-    def save_state_dict(self, save_dir: str, checkpoint_engine: Any, exclude_frozen_params: bool = False) -> None:
+    def save_state_dict(self, save_dir: str, checkpoint_engine: DSCheckpointEngine, exclude_frozen_params: bool = False) -> None:
         """DeepSpeed's save (dp rank 0 writes every layer), except that each rank of the first EP group also
         writes the layers holding its experts."""
         if self.expert_context.ep == 1:
@@ -99,7 +100,7 @@ class StagedPipelineModule(PipelineModule):
             checkpoint_engine.save(state_dict=state, path=self.ckpt_layer_path(save_dir, idx))
         return None
 
-    def load_state_dir(self, load_dir: str, checkpoint_engine: Any, strict: bool = True) -> None:
+    def load_state_dir(self, load_dir: str, checkpoint_engine: DSCheckpointEngine, strict: bool = True) -> None:
         """With ep > 1 every layer is read from the one file this rank's layout wrote (a resume keeps the
         layout; resharding goes through an export)."""
         if self.expert_context.ep == 1:
@@ -116,7 +117,7 @@ def holds_ep_shards(module: nn.Module) -> bool:
     return any(getattr(p, "allreduce", True) is False for p in module.parameters())
 
 
-def release_last_stage_outputs(engine: Any) -> None:
+def release_last_stage_outputs(engine: PipeEngine) -> None:
     """DeepSpeed's PipelineEngine keeps every stage's outputs in `pipe_buffers["outputs"]` until their
     backward, which frees them on every stage but the last (runtime/pipe/engine.py, _exec_backward_pass
     returns early there). The last stage's outputs are the logits, b*s*V/tp of them, and it has two buffers:
@@ -128,7 +129,7 @@ def release_last_stage_outputs(engine: Any) -> None:
     table = dict(engine._INSTRUCTION_MAP)
     backward = table[schedule.BackwardPass]
 
-    def backward_then_release(self: Any, buffer_id: int) -> None:
+    def backward_then_release(self: PipeEngine, buffer_id: int) -> None:
         backward(self, buffer_id)
         self.pipe_buffers["outputs"][buffer_id] = None
 
@@ -141,11 +142,11 @@ def stage_bounds(config: PretrainedConfig, pp: int, seq_len: int, stage_layers: 
     return bounds_from_stage_layers(stage_layers_for(config, pp, seq_len, stage_layers), num_extra_first=1, num_extra_last=2)
 
 
-def pipeline_specs(builder: LayerBuilder, plan: FamilySpec, pp: int) -> list[Any]:
+def pipeline_specs(builder: LayerBuilder, plan: FamilySpec, pp: int) -> list[DSLayerSpec]:
     n = builder.skeleton.num_layers
     if plan.tied:
-        first: Any = TiedLayerSpec("embed", TiedEmbeddingPipe, builder, True, pp == 1, tied_weight_attr=["embed.weight"])
-        last: Any = TiedLayerSpec(
+        first: DSLayerSpec = TiedLayerSpec("embed", TiedEmbeddingPipe, builder, True, pp == 1, tied_weight_attr=["embed.weight"])
+        last: DSLayerSpec = TiedLayerSpec(
             "embed", TiedEmbeddingPipe, builder, pp == 1, True, forward_fn=tied_head_forward, tied_weight_attr=["embed.weight"]
         )
     else:

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsx3d.errors import UserError
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.models import tp_plan
 from dsx3d.models.config_dims import _ATTRIBUTE_NAMES, model_dim, text_config  # noqa: F401
 from dsx3d.models.meta_build import _ERROR_KEYS, _meta_layers, build_meta_model, sequence_parallel_blocker  # noqa: F401
 from dsx3d.models.tp_traffic import TPTraffic, _tp_traffic, tp_traffic  # noqa: F401
 
 
-def dropout_probabilities(config: Any) -> dict[str, float]:
+def dropout_probabilities(config: HFConfig) -> dict[str, float]:
     """The config's non-zero dropout probabilities ("attention_dropout", "resid_pdrop", ...)."""
     text = text_config(config)
     out = {}
@@ -33,7 +34,7 @@ def dropout_probabilities(config: Any) -> dict[str, float]:
     return out
 
 
-def is_gated_mlp(config: Any) -> bool:
+def is_gated_mlp(config: HFConfig) -> bool:
     """Gate, up and down matrices (Llama-style GLU) rather than fc_in -> act -> fc_out. The family's TP plan
     names its MLP linears; families without MLP entries in a plan are looked up in
     `dsx3d.models.known_families.NON_GATED_MLP`."""
@@ -212,7 +213,7 @@ def shape_from_params(
     )
 
 
-def _get(config: Any, *names: str, default: Any = None) -> Any:
+def _get(config: HFConfig, *names: str, default: Any = None) -> Any:
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
@@ -245,7 +246,7 @@ def _layer_params(
     return ParamCount(sharded, replicated, expert_params)
 
 
-def moe_layer_shapes(config: Any) -> tuple[LayerShape, ...]:
+def moe_layer_shapes(config: HFConfig) -> tuple[LayerShape, ...]:
     """Each decoder layer of an MoE model as the engine places it: the plan interpreter's experts modules
     (split over tp x ep), column- and row-parallel linears (weights and column biases over tp; row biases,
     routers, norms and modules kept whole replicated), on a meta-device model."""
@@ -273,7 +274,7 @@ def moe_layer_shapes(config: Any) -> tuple[LayerShape, ...]:
     return tuple(out)
 
 
-def shape_from_hf_config(config: Any) -> ModelShape:
+def shape_from_hf_config(config: HFConfig) -> ModelShape:
     """Count a decoder-only HF config (Llama-style attention and MLP, GQA, MoE as top-k of E equal
     experts). Multimodal configs use their text config."""
     plan_source, config = config, text_config(config)

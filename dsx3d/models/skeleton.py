@@ -48,7 +48,7 @@ class _StubOutput(BaseModelOutputWithPast):
     """The base model's output as the head sees it: the hidden states, and None for anything else the
     family's CausalLM forward may read (router logits of MoE families, ...)."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> None:
         if name.startswith("__"):
             raise AttributeError(name)
         return None
@@ -62,7 +62,7 @@ class _HiddenStub(nn.Module):
         self.hidden: torch.Tensor | None = None
         self.router_logits: tuple[torch.Tensor, ...] | None = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
+    def forward(self, *args: object, **kwargs: object) -> BaseModelOutputWithPast:
         assert self.hidden is not None
         out = _StubOutput(last_hidden_state=self.hidden)
         if self.router_logits is not None:
@@ -77,7 +77,7 @@ class _EmbeddingStub(nn.Module):
         super().__init__()
         self.values, self.rows = values, slice(None)
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
         return self.values[:, self.rows]
 
 
@@ -97,7 +97,7 @@ def _positions(position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
     return {} if position_ids is None else {"position_ids": position_ids}
 
 
-def _same(a: Any, b: torch.Tensor) -> bool:
+def _same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return a is not None and a.shape == b.shape and torch.equal(a, b)
 
 

@@ -14,7 +14,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from torch import nn
 
 COLUMN_STYLES = ("colwise", "colwise_gather_output")
 """Output features split over TP; the input gradient is all-reduced (Megatron's f)."""
@@ -97,14 +100,19 @@ def keeps_whole(style: str | None, *, is_linear: bool) -> bool:
     return style not in SUPPORTED_TP_STYLES or (style not in (GRAD_ALLREDUCE, EXPERTS) and not is_linear)
 
 
+Planned: TypeAlias = "tuple[str, Any, Sharding]"
+"""(name inside the module, submodule, sharding). The submodule stays `Any`: the engine swaps it for a TP
+layer built from it as a Linear, or sets attributes of its own on it."""
+
+
 def plan_modules(
-    module: Any, rel_name: str, plan: dict[str, str], is_linear: Callable[[Any], bool]
-) -> list[tuple[str, Any, Sharding]]:
+    module: nn.Module, rel_name: str, plan: dict[str, str], is_linear: Callable[[nn.Module], bool]
+) -> list[Planned]:
     """(name inside `module`, submodule, sharding) for every submodule the plan shards, parents before
     children; `rel_name` is `module`'s name relative to the base model ("layers.3"). Subtrees that
     `keeps_whole` are skipped entirely, and so are the insides of an experts module (split as one unit). The engine swaps in TP layers from this list; the estimator counts
     the same list on a meta-device model, so both read the plan identically."""
-    out: list[tuple[str, Any, Sharding]] = []
+    out: list[Planned] = []
     whole: list[str] = []
     for sub_name, sub in list(module.named_modules()):
         if any(sub_name.startswith(w + ".") for w in whole):
@@ -123,7 +131,7 @@ def plan_modules(
     return out
 
 
-def region_modules(shardings: list[tuple[str, Any, Sharding]]) -> list[str]:
+def region_modules(shardings: list[Planned]) -> list[str]:
     """Names of the TP regions among `plan_modules`' output: the parents of column-parallel linears
     (attention, MLP), in order. Their input is entered once and their row-parallel outputs leave."""
     out: list[str] = []
@@ -138,7 +146,7 @@ def inside(name: str, regions: list[str]) -> bool:
     return any(name == r or name.startswith(r + ".") for r in regions)
 
 
-def sequence_shard_params(layer: Any, shardings: list[tuple[str, Any, Sharding]]) -> int:
+def sequence_shard_params(layer: nn.Module, shardings: list[Planned]) -> int:
     """Replicated parameters of `layer` that see sequence shards under sequence parallelism: those of
     modules outside the TP regions (norms) and the biases of row-parallel linears (added after the
     reduce-scatter), the set the engine all-reduces (`LayerBuilder._shard`). Parameters of whole-kept
@@ -157,7 +165,7 @@ def sequence_shard_params(layer: Any, shardings: list[tuple[str, Any, Sharding]]
 
 
 def sequence_parallel_blockers(
-    layer: Any, rel_name: str, plan: dict[str, str], is_linear: Callable[[Any], bool]
+    layer: nn.Module, rel_name: str, plan: dict[str, str], is_linear: Callable[[nn.Module], bool]
 ) -> list[str]:
     """Why sequence parallelism cannot run this decoder layer ([] when it can). Outside the TP regions the
     layer runs on a slice of the sequence, which is right only for token-wise code: dsx3d accepts norms
@@ -189,7 +197,7 @@ def sequence_parallel_blockers(
 
 
 def sequence_parallel_blocker(
-    layers: list[Any], layers_name: str, plan: dict[str, str], is_linear: Callable[[Any], bool]
+    layers: list[nn.Module], layers_name: str, plan: dict[str, str], is_linear: Callable[[nn.Module], bool]
 ) -> str | None:
     """The first reason (`sequence_parallel_blockers`) over a model's decoder layers, or None: every layer
     must allow it, because every pipeline stage must agree on the shape of its messages."""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.models import tp_plan
 from dsx3d.models.config_dims import model_dim
 from dsx3d.models.meta_build import _meta_layers
@@ -25,7 +25,7 @@ class TPTraffic:
     sequence_parallel_blocker: str | None = None
 
 
-def tp_traffic(config: Any) -> TPTraffic:
+def tp_traffic(config: HFConfig) -> TPTraffic:
     """A decoder layer's TP traffic as the engine shards it: the family's TP plan read by the engine's own
     interpreter (`dsx3d.models.tp_plan.plan_modules`) over the layers of a meta-device model (no memory;
     about 0.3 s for a 70B model). Row-parallel linears all-reduce their output forward; the column-parallel
@@ -47,7 +47,7 @@ def tp_traffic(config: Any) -> TPTraffic:
         return TPTraffic()
 
 
-def _tp_traffic(config: Any) -> TPTraffic:
+def _tp_traffic(config: HFConfig) -> TPTraffic:
     from torch import nn
 
     spec, layers = _meta_layers(config)

@@ -20,6 +20,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from dsx3d.distributed.pending_sends import PendingSends
 from dsx3d.distributed.tensor_parallel.weight_grad import DEFER_OK, WEIGHT_GRADS, defer_linears
+from dsx3d.integrations.boundary_types import PipeEngine
 from dsx3d.models import zb_greedy
 
 
@@ -82,7 +83,7 @@ def _storages(received: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
-def install_zero_bubble(engine: Any, costs: tuple[float, float, float] | None = None) -> None:
+def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | None = None) -> None:
     """Run `engine` (a DeepSpeed PipelineEngine) on ZB-H1: its train schedule, B and W instructions, and the
     plain `nn.Linear`s of its stage rewired to defer their weight gradients. Refuses a gradient path that
     accumulates outside `.grad` (ZeRO's separate fp32 accumulation attribute, BF16 immediate updates)."""
@@ -108,7 +109,7 @@ def install_zero_bubble(engine: Any, costs: tuple[float, float, float] | None = 
     backward = table[ds_schedule.BackwardPass]
     reduce_grads = table[ds_schedule.ReduceGrads]
 
-    def backward_input(self: Any, buffer_id: int) -> None:
+    def backward_input(self: PipeEngine, buffer_id: int) -> None:
         with WEIGHT_GRADS.collect(buffer_id):
             backward(self, buffer_id)
         # The engine receives every output gradient into one reused buffer, and a residual stream hands that
@@ -117,13 +118,13 @@ def install_zero_bubble(engine: Any, costs: tuple[float, float, float] | None = 
         WEIGHT_GRADS.own_grads(buffer_id, _storages(self.grad_layer))
 
     def post(instruction: Any) -> Any:
-        def run(self: Any, buffer_id: int) -> None:
+        def run(self: PipeEngine, buffer_id: int) -> None:
             with SENDS.posting(ds_p2p):
                 instruction(self, buffer_id)
 
         return run
 
-    def backward_weight(self: Any, buffer_id: int) -> None:
+    def backward_weight(self: PipeEngine, buffer_id: int) -> None:
         bf16 = bool(getattr(self, "using_bf16_optimizer", False))
         if bf16:  # B's low-precision grads are in the fp32 accumulators already; add W's the same way
             self.optimizer.clear_lp_grads()
@@ -131,7 +132,7 @@ def install_zero_bubble(engine: Any, costs: tuple[float, float, float] | None = 
         if bf16:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
-    def reduce_grads_checked(self: Any) -> None:
+    def reduce_grads_checked(self: PipeEngine) -> None:
         SENDS.wait()
         left = sorted(k for k, jobs in WEIGHT_GRADS.pending.items() if jobs)
         WEIGHT_GRADS.clear()

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from dsx3d.errors import Problem
 from dsx3d.estimate import Estimate, Hardware, ModelShape, Setup, estimate
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.recipe.schema import ModelSection, Recipe
 
-Checker = Callable[[Recipe, Any], list[Problem]]
+Checker = Callable[[Recipe, "HFConfig | None"], list[Problem]]
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def _judge(
     hw: Hardware,
     cluster: Cluster,
     model: ModelSection | None,
-    hf_config: Any,
+    hf_config: HFConfig | None,
     checker: Checker | None,
 ) -> Candidate:
     est = estimate(shape, setup, hw)
@@ -238,7 +238,7 @@ def plan_layouts(
     hardware: Hardware | None = None,
     base: Setup | None = None,
     model: ModelSection | None = None,
-    hf_config: Any = None,
+    hf_config: HFConfig | None = None,
     checker: Checker | None = None,
     use_checker: bool = True,
     max_micro_batch: int = 16,

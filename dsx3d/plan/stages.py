@@ -10,9 +10,9 @@ the estimator both call `decoder_split`.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
 
 from dsx3d.errors import UserError
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.models.shape import ModelShape, ParamCount, shape_from_hf_config, text_config
 
 
@@ -58,7 +58,7 @@ def decoder_units(costs: list[float]) -> list[float]:
     return units
 
 
-def stage_layers_for(config: Any, pp: int, seq_len: int, stage_layers: list[int] | None) -> list[int]:
+def stage_layers_for(config: HFConfig, pp: int, seq_len: int, stage_layers: list[int] | None) -> list[int]:
     """Decoder layers per stage: the recipe's `parallel.stage_layers`, else the cost-balanced split (the
     estimator's too). A config whose dimensions cannot be read as one shape (per-layer head counts) is split
     evenly by layer count."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from dsx3d.fsio import write_atomic
 from dsx3d.recipe.ds_optimizer import grad_accum_dtype
+from dsx3d.recipe.json_values import DSConfig, JSONObject, JSONValue
 from dsx3d.recipe.schema import Recipe, TrainSection
 
 # Sections dsx3d never writes: DeepSpeed ignores the first silently; the second turns on AutoTP.
@@ -23,12 +24,12 @@ _NEVER_EMIT = ("pipeline_parallel", "tensor_parallel")
 STEPS_PER_PRINT = 1_000_000_000  # dsx3d logs itself; keep DeepSpeed's own step log quiet
 
 
-def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: int | None = None) -> dict[str, Any]:
+def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: int | None = None) -> DSConfig:
     """The DeepSpeed config for `recipe` on `world_size` ranks (default: the cluster's), overrides merged;
     their "auto" values resolved from the recipe (`resolve_auto`; `hidden_size` sizes ZeRO's buckets)."""
     layout = recipe.layout(world_size)
     train = recipe.train
-    config: dict[str, Any] = {
+    config: DSConfig = {
         "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * layout.dp,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
@@ -54,7 +55,7 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
             "nodes": layout.num_nodes,
             "gpus_per_node": layout.gpus_per_node,
             "world_size": layout.world_size,
-            "stage_layers": recipe.parallel.stage_layers,
+            "stage_layers": cast("list[JSONValue] | None", recipe.parallel.stage_layers),
             "sequence_parallel": recipe.parallel.sequence_parallel,
             "seq_len": train.seq_len,
             "activation_checkpointing": train.activation_checkpointing,
@@ -71,7 +72,7 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
     return merge_overrides(config, resolve_auto(recipe.deepspeed, config, recipe.train, hidden_size))
 
 
-def merge_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def merge_overrides(config: DSConfig, overrides: DSConfig) -> DSConfig:
     """`overrides` merged into a generated `config` (inputs untouched); an optimizer or schedule of another
     type than the generated one brings its own parameters, not a mix with dsx3d's."""
     config = dict(config)
@@ -88,7 +89,7 @@ def merge_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[s
 AUTO = "auto"
 
 
-def _recipe_values(train: TrainSection) -> dict[str, Any]:
+def _recipe_values(train: TrainSection) -> JSONObject:
     """What an "auto" under optimizer.params / scheduler.params means, by key, as HF's Trainer fills them."""
     return {
         "lr": train.lr,
@@ -105,8 +106,8 @@ def _recipe_values(train: TrainSection) -> dict[str, Any]:
 
 
 def resolve_auto(
-    overrides: dict[str, Any], generated: dict[str, Any], train: TrainSection, hidden_size: int | None = None
-) -> dict[str, Any]:
+    overrides: DSConfig, generated: DSConfig, train: TrainSection, hidden_size: int | None = None
+) -> DSConfig:
     """`overrides` with each "auto" (the form HF's example DeepSpeed JSONs ship) replaced by what dsx3d
     derives from the recipe: the generated value at the same path (batch sizes, precision, clipping,
     optimizer and scheduler parameters), optimizer/scheduler parameters by name, and ZeRO's bucket sizes
@@ -119,7 +120,7 @@ def resolve_auto(
         "stage3_param_persistence_threshold": 10 * hidden_size,
     }
 
-    def walk(value: Any, gen: Any, path: tuple[str, ...]) -> Any:
+    def walk(value: JSONValue, gen: JSONValue, path: tuple[str, ...]) -> JSONValue:
         if isinstance(value, dict):
             return {k: walk(v, gen.get(k) if isinstance(gen, dict) else None, (*path, k)) for k, v in value.items()}
         if value != AUTO:
@@ -132,17 +133,17 @@ def resolve_auto(
             return zero_auto[path[1]]
         return value
 
-    return walk(overrides, generated, ())
+    return cast(DSConfig, walk(overrides, generated, ()))  # a mapping walks to a mapping
 
 
-def auto_paths(config: Any, prefix: str = "") -> list[str]:
+def auto_paths(config: JSONValue, prefix: str = "") -> list[str]:
     """Dotted paths of the values still "auto" in a config."""
     if isinstance(config, dict):
         return [p for k, v in config.items() for p in auto_paths(v, f"{prefix}{k}.")]
     return [prefix.rstrip(".")] if config == AUTO else []
 
 
-def _optimizer(train: TrainSection) -> dict[str, Any]:
+def _optimizer(train: TrainSection) -> JSONObject:
     return {
         "type": "AdamW",
         "params": {
@@ -156,18 +157,18 @@ def _optimizer(train: TrainSection) -> dict[str, Any]:
     }
 
 
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: DSConfig, overrides: DSConfig) -> DSConfig:
     """`base` with `overrides` on top: mappings merge key by key, anything else replaces. Inputs untouched."""
     out = copy.deepcopy(base)
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
+            out[key] = deep_merge(cast(DSConfig, out[key]), value)
         else:
             out[key] = copy.deepcopy(value)
     return out
 
 
-def render_ds_config(config: dict[str, Any]) -> str:
+def render_ds_config(config: DSConfig) -> str:
     """The canonical text of a config: stable key order, so regenerated files diff cleanly."""
     return json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+
+from dsx3d.integrations.boundary_types import DSConfig, JSONObject, JSONValue
+
+__all__ = ["DSConfig", "JSONObject", "JSONValue", "MAX_MAPPING_VALUES"]
 
 MAX_MAPPING_VALUES = 100_000
 """Values in model.config or deepspeed, counted through YAML aliases (a YAML "billion laughs" stays small
 on disk and in memory, but not when walked or written out as JSON)."""
 
 
-def _json_problem(value: Any, where: str, budget: list[int], depth: int = 0) -> str | None:
+def _json_problem(value: object, where: str, budget: list[int], depth: int = 0) -> str | None:
     """Why `value` cannot be written as strict JSON (None when it can): keys must be strings, numbers
     finite, values JSON types; walks at most MAX_MAPPING_VALUES values and 64 levels."""
     budget[0] -= 1
@@ -39,7 +42,7 @@ def _json_problem(value: Any, where: str, budget: list[int], depth: int = 0) -> 
     return f"{where} is a {type(value).__name__}, which JSON cannot hold (quote it as a string?)"
 
 
-def _check_json(value: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+def _check_json(value: JSONObject | None, where: str) -> JSONObject | None:
     if value is not None:
         problem = _json_problem(value, where, [MAX_MAPPING_VALUES])
         if problem:

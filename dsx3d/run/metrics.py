@@ -8,6 +8,7 @@ then appear twice, and readers keep the last entry of each step (`read_metrics` 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -42,7 +43,7 @@ class MetricsLog:
         self._file: IO[str] = path.open("a")
         share_tree(path)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Mapping[str, object]) -> None:
         self._file.write(json.dumps(record, sort_keys=False) + "\n")
         self._file.flush()
 

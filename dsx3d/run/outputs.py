@@ -34,6 +34,7 @@ from dsx3d.checkpoint.manifest import describe, files_under, read_manifest, reco
 from dsx3d.checkpoint.training.disk_format import foreign_files, read_latest
 from dsx3d.errors import UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
+from dsx3d.integrations.boundary_types import HFProcessor
 from dsx3d.recipe.schema import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -256,7 +257,7 @@ def save_run_files(
     write_atomic(paths.placement, json.dumps(placement, indent=1) + "\n")
 
 
-def save_tokenizer(paths: RunPaths, tokenizer: Any) -> None:
+def save_tokenizer(paths: RunPaths, tokenizer: HFProcessor) -> None:
     tokenizer.save_pretrained(str(paths.tokenizer))
     share_tree(paths.tokenizer)
     record(paths.root, "run", (f"tokenizer/{f}" for f in files_under(paths.tokenizer)))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from dsx3d.integrations.boundary_types import PipeEngine
 from dsx3d.models.known_families import tiny_config
 
 
@@ -75,7 +76,7 @@ def no_tied_grad_reduction() -> contextlib.AbstractContextManager[None]:
     from deepspeed.runtime.pipe import schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    def reduce_tied_grads(self: Any) -> None:  # DeepSpeed's, without the all-reduce of the tied gradients
+    def reduce_tied_grads(self: PipeEngine) -> None:  # DeepSpeed's, without the all-reduce of the tied gradients
         if self.zero_optimization_partition_gradients():
             self.optimizer.overlapping_partition_gradients_reduce_epilogue()
 
@@ -135,7 +136,7 @@ def loss_over_wrong_micro_batch_count() -> contextlib.AbstractContextManager[Non
     """The loss of each micro-batch is divided by one micro-batch too many before the backward."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    def scale(self: Any, prescaled_loss: Any, **kwargs: Any) -> Any:
+    def scale(self: PipeEngine, prescaled_loss: torch.Tensor, **kwargs: object) -> torch.Tensor:
         return prescaled_loss / (self.gradient_accumulation_steps() + 1)
 
     return _patched(PipelineEngine, "_scale_loss_by_gas", scale)

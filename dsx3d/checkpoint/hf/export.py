@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from dsx3d.checkpoint.hf.writer import (
 )
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
+from dsx3d.integrations.boundary_types import HFProcessor, JSONObject
 from dsx3d.models.lora import is_adapter_name
 from dsx3d.models.shards import local_shape
 
@@ -101,9 +102,9 @@ def hub_entries(
 
 def run_dtype(engine: Engine3D) -> torch.dtype:
     """The dtype the run computes in: what its export holds by default."""
-    if engine.ds_config.get("bf16", {}).get("enabled"):
+    if cast(JSONObject, engine.ds_config.get("bf16", {})).get("enabled"):
         return torch.bfloat16
-    if engine.ds_config.get("fp16", {}).get("enabled"):
+    if cast(JSONObject, engine.ds_config.get("fp16", {})).get("enabled"):
         return torch.float16
     return torch.float32
 
@@ -111,7 +112,7 @@ def run_dtype(engine: Engine3D) -> torch.dtype:
 def export_hf(
     engine: Engine3D,
     out_dir: str | Path,
-    tokenizer: Any = None,
+    tokenizer: HFProcessor | str | Path | None = None,
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,

@@ -26,6 +26,7 @@ from torch import nn
 from dsx3d.checkpoint.hf.writer import publish, save_tokenizer, staging_dir
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
+from dsx3d.integrations.boundary_types import HFProcessor
 from dsx3d.models.lora import is_adapter_name
 from dsx3d.models.shards import merge_shards
 
@@ -74,7 +75,7 @@ def adapter_state(engine: Engine3D) -> dict[str, torch.Tensor]:
     return merge_shards(gathered)  # type: ignore[arg-type]
 
 
-def export_adapter(engine: Engine3D, out_dir: str | Path, tokenizer: Any = None, *, dtype: torch.dtype | None = None) -> Path:
+def export_adapter(engine: Engine3D, out_dir: str | Path, tokenizer: HFProcessor | str | Path | None = None, *, dtype: torch.dtype | None = None) -> Path:
     """Write the trained adapters in peft's format to `out_dir` (module docstring). Every rank calls it."""
     lora = engine.module.dsx3d_builder.lora
     if lora is None:

@@ -15,7 +15,6 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -30,6 +29,7 @@ from transformers.core_model_loading import (
 
 from dsx3d.checkpoint.hf.reader import TensorInfo
 from dsx3d.errors import Problem
+from dsx3d.integrations.boundary_types import HFModel
 from dsx3d.models.family_spec import is_tied, resolve_family
 
 _FIX_MISMATCH = (
@@ -37,13 +37,13 @@ _FIX_MISMATCH = (
 )
 
 
-def meta_model(config: PretrainedConfig) -> Any:
+def meta_model(config: PretrainedConfig) -> HFModel:
     """The family's CausalLM on the meta device: names and shapes, no memory."""
     with torch.device("meta"):
         return resolve_family(config).lm_class._from_config(copy.deepcopy(config))
 
 
-def tied_aliases(model: Any, config: PretrainedConfig) -> set[str]:
+def tied_aliases(model: HFModel, config: PretrainedConfig) -> set[str]:
     """Parameter names that are another parameter when embeddings are tied (lm_head.weight)."""
     if not is_tied(config):
         return set()
@@ -51,7 +51,7 @@ def tied_aliases(model: Any, config: PretrainedConfig) -> set[str]:
     return set(keys)
 
 
-def expected_params(model: Any, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+def expected_params(model: HFModel, config: PretrainedConfig) -> dict[str, torch.Tensor]:
     """name -> (meta) parameter for every tensor a checkpoint must provide."""
     aliases = tied_aliases(model, config)
     return {name: p for name, p in model.named_parameters() if name not in aliases}
@@ -69,7 +69,7 @@ class FusedGroup:
     """(source pattern, checkpoint name), in checkpoint order (expert 0, 1, ...)."""
     targets: list[str] = field(default_factory=list)
 
-    def convert(self, model: Any, read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    def convert(self, model: HFModel, read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the converter on the tensors `read(checkpoint_name)` returns (real or meta)."""
         conv = copy.deepcopy(self.converter)
         for pattern, key in self.sources:
@@ -94,7 +94,7 @@ class LoadPlan:
 
 def plan_load(
     tensors: dict[str, TensorInfo],
-    model: Any,
+    model: HFModel,
     config: PretrainedConfig,
     where: str,
     lost: set[str] | None = None,
@@ -170,7 +170,7 @@ def plan_load(
 def _check_group(
     group: FusedGroup,
     tensors: dict[str, TensorInfo],
-    model: Any,
+    model: HFModel,
     expected: dict[str, torch.Tensor],
     plan: LoadPlan,
 ) -> None:
@@ -227,7 +227,7 @@ def _check_tensor(
         )
 
 
-def to_hub_names(model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hub_names(model: HFModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Model names -> hub names for one layer's tensors (a fusion's inputs live in one layer), reverting
     the family's load-time conversions the way save_pretrained does."""
     return revert_weight_conversion(model, dict(tensors))

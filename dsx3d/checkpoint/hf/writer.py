@@ -26,6 +26,7 @@ from dsx3d import fsio
 from dsx3d.checkpoint.hf.reader import DTYPE_NAMES, SAFETENSORS_INDEX
 from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
 from dsx3d.errors import UserError
+from dsx3d.integrations.boundary_types import HFProcessor
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 TOKENIZER_FILES = (
@@ -172,7 +173,7 @@ def write_configs(out: Path, config: PretrainedConfig, dtype: torch.dtype, archi
     generation.save_pretrained(out)
 
 
-def save_tokenizer(out: Path, tokenizer: Any) -> bool:
+def save_tokenizer(out: Path, tokenizer: HFProcessor | str | Path | None) -> bool:
     """A tokenizer object (save_pretrained) or a directory holding tokenizer files (copied)."""
     if tokenizer is None:
         return False

@@ -52,8 +52,9 @@ from dsx3d.checkpoint.training.rng import RNG_FORMAT, rng_state, set_rng_state  
 from dsx3d.checkpoint.training.tags import choose_tag, prune, remove_tag, tag_problems, tags_to_delete  # noqa: F401
 from dsx3d.distributed import comm
 from dsx3d.engine import Engine3D
-from dsx3d.errors import RunFailure, UserError
+from dsx3d.errors import Problem, RunFailure, UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
+from dsx3d.integrations.boundary_types import DSEngine
 from dsx3d.recipe.schema import Recipe, dump_recipe
 
 log = logging.getLogger("dsx3d")
@@ -149,7 +150,7 @@ class _SaveLog:
 
 
 @contextlib.contextmanager
-def _recording(engine: Any, save_log: _SaveLog) -> Iterator[None]:
+def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
     """DeepSpeed's writes through `save_log`: a failure is recorded instead of raised, so the rank still
     reaches DeepSpeed's closing barrier with its peers."""
     checkpoint_engine = engine.checkpoint_engine
@@ -211,7 +212,7 @@ class Checkpointer:
                 str(self.dir), tag=tag, client_state={CLIENT_KEY: client_state, **self._universal}, save_latest=False
             )
         record.write_list(rank)
-        gathered: list[Any] = comm.all_gather_object((rank, record.failed))  # every rank's files are written
+        gathered = comm.all_gather_object((rank, record.failed))  # every rank's files are written
         failed = [(r, f) for r, fails in gathered for f in fails]
         if failed:
             self._fail(tag, failed)
@@ -219,7 +220,7 @@ class Checkpointer:
         # a run's checkpoints are read by colleagues
         share_tree(tag_dir)
         share_tree(self.dir, recursive=False)
-        problem: Any = None
+        problem: str | None = None
         if rank == 0:
             try:
                 write_atomic(self.dir / LATEST, tag)
@@ -247,7 +248,7 @@ class Checkpointer:
 
     def load_latest(self) -> tuple[str, dict[str, Any]] | None:
         """(tag, client state) of the newest complete checkpoint, loaded into the engine; None if none."""
-        decision: Any = None
+        decision: tuple[str, ResumePlan] | list[Problem] | None = None
         if comm.get_rank() == 0:
             try:
                 decision = self._decide()

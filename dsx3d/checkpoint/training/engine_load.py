@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dsx3d.integrations.boundary_types import DSEngine
 
-def needs_partitioned_load(ds_engine: Any) -> bool:
+
+def needs_partitioned_load(ds_engine: DSEngine) -> bool:
     """Whether the engine's optimizer keeps per-rank partitions that its own load skips (BF16_Optimizer
     without ZeRO)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -26,7 +28,7 @@ def needs_partitioned_load(ds_engine: Any) -> bool:
     return isinstance(ds_engine.optimizer, BF16_Optimizer) and not ds_engine.zero_optimization()
 
 
-def load_checkpoint(ds_engine: Any, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[Any, Any]:
+def load_checkpoint(ds_engine: DSEngine, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[Any, Any]:
     """`ds_engine.load_checkpoint(load_dir, tag, **kwargs)`, restoring BF16_Optimizer's partitions without
     ZeRO from the per-rank files the engine wrote."""
     load_optimizer = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)

@@ -103,7 +103,7 @@ def plan_resume(
     problems: list[Problem] = []
     notes: list[str] = []
 
-    def refuse(key: str, old: Any, new: Any, why: str) -> None:
+    def refuse(key: str, old: object, new: object, why: str) -> None:
         problems.append(Problem(f"--resume {tag}: {key}", f"{old} -> {new}", why, _FIX))
 
     if saved_recipe is not None:

@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
+
+from torch import nn
 
 from dsx3d.distributed import comm
+from dsx3d.distributed.comm import ProcessGroup
+from dsx3d.integrations.boundary_types import PipeEngine
 
 
 @dataclass
 class ExpertGroups:
-    ep_group: Any
+    ep_group: ProcessGroup
     ep_ranks: list[int]
-    edp_group: Any
+    edp_group: ProcessGroup
     edp_ranks: list[int]
 
     @property
@@ -57,7 +61,7 @@ def register_with_deepspeed(groups: ExpertGroups) -> None:
     ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[groups.name] = groups.edp_ranks
 
 
-def moe_marker(num_experts: int) -> Any:
+def moe_marker(num_experts: int) -> nn.Module:
     """A parameter-free module that DeepSpeed's engine recognises as an MoE layer (`isinstance(m, MoE)`),
     so that it builds its optimizer with expert parameter groups; its groups are already registered."""
     from deepspeed.moe.layer import MoE
@@ -70,13 +74,13 @@ def moe_marker(num_experts: int) -> Any:
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
             pass  # the engine calls this to create groups; dsx3d created and registered them already
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def forward(self, *args: object, **kwargs: object) -> NoReturn:
             raise RuntimeError("MoEMarker only marks a stage for DeepSpeed; it never runs")
 
     return MoEMarker()
 
 
-def keep_pipeline_checkpoints(ds_engine: Any) -> None:
+def keep_pipeline_checkpoints(ds_engine: PipeEngine) -> None:
     """DeepSpeed writes an engine with MoE layers in its per-expert format, which only knows its own MoE
     modules; pipeline stages save their layers themselves. The MoE flag is what the optimizer set-up and the
     BF16 optimizer's gradient reduction read, so it stays on, and only save/load see it off."""

@@ -37,7 +37,7 @@ class _TPLora(PeftLoraLinear):
             if a in self.lora_A
         ]
 
-    def merge(self, *args: Any, **kwargs: Any) -> None:
+    def merge(self, *args: object, **kwargs: object) -> None:
         raise NotImplementedError("dsx3d merges LoRA into the exported model (model.lora.merge_on_export), not in place")
 
 

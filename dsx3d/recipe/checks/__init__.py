@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 from dsx3d.errors import Problem, UserError
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.recipe.checks.context import Rule, _Context, _warning
 from dsx3d.recipe.checks.deepspeed import (
     _auto_left,
@@ -137,7 +137,7 @@ DATA_RULES: list[Rule] = [
 
 
 def check_recipe(
-    recipe: Recipe, world_size: int | None = None, hf_config: Any = None, *, data: bool = True
+    recipe: Recipe, world_size: int | None = None, hf_config: HFConfig | None = None, *, data: bool = True
 ) -> list[Problem]:
     """Every problem of `recipe` on `world_size` ranks (default: the cluster's), errors and warnings;
     with `data`, also of the data pipeline `dsx3d train` runs (`DATA_RULES`).

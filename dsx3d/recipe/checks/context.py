@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsx3d.errors import Problem
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.models.shape import model_dim
 from dsx3d.recipe.schema import Recipe
 
@@ -19,7 +20,7 @@ class _Context:
     world_size: int
     world_source: str
     dp: int  # 0 when parallel.dp cannot be resolved
-    hf_config: Any
+    hf_config: HFConfig | None
 
     @property
     def tp(self) -> int:
@@ -40,7 +41,7 @@ class _Context:
 Rule = Callable[[_Context], Iterator[Problem]]
 
 
-def _warning(key: str, value: Any, reason: str, fix: str) -> Problem:
+def _warning(key: str, value: object, reason: str, fix: str) -> Problem:
     return Problem(key, value, reason, fix, severity="warning")
 
 

@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from dsx3d.errors import Problem
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.recipe.checks.context import _Context
+from dsx3d.recipe.schema import Recipe
 
 UNSUPPORTED = {
     "modules_to_save": "training whole extra modules next to the adapters",
@@ -24,7 +26,7 @@ UNSUPPORTED = {
 }
 
 
-def _meta_layer_linears(hf_config: Any) -> tuple[list[str], list[str]]:
+def _meta_layer_linears(hf_config: HFConfig) -> tuple[list[str], list[str]]:
     """(names of nn.Linear modules in decoder layer 0, names of every other module in it)."""
     from torch import nn
 
@@ -59,7 +61,7 @@ def config_problems(config: Any, key: str) -> Iterator[Problem]:
         )
 
 
-def lora_problems(recipe: Any, hf_config: Any) -> Iterator[Problem]:
+def lora_problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
     """Every problem of `recipe.model.lora` (nothing without it)."""
     section = recipe.model.lora
     if section is None:
@@ -99,7 +101,7 @@ def lora_problems(recipe: Any, hf_config: Any) -> Iterator[Problem]:
         yield Problem(target_key, name, f"{kind} (dsx3d puts adapters on decoder-layer linears only)", f"use some of {choices}")
 
 
-def _stages_without_layers(recipe: Any, hf_config: Any) -> Iterator[Problem]:
+def _stages_without_layers(recipe: Recipe, hf_config: HFConfig) -> Iterator[Problem]:
     """With LoRA the adapters are a stage's only trainable parameters, and DeepSpeed builds no optimizer over
     none ("optimizer got an empty parameter list", after the process groups exist): every pipeline stage
     needs a decoder layer."""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from dsx3d.errors import Problem
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.plan.layout import Layout, bubble_fraction
 from dsx3d.recipe.checks.context import _Context, _divisors, _warning
 
@@ -244,7 +244,7 @@ def _sequence_parallel(c: _Context) -> Iterator[Problem]:
         )
 
 
-def _sequence_parallel_blocker(hf_config: Any) -> str | None:
+def _sequence_parallel_blocker(hf_config: HFConfig | None) -> str | None:
     if hf_config is None:
         return None
     from dsx3d.models.shape import sequence_parallel_blocker

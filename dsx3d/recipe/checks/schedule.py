@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from dsx3d.errors import Problem
+from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.recipe.schema import Recipe
 
 KEY = "parallel.schedule"
 
 
-def schedule_problems(recipe: Recipe, hf_config: Any) -> Iterator[Problem]:
+def schedule_problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
     if recipe.parallel.schedule != "zb-h1":
         return
     if recipe.parallel.pp == 1:
