@@ -90,7 +90,7 @@ def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, flo
             what = "an HF checkpoint directory" if args.model else "an HF config JSON file (any name) or a directory holding config.json"
             raise UserError.single(key, value, "not found" if not path.exists() else "not a directory", f"pass {what}")
         try:
-            config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+            config = AutoConfig.from_pretrained(str(path))  # a JSON file of any name, or a directory
         except Exception as err:  # transformers raises OSError, ValueError, JSONDecodeError, its own types
             raise UserError.single(key, value, f"transformers cannot read this config ({_summary(err)})", "pass a valid HF config") from None
         _check_size(key, value, config)
