@@ -290,6 +290,22 @@ CASES = [
         {"train": {"dtype": "fp16"}}, None, "train.dtype", "warning", "not supported", id="fp16-on-cpu"
     ),
     pytest.param(
+        {"deepspeed": {"fp16": "yes"}},
+        None,
+        "deepspeed.fp16",
+        "error",
+        "expects a mapping",
+        id="deepspeed-section-every-rank-would-die-parsing",
+    ),
+    pytest.param(
+        {"parallel": {"schedule": "zb-h1"}, "train": {"activation_checkpointing": True}},
+        None,
+        "parallel.schedule",
+        "error",
+        "activation_checkpointing",
+        id="zero-bubble-holds-unmeasured-activations",
+    ),
+    pytest.param(
         _model(model_type="no-such-model"),
         None,
         "model.config.model_type",
