@@ -105,7 +105,7 @@ def token_statistics(logits: torch.Tensor, labels: torch.Tensor, shard: Any) -> 
     return torch.tensor([n, correct, float(entropy.double().sum())], dtype=torch.float64)
 
 
-def batch_tokens(batch: Mapping[str, Any]) -> int:
+def batch_tokens(batch: Mapping[str, object]) -> int:
     """The tokens of one collator batch as SFTTrainer counts them for `num_tokens`: the attention mask's ones,
     or with padding-free batches the flat row's length."""
     if "attention_mask" in batch:

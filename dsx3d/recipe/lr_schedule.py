@@ -18,7 +18,7 @@ from dsx3d.recipe.schema import TrainSection
 HF_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
-def hf_schedule(train: TrainSection) -> tuple[str, dict[str, Any]]:
+def hf_schedule(train: TrainSection) -> tuple[str, dict[str, object]]:
     """HF's scheduler name and `scheduler_specific_kwargs` for the recipe: cosine with a floor (train.min_lr
     > 0) is `cosine_with_min_lr`. Linear and constant schedules have no floor in HF (min_lr does not apply)."""
     if train.lr_schedule == "cosine" and train.min_lr > 0:

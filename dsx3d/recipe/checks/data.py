@@ -42,7 +42,7 @@ COUNT_LINES_BELOW = 64 << 20
 class SourceView:
     """The first records of a source, and what is known of its size without reading it all."""
 
-    rows: list[dict[str, Any]]
+    rows: list[dict[str, object]]
     num_rows: int | None
     num_bytes: int | None
     """An upper bound on its text's bytes (local files), None when unknown."""
@@ -82,7 +82,7 @@ def _view_files(data: DataSection, files: list[Path]) -> SourceView:
     num_bytes = sum(f.stat().st_size for f in files)
     kinds = {LOADERS[f.suffix] for f in files}
     plain_text = kinds == {"text"}
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, object]] = []
     for kind in sorted(kinds):
         group = [str(f) for f in files if LOADERS[f.suffix] == kind and f.stat().st_size > 0]
         if not group or len(rows) >= PEEK_ROWS:
