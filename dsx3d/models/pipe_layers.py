@@ -248,7 +248,7 @@ class LayerBuilder:
         return loss if extra is None else loss + extra
 
 
-def embed_forward(builder: LayerBuilder, inputs: Any, training: bool) -> tuple[torch.Tensor, ...]:
+def embed_forward(builder: LayerBuilder, inputs: object, training: bool) -> tuple[torch.Tensor, ...]:
     """input_ids, or (input_ids, position_ids) for packed rows -> what travels to the first layer."""
     input_ids, positions = packed.split_inputs(inputs)
     return packed.pack(builder.embed(input_ids, training, positions), input_ids, positions, None)

@@ -37,7 +37,7 @@ class _Recorder(nn.Module):
                 self.__dict__[key] = value
         self.index, self._sink, self._stop_after = index, sink, stop_after
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: Any) -> Any:
         self._sink[self.index] = (args, kwargs)
         if self.index >= self._stop_after[0]:
             raise _StopForward

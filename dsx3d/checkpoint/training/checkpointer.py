@@ -156,7 +156,7 @@ def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
     checkpoint_engine = engine.checkpoint_engine
     save, copy_scripts = checkpoint_engine.save, engine._copy_recovery_script
 
-    def recorded_save(state_dict: Any, path: str) -> None:
+    def recorded_save(state_dict: object, path: str) -> None:
         save_log.attempt(Path(path), lambda: save(state_dict, path))
 
     def recorded_copy(save_path: str) -> None:
