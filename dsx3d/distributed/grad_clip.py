@@ -43,7 +43,7 @@ def global_grad_norm(
 
 
 def clip_grads(
-    params: list[torch.nn.Parameter], max_norm: float, tp_rank: int, model_parallel_group: Any
+    params: list[torch.nn.Parameter], max_norm: float, tp_rank: int, model_parallel_group: object
 ) -> float:
     """Scale the gradients by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_; return the norm."""
     device = params[0].device if params else torch.device("cpu")

@@ -70,7 +70,7 @@ def _plain(name: str, cast: Callable[[Any], Any] = lambda v: v) -> tuple[Callabl
         value = getattr(args, name)
         return None if value == _hf_default(name) else cast(value)
 
-    def write(args: HFTrainingArguments, value: Any) -> None:
+    def write(args: HFTrainingArguments, value: object) -> None:
         setattr(args, name, value)
 
     return read, write

@@ -36,7 +36,7 @@ def sft_trainer_class(cls: type) -> type | None:
     return next((c for c in _trl_classes(cls) if c.__name__ == "SFTTrainer"), None)
 
 
-def refusals(cls: type, args: Any) -> list[Problem]:
+def refusals(cls: type, args: object) -> list[Problem]:
     """What dsx3d.Trainer cannot honour in a class combining it with a TRL trainer, and in its SFTConfig."""
     trl_bases = _trl_classes(cls)
     if not trl_bases:

@@ -5,8 +5,6 @@ than a claim. Everything else is read from each family's own config and plans.""
 
 from __future__ import annotations
 
-from typing import Any
-
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -76,7 +74,7 @@ def families_with_plans() -> list[str]:
     return out
 
 
-def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+def tiny_config(model_type: str, **overrides: object) -> PretrainedConfig:
     """The family's default config shrunk to TINY_DIMS (only keys it has), without dropout (parity needs
     determinism) and with special token ids inside the tiny vocabulary, plus `overrides`.
 

@@ -98,7 +98,7 @@ class _ExpertsRegion:
         self.module_ref = [module]  # a list keeps the module out of any registry (no cycle in named_modules)
         self.forward, self.placement, self.ctx = forward, placement, ctx
 
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args: object, **kwargs: Any) -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         if args or kwargs:
             raise ValueError("dsx3d splits experts called as (hidden_states, top_k_index, top_k_weights) only")
         tp = self.ctx.tp

@@ -107,7 +107,7 @@ class TPContext:
     def __post_init__(self) -> None:
         self.random.tp_rank = self.rank
 
-    def bind(self, group: Any) -> None:
+    def bind(self, group: object) -> None:
         if self.size > 1:
             self.group = group
 
@@ -273,7 +273,7 @@ class TPContext:
             return (full, *args[1:]), kwargs
         return args, {**kwargs, name: full}
 
-    def _post_region(self, out: Any) -> Any:
+    def _post_region(self, out: object) -> Any:
         if not self.sequence_parallel:
             return None
         self.depth -= 1

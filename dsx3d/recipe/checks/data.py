@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dsx3d.data.chat import message_problem, template_text
 from dsx3d.data.corpus import (
@@ -145,7 +144,7 @@ def _field_problems(data: DataSection, view: SourceView) -> Iterator[Problem]:
                 break
 
 
-def _value_problem(key: str, value: Any) -> str | None:
+def _value_problem(key: str, value: object) -> str | None:
     """Why one record's `value` of the field named by `key` cannot be used (None when it can). A text
     document may be missing (null rows are skipped); a prompt or response may not."""
     if key == "data.messages_field":
