@@ -58,7 +58,7 @@ class UnsafeCheckpoint(UserError):
         )
 
 
-def _name(f: Any) -> str:
+def _name(f: object) -> str:
     return str(f) if isinstance(f, (str, Path)) else getattr(f, "name", repr(f))
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dsx3d.cli.args import MAX_COUNT, MAX_HIDDEN, MAX_LAYERS, bounded_float, bounded_int
 from dsx3d.cli.json_output import emit
@@ -29,6 +30,7 @@ from dsx3d.estimate import (
     shape_from_hf_config,
     shape_from_params,
 )
+from dsx3d.integrations.boundary_types import HFConfig, JSONValue
 from dsx3d.recipe.schema import (
     MAX_BATCH,
     MAX_GPUS_PER_NODE,
@@ -60,7 +62,7 @@ def count(text: str) -> float:
     return number
 
 
-def positive(kind: type, high: float | None = None) -> Any:
+def positive(kind: type, high: float | None = None) -> Callable[[str], int] | Callable[[str], float]:
     """argparse type: a positive int, or a positive finite float, at most `high`."""
     if kind is int:
         return bounded_int(1, int(high) if high is not None else MAX_COUNT)
@@ -134,7 +136,7 @@ def hardware_from(args: argparse.Namespace, gpus_per_node: int) -> Hardware:
     )
 
 
-def load_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
+def load_model(path: str) -> tuple[ModelSection, HFConfig, Recipe | None]:
     """A model from a recipe YAML, an HF config.json or a checkpoint directory: (model section, HF config,
     the recipe if one was given). Its sizes are checked (dsx3d.recipe.hf_config.dimension_problems)."""
     model, hf_config, recipe = _read_model(path)
@@ -146,7 +148,7 @@ def load_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
     return model, hf_config, recipe
 
 
-def _read_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
+def _read_model(path: str) -> tuple[ModelSection, HFConfig, Recipe | None]:
     from dsx3d.recipe.hf_config import (
         load_hf_config,  # transformers: a few seconds of import, only when needed
     )
@@ -172,7 +174,7 @@ def _read_model(path: str) -> tuple[ModelSection, Any, Recipe | None]:
     )
 
 
-def _read_json(option: str, p: Path) -> Any:
+def _read_json(option: str, p: Path) -> JSONValue:
     fix = "pass an HF config.json"
     try:
         with p.open("rb") as f:
@@ -186,7 +188,7 @@ def _read_json(option: str, p: Path) -> Any:
         raise UserError.single(option, str(p), f"not valid JSON ({' '.join(str(err).split())[:200]})", fix) from None
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 
@@ -275,7 +277,7 @@ def _from_recipe(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
     return shape_from_hf_config(hf_config), setup, recipe.cluster.gpus_per_node
 
 
-def _reduce_bucket_size(overrides: dict[str, Any]) -> float:
+def _reduce_bucket_size(overrides: Mapping[str, object]) -> float:
     """The recipe's `deepspeed.zero_optimization.reduce_bucket_size`, else DeepSpeed's default."""
     zero = overrides.get("zero_optimization")
     size = zero.get("reduce_bucket_size") if isinstance(zero, dict) else None

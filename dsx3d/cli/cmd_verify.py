@@ -78,7 +78,7 @@ def _layer_counts(text: str) -> list[int]:
     return counts
 
 
-def _config_and_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
+def _config_and_model(args: argparse.Namespace) -> tuple[HFConfig, Any, dict[str, float]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dsx3d.models.known_families import tiny_config

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from dsx3d.data.tiny_chat import tiny_chat_conversations
 from dsx3d.errors import UserError
@@ -42,7 +41,7 @@ def _split_sections(text: str) -> list[str]:
 BUILTINS: dict[str, Callable[[], list[str]]] = {"python-docs": python_docs_documents}
 
 
-BUILTIN_CHATS: dict[str, Callable[[], list[list[dict[str, Any]]]]] = {"tiny-chat": tiny_chat_conversations}
+BUILTIN_CHATS: dict[str, Callable[[], list[list[dict[str, str]]]]] = {"tiny-chat": tiny_chat_conversations}
 
 
 def builtin_problem(data: DataSection) -> UserError | None:

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from transformers import PreTrainedTokenizerBase
 
 from dsx3d.errors import UserError
 from dsx3d.recipe.schema import DataSection
+
+Message: TypeAlias = dict[str, str]
+"""One chat message: role and content (what `apply_chat_template` reads)."""
 
 IGNORE_INDEX = -100
 
@@ -85,14 +88,14 @@ def missing_template_problem(data: DataSection, where: str) -> UserError:
     )
 
 
-def example_messages(row: dict[str, Any], data: DataSection) -> list[dict[str, Any]]:
+def example_messages(row: dict[str, Any], data: DataSection) -> list[Message]:
     """The conversation of one row of a chat or instruction dataset (columns named as in dsx3d.data.corpus)."""
     if data.format == "instruction":
         return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
     return list(row["messages"])
 
 
-def message_problem(messages: Any) -> str | None:
+def message_problem(messages: object) -> str | None:
     """Why `messages` is not a conversation with at least one assistant turn (None when it is)."""
     if not isinstance(messages, list) or not messages:
         return "is not a non-empty list of messages"
@@ -105,7 +108,7 @@ def message_problem(messages: Any) -> str | None:
 
 
 def encode_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], template: str
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], template: str
 ) -> tuple[list[int], list[int]]:
     """(token ids, labels) of one conversation: labels are the ids on the assistant's tokens, -100 elsewhere."""
     if _GENERATION.search(template):
@@ -118,14 +121,14 @@ def encode_conversation(
     return ids, [i if m else IGNORE_INDEX for i, m in zip(ids, mask, strict=True)]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], template: str, prompt: bool) -> list[int]:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], template: str, prompt: bool) -> list[int]:
     out: Any = tokenizer.apply_chat_template(
         messages, chat_template=template, tokenize=True, return_dict=True, add_generation_prompt=prompt
     )
     return list(out["input_ids"])
 
 
-def _prefix_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], template: str) -> tuple[list[int], list[int]]:
+def _prefix_mask(tokenizer: PreTrainedTokenizerBase, messages: list[Message], template: str) -> tuple[list[int], list[int]]:
     ids = _render(tokenizer, messages, template, prompt=False)
     mask = [0] * len(ids)
     for i, message in enumerate(messages):

@@ -34,7 +34,7 @@ says which fraction of a step's tokens is padding (`padding_fraction`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -153,7 +153,7 @@ class MicroBatchStream(Iterator[Batch]):
         [(k*dp + d)*micro, (k*dp + d + 1)*micro)."""
         return self._samples(self._step_indices(step))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int]:
         """Where the stream is, plus what must match for a resume to be exact."""
         return {
             "step": self.step,
@@ -165,7 +165,7 @@ class MicroBatchStream(Iterator[Batch]):
             "grad_accum": self.grad_accum,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue from `state`. A different dp is fine when B is unchanged (the steps hold the same samples)."""
         for name in ("seed", "samples_per_step", "num_blocks", "seq_len"):
             if state[name] != getattr(self, name):

@@ -8,7 +8,6 @@ is a pure function of nothing: the same conversations on every machine, no file 
 from __future__ import annotations
 
 import random
-from typing import Any
 
 WORDS = (
     "cat dog bird fish tree rock river cloud stone apple bread honey lamp door chair table green blue red "
@@ -35,11 +34,11 @@ def _task(rng: random.Random) -> tuple[str, str]:
     return f"How many letters are in {word}?", f"{word} has {len(word)} letters."
 
 
-def tiny_chat_conversations(n: int = NUM_CONVERSATIONS) -> list[list[dict[str, Any]]]:
+def tiny_chat_conversations(n: int = NUM_CONVERSATIONS) -> list[list[dict[str, str]]]:
     rng = random.Random(15)
     conversations = []
     for _ in range(n):
-        messages: list[dict[str, Any]] = []
+        messages: list[dict[str, str]] = []
         if rng.random() < 0.3:
             messages.append({"role": "system", "content": rng.choice(SYSTEMS)})
         for _turn in range(1 if rng.random() < 0.7 else 2):

@@ -16,12 +16,15 @@ gradients are already averaged over DP when DeepSpeed clips, so DP ranks agree w
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsx3d.distributed import comm
 from dsx3d.integrations.boundary_types import DSEngine
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -32,7 +35,7 @@ def counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
 
 
 def global_grad_norm(
-    params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group: Any, device: torch.device
+    params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group: dist.ProcessGroup | None, device: torch.device
 ) -> torch.Tensor:
     squares = torch.zeros(1, dtype=torch.float64, device=device)  # on the GPU for nccl
     for p in params:
@@ -43,7 +46,7 @@ def global_grad_norm(
 
 
 def clip_grads(
-    params: list[torch.nn.Parameter], max_norm: float, tp_rank: int, model_parallel_group: Any
+    params: list[torch.nn.Parameter], max_norm: float, tp_rank: int, model_parallel_group: dist.ProcessGroup | None
 ) -> float:
     """Scale the gradients by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_; return the norm."""
     device = params[0].device if params else torch.device("cpu")

@@ -36,7 +36,7 @@ def count_targets(labels: torch.Tensor) -> int:
 
 
 def to_micro_batch(
-    batch: Mapping[str, Any], micro_batch_size: int, seq_len: int
+    batch: Mapping[str, object], micro_batch_size: int, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels), both (micro_batch_size, seq_len): the batch right-padded with token 0 and label -100.
 

@@ -14,7 +14,6 @@ scored token (pads) are dropped: nothing attends to them. Attention stays inside
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -27,12 +26,12 @@ VARLEN_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_
 PACKED_KEYS = frozenset({"position_ids"}) | VARLEN_KEYS
 
 
-def is_padding_free(batch: Mapping[str, Any]) -> bool:
+def is_padding_free(batch: Mapping[str, object]) -> bool:
     return any(k in batch for k in PACKED_KEYS)
 
 
 def packed_micro_batch(
-    batch: Mapping[str, Any], micro_batch_size: int, seq_len: int
+    batch: Mapping[str, object], micro_batch_size: int, seq_len: int
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """((input_ids, position_ids), labels), each (micro_batch_size, seq_len), from a padding-free batch."""
     if "position_ids" not in batch:

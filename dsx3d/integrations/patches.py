@@ -23,8 +23,12 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
@@ -99,7 +103,7 @@ def install() -> None:
     install_accelerate_guard()
 
 
-def is_recipe_path(value: object) -> bool:
+def is_recipe_path(value: object) -> TypeGuard[str | Path]:
     return isinstance(value, str | Path) and Path(value).suffix.lower() in RECIPE_SUFFIXES
 
 
@@ -114,7 +118,7 @@ def install_recipe_paths() -> None:
     original = cls.__init__
 
     @functools.wraps(original)  # the original's signature stays visible (tests/unit/test_compat.py checks it)
-    def __init__(self: Any, config_file_or_dict: Any) -> None:
+    def __init__(self: object, config_file_or_dict: object) -> None:
         if is_recipe_path(config_file_or_dict):
             from dsx3d.integrations.layout_source import ds_config_of_recipe
 
@@ -140,7 +144,7 @@ def keep_hf_out_of_zero3() -> None:
     original = cls.is_zero3
 
     @functools.wraps(original)
-    def is_zero3(self: Any) -> bool:
+    def is_zero3(self: object) -> bool:
         return False if "dsx3d" in getattr(self, "config", {}) else bool(original(self))
 
     cls.is_zero3 = is_zero3
@@ -166,7 +170,7 @@ def install_accelerate_guard() -> None:
     original = cls.prepare
 
     @functools.wraps(original)
-    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def prepare(self: Accelerator, *args: object, **kwargs: object) -> object:
         plugin = getattr(self.state, "deepspeed_plugin", None)
         refuse_model_parallel_prepare(getattr(plugin, "deepspeed_config", None), os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))
         return original(self, *args, **kwargs)
@@ -175,7 +179,7 @@ def install_accelerate_guard() -> None:
     cls._dsx3d_guard = True
 
 
-def refuse_model_parallel_prepare(ds_config: dict[str, Any] | None, source: str | None) -> None:
+def refuse_model_parallel_prepare(ds_config: Mapping[str, object] | None, source: str | None) -> None:
     """Raise a UserError if `ds_config` carries a dsx3d layout with tp > 1 or pp > 1. accelerate's loop
     (`prepare`, `backward`, `step`) hands DeepSpeed one whole model per process and feeds every process its own
     batch; DeepSpeed would stop at its batch-size assertion, or, with the numbers made to fit, train something

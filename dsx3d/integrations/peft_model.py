@@ -15,7 +15,7 @@ from dsx3d.recipe.checks.lora import config_problems
 from dsx3d.recipe.schema import LoraSection, Recipe
 
 
-def is_peft_model(model: Any) -> bool:
+def is_peft_model(model: object) -> bool:
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover - peft is a dependency

@@ -346,7 +346,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         return None  # training_step counts the step's tokens itself (over DP ranks, not the world)
 
     def training_step(
-        self, model: torch.nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch: torch.Tensor | int | None = None
+        self, model: torch.nn.Module, inputs: dict[str, torch.Tensor | object], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
         """Buffer micro-batches up to the accumulation boundary, then run the whole step in the pipeline. The
         step's loss is returned at the boundary and 0 before it, so HF's running sum is the per-step loss."""
@@ -390,7 +390,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         # scheduler's belief: the log then shows what trained
         return self._engine().lr
 
-    def floating_point_ops(self, inputs: dict[str, torch.Tensor | Any]) -> int:
+    def floating_point_ops(self, inputs: dict[str, torch.Tensor | object]) -> int:
         # every tp x pp rank of a DP rank sees the same batch; HF sums over all ranks
         return super().floating_point_ops(inputs) // (self.layout.tp * self.layout.pp)
 

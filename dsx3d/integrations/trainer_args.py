@@ -29,7 +29,7 @@ from dsx3d.recipe.schema import Recipe, TrainSection
 
 log = logging.getLogger("dsx3d")
 
-Claim = tuple[str, Any]
+Claim = tuple[str, object]
 """(where a value is given, for messages: "r.yaml: train.micro_batch_size", the value)."""
 
 # the recipe's (and DeepSpeed's, through layout_source.DS_SCHEDULERS) schedule names as HF's SchedulerType values
@@ -58,7 +58,7 @@ class Shared:
     """The agreed value as the recipe's train.`field`, or None where the recipe has no such value."""
 
 
-def _hf_default(name: str) -> Any:
+def _hf_default(name: str) -> object:
     from transformers import TrainingArguments
 
     f = TrainingArguments.__dataclass_fields__[name]
@@ -70,7 +70,7 @@ def _plain(name: str, cast: Callable[[Any], Any] = lambda v: v) -> tuple[Callabl
         value = getattr(args, name)
         return None if value == _hf_default(name) else cast(value)
 
-    def write(args: HFTrainingArguments, value: Any) -> None:
+    def write(args: HFTrainingArguments, value: object) -> None:
         setattr(args, name, value)
 
     return read, write
@@ -155,7 +155,7 @@ def reconcile(args: HFTrainingArguments, recipe: Recipe, layout_claims: dict[str
     """Agree TrainingArguments and the layout on every SHARED value; returns the recipe with the agreed values
     and the disagreements. `args` is updated in place (only when there is no problem)."""
     problems: list[Problem] = []
-    agreed: dict[str, Any] = {}
+    agreed: dict[str, object] = {}
     for shared in SHARED:
         claims = [(key, value, shared.from_layout(value)) for key, value in layout_claims.get(shared.field, [])]
         hf_value = shared.read(args)
@@ -197,7 +197,7 @@ def reconcile(args: HFTrainingArguments, recipe: Recipe, layout_claims: dict[str
     return recipe.model_copy(update={"train": train}), []
 
 
-def _recipe_train(train: TrainSection, agreed: dict[str, Any]) -> tuple[TrainSection, list[Problem]]:
+def _recipe_train(train: TrainSection, agreed: dict[str, object]) -> tuple[TrainSection, list[Problem]]:
     """The recipe's train section with the agreed values it can hold. A layout value it cannot hold is a problem
     (the engine is built from it); an optimizer or schedule value stays HF's alone (nothing trains from the copy)."""
     values = train.model_dump()

@@ -36,7 +36,7 @@ def sft_trainer_class(cls: type) -> type | None:
     return next((c for c in _trl_classes(cls) if c.__name__ == "SFTTrainer"), None)
 
 
-def refusals(cls: type, args: Any) -> list[Problem]:
+def refusals(cls: type, args: object) -> list[Problem]:
     """What dsx3d.Trainer cannot honour in a class combining it with a TRL trainer, and in its SFTConfig."""
     trl_bases = _trl_classes(cls)
     if not trl_bases:
@@ -105,7 +105,7 @@ def token_statistics(logits: torch.Tensor, labels: torch.Tensor, shard: Any) -> 
     return torch.tensor([n, correct, float(entropy.double().sum())], dtype=torch.float64)
 
 
-def batch_tokens(batch: Mapping[str, Any]) -> int:
+def batch_tokens(batch: Mapping[str, object]) -> int:
     """The tokens of one collator batch as SFTTrainer counts them for `num_tokens`: the attention mask's ones,
     or with padding-free batches the flat row's length."""
     if "attention_mask" in batch:

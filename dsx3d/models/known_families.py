@@ -5,15 +5,13 @@ than a claim. Everything else is read from each family's own config and plans.""
 
 from __future__ import annotations
 
-from typing import Any
-
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from dsx3d.integrations.boundary_types import HFConfig
 
 # Families whose configs declare no plans, given explicitly: model_type -> (pp plan, tp plan).
-EXTRA_PLANS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+EXTRA_PLANS: dict[str, tuple[dict[str, object], dict[str, str]]] = {}
 
 # Gaps in a family's own TP plan: parameters that see TP-sharded activations but are not declared.
 EXTRA_TP_STYLES: dict[str, dict[str, str]] = {
@@ -36,7 +34,7 @@ NON_GATED_MLP = frozenset(
 )
 
 # Small dimensions applied to whichever of these keys a family's config has.
-TINY_DIMS: dict[str, Any] = {
+TINY_DIMS: dict[str, object] = {
     "hidden_size": 32,
     "intermediate_size": 64,
     "num_hidden_layers": 4,
@@ -76,14 +74,14 @@ def families_with_plans() -> list[str]:
     return out
 
 
-def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+def tiny_config(model_type: str, **overrides: object) -> PretrainedConfig:
     """The family's default config shrunk to TINY_DIMS (only keys it has), without dropout (parity needs
     determinism) and with special token ids inside the tiny vocabulary, plus `overrides`.
 
     A TINY_DIMS key the family's validation rejects (e.g. kv heads that must equal heads) is left at its
     default."""
     defaults = AutoConfig.for_model(model_type).to_dict()
-    kwargs: dict[str, Any] = {k: v for k, v in TINY_DIMS.items() if k in defaults}
+    kwargs: dict[str, object] = {k: v for k, v in TINY_DIMS.items() if k in defaults}
     for key, value in defaults.items():
         if ("dropout" in key or key.endswith("_pdrop")) and isinstance(value, float):
             kwargs[key] = 0.0

@@ -248,7 +248,7 @@ class LayerBuilder:
         return loss if extra is None else loss + extra
 
 
-def embed_forward(builder: LayerBuilder, inputs: Any, training: bool) -> tuple[torch.Tensor, ...]:
+def embed_forward(builder: LayerBuilder, inputs: object, training: bool) -> tuple[torch.Tensor, ...]:
     """input_ids, or (input_ids, position_ids) for packed rows -> what travels to the first layer."""
     input_ids, positions = packed.split_inputs(inputs)
     return packed.pack(builder.embed(input_ids, training, positions), input_ids, positions, None)
@@ -263,7 +263,7 @@ class EmbeddingPipe(nn.Module):
         self.embed = builder.own_embedding()
         self.extras = nn.ModuleList(builder.own_prologue_extras())
 
-    def forward(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+    def forward(self, inputs: object) -> tuple[torch.Tensor, ...]:
         return embed_forward(self.builder[0], inputs, self.training)
 
 
@@ -331,7 +331,7 @@ class TiedEmbeddingPipe(nn.Module):
         if on_last_stage:
             builder.install_head(self.embed.weight)  # type: ignore[arg-type]
 
-    def forward(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+    def forward(self, inputs: object) -> tuple[torch.Tensor, ...]:
         return embed_forward(self.builder[0], inputs, self.training)
 
 

@@ -44,7 +44,7 @@ class StagedPipelineModule(PipelineModule):
     """A PipelineModule with our stage bounds, and the TP context bound to DeepSpeed's own grid before any
     layer is built (the grid is created inside PipelineModule.__init__, right before partitioning)."""
 
-    def __init__(self, layers: list[Any], *, bounds: list[int], tp: TPContext, builder: LayerBuilder, **kwargs: Any):
+    def __init__(self, layers: list[Any], *, bounds: list[int], tp: TPContext, builder: LayerBuilder, **kwargs: object):
         self.__dict__["_dsx3d_bounds"] = bounds
         self.__dict__["_dsx3d_tp"] = tp
         self.__dict__["dsx3d_builder"] = builder

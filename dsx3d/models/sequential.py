@@ -85,7 +85,7 @@ class SequentialLM(nn.Module):
     def _item(self, index: int) -> nn.Module:
         return self._modules[str(index)]  # type: ignore[return-value]
 
-    def forward(self, input_ids: Any, labels: Any) -> torch.Tensor:
+    def forward(self, input_ids: object, labels: object) -> torch.Tensor:
         """`input_ids`: a tensor, or (input_ids, position_ids) for packed rows (dsx3d.models.packed).
         `labels`: a tensor, or (labels, norm) for masked rows (dsx3d.data.stream)."""
         last = self._num_items - 1

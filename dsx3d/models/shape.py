@@ -213,7 +213,7 @@ def shape_from_params(
     )
 
 
-def _get(config: HFConfig, *names: str, default: Any = None) -> Any:
+def _get(config: HFConfig, *names: str, default: object = None) -> Any:
     for name in names:
         value = getattr(config, name, None)
         if value is not None:

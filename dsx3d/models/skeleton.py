@@ -37,7 +37,7 @@ class _Recorder(nn.Module):
                 self.__dict__[key] = value
         self.index, self._sink, self._stop_after = index, sink, stop_after
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         self._sink[self.index] = (args, kwargs)
         if self.index >= self._stop_after[0]:
             raise _StopForward
@@ -130,7 +130,7 @@ class Skeleton:
     def submodule(self, dotted: str) -> nn.Module:
         return self.base.get_submodule(dotted)
 
-    def _run_base(self, stop_after: int, **inputs: Any) -> dict[int, LayerCall]:
+    def _run_base(self, stop_after: int, **inputs: object) -> dict[int, LayerCall]:
         self._calls.clear()
         self._stop_after[0] = stop_after
         try:

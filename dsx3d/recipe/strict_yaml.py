@@ -13,7 +13,7 @@ class StrictYamlLoader(yaml.SafeLoader):
 
 
 def _construct_mapping(loader: StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
-    seen: dict[Any, int] = {}
+    seen: dict[object, int] = {}
     for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` keys may be overridden
             continue

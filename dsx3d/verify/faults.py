@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PretrainedConfig
@@ -18,9 +18,15 @@ from transformers import PretrainedConfig
 from dsx3d.integrations.boundary_types import PipeEngine
 from dsx3d.models.known_families import tiny_config
 
+if TYPE_CHECKING:
+    from dsx3d.distributed.expert_parallel.experts import ExpertContext
+    from dsx3d.distributed.tensor_parallel.context import TPContext
+    from dsx3d.distributed.tensor_parallel.regions import RegionEntry
+    from dsx3d.models.pipe_layers import DecoderLayerPipe, LayerBuilder
+
 
 @contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+def _patched(owner: object, name: str, value: object) -> Iterator[None]:
     own = not isinstance(owner, type) or name in vars(owner)  # else inherited: delete the patch afterwards
     original = (vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)) if own else None
     setattr(owner, name, value)
@@ -43,7 +49,7 @@ def no_column_input_grad_allreduce() -> contextlib.AbstractContextManager[None]:
         def wait(self) -> None:
             pass
 
-    def launch(self: Any) -> None:
+    def launch(self: RegionEntry) -> None:
         assert self._partial is not None
         buf = own_rows(self._partial, self.group).movedim(-2, 0) if self.gather else self._partial
         self._partial = None
@@ -58,7 +64,7 @@ def no_row_output_allreduce() -> contextlib.AbstractContextManager[None]:
     from dsx3d.distributed.tensor_parallel.context import TPContext
     from dsx3d.distributed.tensor_parallel.mappings import split_to_sequence
 
-    def exit_region(self: Any, y: torch.Tensor, *, training: bool = False, scatter: bool | None = None) -> torch.Tensor:
+    def exit_region(self: TPContext, y: torch.Tensor, *, training: bool = False, scatter: bool | None = None) -> torch.Tensor:
         if scatter is None:
             scatter = self.sequence_parallel and self.depth <= 1
         if scatter and self.size > 1:
@@ -91,7 +97,7 @@ def vocab_shard_offset() -> contextlib.AbstractContextManager[None]:
 
     original = LayerBuilder.__init__
 
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+    def init(self: LayerBuilder, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         self.vocab_start += 1
 
@@ -104,8 +110,8 @@ def layer_skipped_at_stage_boundary() -> contextlib.AbstractContextManager[None]
 
     original = DecoderLayerPipe.forward
 
-    def forward(self: Any, inputs: Any) -> Any:
-        module = self.builder[0]
+    def forward(self: DecoderLayerPipe, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        module: Any = self.builder[0]  # carries the test's mark
         if getattr(module, "_fault_first_index", None) is None:
             module._fault_first_index = self.index  # the first layer this rank runs
         if self.index == module._fault_first_index and self.index > 0:
@@ -122,7 +128,7 @@ def replicated_grad_counted_tp_times() -> contextlib.AbstractContextManager[None
 
     original = LayerBuilder._own
 
-    def own(self: Any, module: torch.nn.Module, rel_name: str, *args: Any) -> torch.nn.Module:
+    def own(self: LayerBuilder, module: torch.nn.Module, rel_name: str, *args: Any) -> torch.nn.Module:
         out = original(self, module, rel_name, *args)
         for name, p in out.named_parameters():
             if "norm" in name and not getattr(p, "tensor_model_parallel", False):
@@ -158,7 +164,7 @@ def experts_reduced_over_all_dp_ranks() -> contextlib.AbstractContextManager[Non
 
     original = experts.mark_expert_shard
 
-    def mark(param: torch.nn.Parameter, slot: int, ctx: Any) -> None:
+    def mark(param: torch.nn.Parameter, slot: int, ctx: ExpertContext) -> None:
         original(param, slot, replace(ctx, ep=1))
 
     return _patched(experts, "mark_expert_shard", mark)
@@ -169,7 +175,7 @@ def routing_weight_grad_not_summed_over_tp() -> contextlib.AbstractContextManage
     only this TP rank's experts' share."""
     from dsx3d.distributed.expert_parallel.experts import _ExpertsRegion
 
-    def enter(self: Any, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def enter(self: _ExpertsRegion, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ctx.tp.enter_partial(x, training=self.module_ref[0].training), w
 
     return _patched(_ExpertsRegion, "enter", enter)

@@ -73,7 +73,7 @@ def _child(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], arg
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, workdir: str | None = None) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: object, timeout_s: float = 300.0, workdir: str | None = None) -> list[Any]:
     """Call fn(rank, *args) on `world_size` forked ranks and return their results in rank order."""
     own_dir = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="dsx3d-ranks-")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 
@@ -85,7 +84,7 @@ class ParityResult:
     checks: list[Check] = field(default_factory=list)
     ok: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -131,7 +130,7 @@ def case_recipe(case: ParityCase) -> Recipe:
     )
 
 
-def case_ds_overrides(case: ParityCase) -> dict[str, Any]:
+def case_ds_overrides(case: ParityCase) -> dict[str, object]:
     """What verify itself changes in the generated DeepSpeed config (the SGD run): merged by the engine
     builder after the checker, so that it is not reported as a user's override of dsx3d's values."""
     if case.optimizer != "sgd":
@@ -144,7 +143,7 @@ def case_ds_overrides(case: ParityCase) -> dict[str, Any]:
 
 def _rank_worker(
     rank: int, case: ParityCase, state: dict[str, torch.Tensor], batches: torch.Tensor
-) -> dict[str, Any]:
+) -> dict[str, object]:
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
 
 from transformers import PretrainedConfig
 
@@ -41,7 +40,7 @@ LAYOUTS: list[tuple[tuple[int, int, int], int]] = [
 @dataclass(frozen=True)
 class SweepCase:
     family: str
-    dims: dict[str, Any]
+    dims: dict[str, object]
     layout: tuple[int, int, int]
     zero_stage: int
     dtype: str = "fp32"
@@ -70,7 +69,7 @@ class SweepCase:
         return [layers // pp + (1 if i < layers % pp else 0) for i in range(pp)]
 
 
-def _dims(rng: random.Random) -> dict[str, Any]:
+def _dims(rng: random.Random) -> dict[str, object]:
     heads = rng.choice(HEADS)
     kv = rng.choice([k for k in (1, 2, 3, 6) if heads % k == 0 and k % 2 == 0] or [heads])
     head_dim = rng.choice(HEAD_DIMS)

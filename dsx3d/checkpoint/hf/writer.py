@@ -17,7 +17,6 @@ import shutil
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig
@@ -113,7 +112,7 @@ class SafetensorsWriter:
     planned order with the planned shapes and dtypes."""
 
     def __init__(self, path: Path, entries: list[Entry]):
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for e in entries:
             header[e.name] = {

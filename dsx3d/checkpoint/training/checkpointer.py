@@ -156,7 +156,7 @@ def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
     checkpoint_engine = engine.checkpoint_engine
     save, copy_scripts = checkpoint_engine.save, engine._copy_recovery_script
 
-    def recorded_save(state_dict: Any, path: str) -> None:
+    def recorded_save(state_dict: object, path: str) -> None:
         save_log.attempt(Path(path), lambda: save(state_dict, path))
 
     def recorded_copy(save_path: str) -> None:
@@ -182,13 +182,13 @@ class Checkpointer:
 
     def __init__(self, engine: Engine3D, ckpt_dir: Path, recipe: Recipe, keep: int):
         self.engine, self.dir, self.recipe, self.keep = engine, ckpt_dir, recipe, keep
-        self._universal: dict[str, Any] | None = None
+        self._universal: dict[str, object] | None = None
 
     @property
     def bounds(self) -> list[int]:
         return [int(b) for b in getattr(self.engine.module, "parts", [])]
 
-    def save(self, step: int, client_state: dict[str, Any]) -> str:
+    def save(self, step: int, client_state: dict[str, object]) -> str:
         tag, rank = tag_for(step), comm.get_rank()
         tag_dir = self.dir / tag
         if self._universal is None:  # how each parameter splits over TP: lets a tag become universal

@@ -28,7 +28,7 @@ def needs_partitioned_load(ds_engine: DSEngine) -> bool:
     return isinstance(ds_engine.optimizer, BF16_Optimizer) and not ds_engine.zero_optimization()
 
 
-def load_checkpoint(ds_engine: DSEngine, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[Any, Any]:
+def load_checkpoint(ds_engine: DSEngine, load_dir: str, tag: str | None = None, **kwargs: object) -> tuple[Any, Any]:
     """`ds_engine.load_checkpoint(load_dir, tag, **kwargs)`, restoring BF16_Optimizer's partitions without
     ZeRO from the per-rank files the engine wrote."""
     load_optimizer = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)

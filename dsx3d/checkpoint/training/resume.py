@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from dsx3d.checkpoint.training.disk_format import LAYOUT_FILE, RECIPE_FILE
 from dsx3d.errors import Problem, UserError
@@ -44,7 +43,7 @@ class SavedLayout:
         return f"dp {self.dp} x tp {self.tp} x pp {self.pp}{expert}{split}"
 
 
-def layout_record(layout: Layout, bounds: list[int], recipe: Recipe) -> dict[str, Any]:
+def layout_record(layout: Layout, bounds: list[int], recipe: Recipe) -> dict[str, object]:
     """What a tag's dsx3d_layout.json holds."""
     return {
         "dp": layout.dp,

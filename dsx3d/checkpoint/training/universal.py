@@ -56,11 +56,11 @@ from dsx3d.models.shards import local_shape
 if TYPE_CHECKING:
     from dsx3d.engine import Engine3D
 
-LOAD_UNIVERSAL: dict[str, Any] = {"checkpoint": {"load_universal": True}}
+LOAD_UNIVERSAL: dict[str, object] = {"checkpoint": {"load_universal": True}}
 """ds_overrides for build_engine: the new layout's engine then loads universal checkpoints."""
 
 
-def universal_checkpoint_info(engine: Engine3D) -> dict[str, Any]:
+def universal_checkpoint_info(engine: Engine3D) -> dict[str, object]:
     """How every parameter of every stage is split over TP, as ds_to_universal reads it. A collective."""
     builder = engine.module.dsx3d_builder
     vocab_names = {
@@ -85,7 +85,7 @@ def universal_checkpoint_info(engine: Engine3D) -> dict[str, Any]:
     }
 
 
-def universal_client_state(engine: Engine3D) -> dict[str, Any]:
+def universal_client_state(engine: Engine3D) -> dict[str, object]:
     """Merge into `client_state` of `engine.save_checkpoint` so the checkpoint can become universal (nothing
     with expert parallelism, which the converter cannot handle)."""
     if engine.layout.ep > 1:

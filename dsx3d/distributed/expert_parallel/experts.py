@@ -94,11 +94,11 @@ def shard_experts(module: nn.Module, ctx: ExpertContext) -> ExpertPlacement:
 class _ExpertsRegion:
     """The replacement forward (an instance attribute, as transformers' own TP/EP styles install theirs)."""
 
-    def __init__(self, module: nn.Module, forward: Any, placement: ExpertPlacement, ctx: ExpertContext):
+    def __init__(self, module: nn.Module, forward: object, placement: ExpertPlacement, ctx: ExpertContext):
         self.module_ref = [module]  # a list keeps the module out of any registry (no cycle in named_modules)
         self.forward, self.placement, self.ctx = forward, placement, ctx
 
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         if args or kwargs:
             raise ValueError("dsx3d splits experts called as (hidden_states, top_k_index, top_k_weights) only")
         tp = self.ctx.tp

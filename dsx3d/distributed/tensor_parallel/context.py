@@ -107,7 +107,7 @@ class TPContext:
     def __post_init__(self) -> None:
         self.random.tp_rank = self.rank
 
-    def bind(self, group: Any) -> None:
+    def bind(self, group: object) -> None:
         if self.size > 1:
             self.group = group
 
@@ -258,7 +258,7 @@ class TPContext:
         module.register_forward_pre_hook(lambda m, a, k: self._pre_region(a, k, name), with_kwargs=True)
         module.register_forward_hook(lambda m, a, out: self._post_region(out))
 
-    def _pre_region(self, args: tuple, kwargs: dict[str, Any], name: str) -> tuple[tuple, dict[str, Any]] | None:
+    def _pre_region(self, args: tuple, kwargs: dict[str, object], name: str) -> tuple[tuple, dict[str, object]] | None:
         if not self.sequence_parallel:
             return None
         self.depth += 1
@@ -273,7 +273,7 @@ class TPContext:
             return (full, *args[1:]), kwargs
         return args, {**kwargs, name: full}
 
-    def _post_region(self, out: Any) -> Any:
+    def _post_region(self, out: object) -> Any:
         if not self.sequence_parallel:
             return None
         self.depth -= 1

@@ -44,7 +44,7 @@ class _TPLora(PeftLoraLinear):
 class ColumnParallelLora(_TPLora):
     """LoRA on a `ColumnParallelLinear`: B's rows shard like the output, A is whole."""
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         base: Any = self.get_base_layer()  # a ColumnParallelLinear
         return base.tp.column_linear(
             x, base.weight, base.bias, training=base.training, gather_output=base.gather_output, lora=self.lora_paths()
@@ -54,7 +54,7 @@ class ColumnParallelLora(_TPLora):
 class RowParallelLora(_TPLora):
     """LoRA on a `RowParallelLinear`: A's columns shard like the input, B is whole."""
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         base: Any = self.get_base_layer()  # a RowParallelLinear
         tp = base.tp
         if tp.on_shards:

@@ -21,7 +21,6 @@ Only models with dropout switch streams (`active`); without dropout nothing chan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -46,7 +45,7 @@ class TPRandom:
     tp_rank: int = 0
     active: bool = False
     """True when the model has dropout; otherwise entering and leaving regions does nothing."""
-    _saved: tuple[torch.device, Any] | None = field(default=None, repr=False)
+    _saved: tuple[torch.device, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def in_sharded_region(self) -> bool:

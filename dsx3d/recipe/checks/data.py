@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dsx3d.data.chat import message_problem, template_text
 from dsx3d.data.corpus import (
@@ -42,7 +41,7 @@ COUNT_LINES_BELOW = 64 << 20
 class SourceView:
     """The first records of a source, and what is known of its size without reading it all."""
 
-    rows: list[dict[str, Any]]
+    rows: list[dict[str, object]]
     num_rows: int | None
     num_bytes: int | None
     """An upper bound on its text's bytes (local files), None when unknown."""
@@ -82,7 +81,7 @@ def _view_files(data: DataSection, files: list[Path]) -> SourceView:
     num_bytes = sum(f.stat().st_size for f in files)
     kinds = {LOADERS[f.suffix] for f in files}
     plain_text = kinds == {"text"}
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, object]] = []
     for kind in sorted(kinds):
         group = [str(f) for f in files if LOADERS[f.suffix] == kind and f.stat().st_size > 0]
         if not group or len(rows) >= PEEK_ROWS:
@@ -145,7 +144,7 @@ def _field_problems(data: DataSection, view: SourceView) -> Iterator[Problem]:
                 break
 
 
-def _value_problem(key: str, value: Any) -> str | None:
+def _value_problem(key: str, value: object) -> str | None:
     """Why one record's `value` of the field named by `key` cannot be used (None when it can). A text
     document may be missing (null rows are skipped); a prompt or response may not."""
     if key == "data.messages_field":
