@@ -41,6 +41,7 @@ class Bf16Roundoff:
 
     loss: list[float] = field(default_factory=list)
     norm: list[float] = field(default_factory=list)
+    """The gradient norm's round-off, tensor by tensor without cancellation (`norm_roundoff`)."""
     update: list[dict[str, float]] = field(default_factory=list)
     """SGD: ||dW_bf16 - dW_ref|| per tensor, dW = -lr x the clipped gradient (the clip coefficient is the
     shadow's own)."""
@@ -118,20 +119,51 @@ def record_step(
         clip_ref = min(1.0, max_norm / (ref_norm + 1e-6))
         clip_b = min(1.0, max_norm / (norm + 1e-6))
         out.loss.append(abs(shadow_loss - ref_loss))
-        out.norm.append(abs(norm - ref_norm))
+        out.norm.append(norm_roundoff(ref_grads, shadow_grads))
         out.update.append(
             {n: lr * float((clip_b * shadow_grads[n].double() - clip_ref * g.double()).norm()) for n, g in ref_grads.items()}
         )
         out.grad.append({n: (shadow_grads[n] - g).abs() for n, g in ref_grads.items()})
 
 
-def sgd_step(weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float, max_norm: float) -> None:
+def norm_roundoff(ref_grads: dict[str, torch.Tensor], shadow_grads: dict[str, torch.Tensor]) -> float:
+    """How far bf16 round-off can move the global gradient norm N: sum over tensors of |N_b,T^2 - N_ref,T^2|,
+    divided by N_b + N_ref. Without the absolute value this is exactly the shadow's |N_b - N_ref|; but each
+    tensor's share is its own draw (the 3D side rounds a TP-sharded tensor in another order than a replicated
+    one, and each differently from the shadow), and the shadow's shares of either sign can cancel to almost
+    nothing by chance (measured: +-5e-4 shares summing to 4e-6) where another draw's do not."""
+    with torch.no_grad():
+        shares, ref_sq, b_sq = 0.0, 0.0, 0.0
+        for n, g in ref_grads.items():
+            r, b = float(g.double().pow(2).sum()), float(shadow_grads[n].double().pow(2).sum())
+            shares += abs(b - r)
+            ref_sq, b_sq = ref_sq + r, b_sq + b
+        total = ref_sq**0.5 + b_sq**0.5
+        return shares / total if total > 0 else 0.0
+
+
+def uncancelled_norm(ref_norm: float, shadow_norm: float, roundoff: float) -> float:
+    """The shadow's gradient norm moved from the reference's by its whole round-off `roundoff`
+    (`norm_roundoff`), on the side it already lies: the norm the shadow clips its own step with, so that its
+    trajectory also holds a clipping coefficient off by as much as the 3D side's may be."""
+    return ref_norm + (roundoff if shadow_norm >= ref_norm else -roundoff)
+
+
+def sgd_step(
+    weights: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    lr: float,
+    max_norm: float,
+    norm: float | None = None,
+) -> None:
     """The shadow's own SGD step on its fp32 master weights, clipped by its own norm (as the 3D side steps its
     master copy): from the second step on, the shadow's distance from the reference then also holds what its
     earlier round-off did to the weights this step starts from, as the 3D side's does. With SGD verify's
-    learning rate that propagated part dominates a later step's gradient norm."""
+    learning rate that propagated part dominates a later step's gradient norm. `norm` (default: the gradients'
+    own) is the norm it clips with (`uncancelled_norm`)."""
     with torch.no_grad():
-        norm = sum(float(g.double().pow(2).sum()) for g in grads.values()) ** 0.5
+        if norm is None:
+            norm = sum(float(g.double().pow(2).sum()) for g in grads.values()) ** 0.5
         clip = min(1.0, max_norm / (norm + 1e-6))
         for n, g in grads.items():
             weights[n].add_(g, alpha=-lr * clip)

@@ -8,7 +8,14 @@ from typing import Any
 
 import torch
 
-from dsx3d.verify.bf16_roundoff import BF16_DRAWS, Bf16Roundoff, bf16_shadow, record_step, sgd_step
+from dsx3d.verify.bf16_roundoff import (
+    BF16_DRAWS,
+    Bf16Roundoff,
+    bf16_shadow,
+    record_step,
+    sgd_step,
+    uncancelled_norm,
+)
 from dsx3d.verify.case import CRITERIA, ParityCase, micro_batch
 from dsx3d.verify.reference_clip import clip_by_exact_norm
 
@@ -180,7 +187,9 @@ def run_reference(
             ref.update_slack.append({n: BF16_DRAWS * d for n, d in rf.update[0].items()})
             bf16_grad = rf.grad[0]
             if shadow_weights is not None:
-                sgd_step(shadow_weights, shadow_grads, case.lr, max_norm)
+                shadow_norm = sum(float(g.double().pow(2).sum()) for g in shadow_grads.values()) ** 0.5
+                clip_norm = uncancelled_norm(float(norm), shadow_norm, rf.norm[0])
+                sgd_step(shadow_weights, shadow_grads, case.lr, max_norm, clip_norm)
         if case.optimizer != "sgd":
             for n, p in named:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
