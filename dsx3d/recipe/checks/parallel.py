@@ -244,12 +244,19 @@ def _sequence_parallel(c: _Context) -> Iterator[Problem]:
         )
 
 
+_BLOCKERS: dict[str, str | None] = {}
+"""Blockers by config (a meta model per call is costly; the planner checks many layouts of one model)."""
+
+
 def _sequence_parallel_blocker(hf_config: HFConfig | None) -> str | None:
     if hf_config is None:
         return None
     from dsx3d.models.shape import sequence_parallel_blocker
 
-    try:
-        return sequence_parallel_blocker(hf_config)
-    except Exception:  # a family the engine cannot resolve is reported by _family_supported
-        return None
+    key = hf_config.to_json_string(use_diff=False)
+    if key not in _BLOCKERS:
+        try:
+            _BLOCKERS[key] = sequence_parallel_blocker(hf_config)
+        except Exception:  # a family the engine cannot resolve is reported by _family_supported
+            _BLOCKERS[key] = None
+    return _BLOCKERS[key]
