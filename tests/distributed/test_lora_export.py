@@ -22,6 +22,7 @@ from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import (
     ParityCase,
     build_reference,
+    case_ds_overrides,
     case_recipe,
     hf_name,
     make_batches,
@@ -40,7 +41,7 @@ def _rank(rank: int, case: ParityCase, state: dict, batches: torch.Tensor, adapt
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
+    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case))
     for batch in batches:
         engine.train_step(iter([(ids, ids) for ids in (micro_batch(case, batch, k, engine.placement.dp) for k in range(case.micro_batches))]))
     export_adapter(engine, adapter)

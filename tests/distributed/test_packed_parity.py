@@ -45,7 +45,7 @@ def _case(layout: tuple[int, int, int], attention: str, family: str) -> ParityCa
 @pytest.mark.parametrize("layout,attention,mix,family", CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_packed_rows_train_as_unpacked_documents(layout, attention, mix, family) -> None:
     checks = run_packed_parity(_case(layout, attention, family), mix)
-    assert all(c.ok for c in checks), [f"{c.name}: {c.worst:.3g} ({c.detail})" for c in checks if not c.ok]
+    assert all(c.ok for c in checks), [f"{c.name}: {c.worst:.3g} ({c.where})" for c in checks if not c.ok]
 
 
 @contextlib.contextmanager

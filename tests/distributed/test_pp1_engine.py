@@ -31,7 +31,15 @@ from transformers import AutoModelForCausalLM
 from dsx3d.models.known_families import tiny_config
 from dsx3d.recipe.schema import ModelSection, Recipe, dump_recipe, recipe_from_dict
 from dsx3d.verify.harness import run_ranks
-from dsx3d.verify.parity import ParityCase, case_recipe, make_batches, micro_batch, run_parity, run_verify
+from dsx3d.verify.parity import (
+    ParityCase,
+    case_ds_overrides,
+    case_recipe,
+    make_batches,
+    micro_batch,
+    run_parity,
+    run_verify,
+)
 from tests.helpers.recipes import tiny_recipe_dict
 
 pytestmark = pytest.mark.usefixtures("warm")
@@ -53,7 +61,7 @@ def _structure_rank(rank: int, case: ParityCase) -> dict[str, Any]:
     from dsx3d.engine import build_engine
     from dsx3d.models.shards import local_shape
 
-    engine = build_engine(case_recipe(case), hf_config=case.config)
+    engine = build_engine(case_recipe(case), hf_config=case.config, ds_overrides=case_ds_overrides(case))
     params = dict(engine.module.named_parameters())
     q = params["1.layer.self_attn.q_proj.weight"]
     assert engine.mpu is not None

@@ -28,7 +28,14 @@ from dsx3d.distributed.tensor_parallel.mappings import reduce_scatter_to_sequenc
 from dsx3d.models.known_families import tiny_config
 from dsx3d.recipe.checks import check_recipe
 from dsx3d.verify.harness import run_ranks
-from dsx3d.verify.parity import ParityCase, case_recipe, make_batches, micro_batch, run_parity
+from dsx3d.verify.parity import (
+    ParityCase,
+    case_ds_overrides,
+    case_recipe,
+    make_batches,
+    micro_batch,
+    run_parity,
+)
 
 pytestmark = pytest.mark.usefixtures("warm")
 
@@ -138,7 +145,7 @@ def _count_worker(rank: int, case: ParityCase, batches: torch.Tensor, shared: bo
     from dsx3d.engine import build_engine
     from scripts.bench.counting import CommCounter
 
-    engine = build_engine(case_recipe(case), hf_config=case.config)
+    engine = build_engine(case_recipe(case), hf_config=case.config, ds_overrides=case_ds_overrides(case))
     tp = engine.module.dsx3d_builder.tp
     tp.shared_entries = shared
     with CommCounter() as counter:

@@ -14,7 +14,7 @@ from dsx3d.data.chat import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, encode_conversa
 from dsx3d.data.stream import counted_tokens, with_norm
 from dsx3d.data.tokenizer import train_bpe_tokenizer
 from dsx3d.models.known_families import tiny_config
-from dsx3d.verify.parity import ParityCase, build_reference, case_recipe
+from dsx3d.verify.parity import ParityCase, build_reference, case_ds_overrides, case_recipe
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -87,7 +87,7 @@ def _worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], ids: to
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
+    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case))
     parts = case.micro_batches * case.dp
     losses, norms = [], []
     for s in range(STEPS):

@@ -16,7 +16,7 @@ from dsx3d.data.chat import IGNORE_INDEX
 from dsx3d.data.sft_packing import pack_examples
 from dsx3d.data.stream import MicroBatchStream, counted_tokens
 from dsx3d.models.known_families import tiny_config
-from dsx3d.verify.parity import ParityCase, build_reference, case_recipe
+from dsx3d.verify.parity import ParityCase, build_reference, case_ds_overrides, case_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -111,7 +111,7 @@ def _worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], rows: A
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
+    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case))
     stream = MicroBatchStream(
         rows.input_ids, case.micro_batch_size, case.micro_batches, case.dp, engine.placement.dp, seed=7,
         labels=rows.labels, positions=rows.positions, lengths=rows.lengths,

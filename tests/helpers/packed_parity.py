@@ -26,6 +26,7 @@ from dsx3d.verify.parity import (
     _gradient_check,
     _relative_check,
     build_reference,
+    case_ds_overrides,
     case_recipe,
     hf_name,
     run_reference,
@@ -125,7 +126,7 @@ def _rank_worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], st
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state))
+    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case))
     losses, norms, shards = [], [], []
     parts = case.micro_batches * case.dp
     for step in steps:

@@ -228,7 +228,10 @@ def _deepspeed_schema(c: _Context) -> Iterator[Problem]:
         return
     from dsx3d.integrations.ds_schema import schema_problems
 
-    config = build_ds_config(c.recipe, c.world_size, hidden_size=c.dim("hidden_size"))
+    try:
+        config = build_ds_config(c.recipe, c.world_size, hidden_size=c.dim("hidden_size"))
+    except ValueError:
+        return  # a layout that cannot be built (e.g. ep not dividing dp): the parallel rules name it
     if auto_paths(config):
         return  # `_auto_left` names them; DeepSpeed would refuse the strings
     yield from schema_problems(config, c.dp)
