@@ -104,7 +104,7 @@ class Engine3D:
         assert self.mpu is not None
         t = torch.tensor([local], dtype=torch.float64, device=self.ds_engine.device)  # nccl: on the GPU
         comm.all_reduce_sum(t, self.mpu.get_data_parallel_group())
-        return float(t.item()) / self.layout.dp
+        return float(t.item()) / self.layout.data_size
 
     @property
     def grad_norm(self) -> float:
@@ -242,7 +242,7 @@ def build_engine(
             lora=lora,
         )
     else:
-        mpu = DataTensorParallelGroups(layout.tp_groups(), layout.dp_groups())
+        mpu = DataTensorParallelGroups(layout.tp_groups(), layout.data_groups())
         tp = TPContext(
             rank=placement.tp, size=layout.tp, sequence_parallel=recipe.parallel.sequence_parallel and layout.tp > 1
         )

@@ -1,7 +1,11 @@
-"""Where every rank sits: dp x tp x pp over nodes x gpus_per_node (pure: no processes, no DeepSpeed).
+"""Where every rank sits: dp x cp x tp x pp over nodes x gpus_per_node (pure: no processes, no DeepSpeed).
 
 Rank order is DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model): TP ranks are adjacent,
-then DP, then PP, i.e. rank = (pp_index * dp + dp_index) * tp + tp_index. Expert parallelism (ep, dividing
+then CP, then DP, then PP, i.e. rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index.
+Context parallelism (cp) splits every sequence over cp ranks that hold the same weights: DeepSpeed sees the
+dp x cp ranks of a stage and TP index as its data axis (data coordinate dp_index * cp + cp_index), so it
+averages gradients and partitions ZeRO states over them, while the data stream is chosen by dp_index alone
+and each CP rank takes its slice of the sequence. Expert parallelism (ep, dividing
 dp) groups `ep` consecutive DP indices of one stage and TP index; each such EP group splits the experts of a
 layer, and the ranks that hold the same experts (same ep index, one per EP group) form an expert-data-parallel
 group, as DeepSpeed's `groups._get_expert_parallel_ranks` builds them. The order is computed here, so the
@@ -26,30 +30,40 @@ class RankPlacement:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The 3D layout of one job. `gpus_per_node` decides the node of each rank (rank // gpus_per_node).
-    `ep` (expert parallelism) divides dp: it regroups DP ranks, it adds no ranks."""
+    """The layout of one job. `gpus_per_node` decides the node of each rank (rank // gpus_per_node).
+    `ep` (expert parallelism) divides dp: it regroups DP ranks, it adds no ranks. `cp` (context parallelism)
+    adds an axis between TP and DP; ep > 1 with cp > 1 is not supported."""
 
     dp: int
     tp: int
     pp: int
     gpus_per_node: int
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "gpus_per_node", "ep"):
+        for name in ("dp", "tp", "pp", "gpus_per_node", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
         if self.dp % self.ep:
             raise ValueError(f"Layout.ep = {self.ep} must divide dp = {self.dp}")
+        if self.ep > 1 and self.cp > 1:
+            raise ValueError(f"Layout.ep = {self.ep} with cp = {self.cp}: expert and context parallelism do not combine")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_size(self) -> int:
+        """DeepSpeed's data-parallel degree: the dp x cp ranks that average gradients and share ZeRO states."""
+        return self.dp * self.cp
 
     @property
     def num_nodes(self) -> int:
@@ -62,31 +76,69 @@ class Layout:
         with contextlib.redirect_stdout(sys.stderr):
             from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: TID251 (engine use only, imported on use)
 
-        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.data_size)
 
-    def rank_of(self, *, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank_of(self, *, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def placement(self, rank: int) -> RankPlacement:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside the layout's {self.world_size} ranks")
         rest, tp = divmod(rank, self.tp)
+        rest, cp = divmod(rest, self.cp)
         pp, dp = divmod(rest, self.dp)
         return RankPlacement(
-            rank=rank, node=rank // self.gpus_per_node, local_rank=rank % self.gpus_per_node, pp=pp, dp=dp, tp=tp
+            rank=rank, node=rank // self.gpus_per_node, local_rank=rank % self.gpus_per_node, pp=pp, dp=dp, tp=tp, cp=cp
         )
 
     def placements(self) -> list[RankPlacement]:
         return [self.placement(r) for r in range(self.world_size)]
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(pp=p, dp=d, tp=t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return [
+            [self.rank_of(pp=p, dp=d, cp=c, tp=t) for t in range(self.tp)]
+            for p in range(self.pp)
+            for d in range(self.dp)
+            for c in range(self.cp)
+        ]
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(pp=p, dp=d, tp=t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        """Ranks that read different data and hold the same weights and sequence slice (same stage, cp, tp)."""
+        return [
+            [self.rank_of(pp=p, dp=d, cp=c, tp=t) for d in range(self.dp)]
+            for p in range(self.pp)
+            for c in range(self.cp)
+            for t in range(self.tp)
+        ]
+
+    def cp_groups(self) -> list[list[int]]:
+        """Ranks that split one sequence (same stage, dp and tp index): the all-to-all around attention.
+        Empty without context parallelism."""
+        if self.cp == 1:
+            return []
+        return [
+            [self.rank_of(pp=p, dp=d, cp=c, tp=t) for c in range(self.cp)]
+            for p in range(self.pp)
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
+
+    def data_groups(self) -> list[list[int]]:
+        """DeepSpeed's data axis: the dp x cp ranks of one stage and TP index, which average gradients and
+        partition ZeRO states (equal to dp_groups without context parallelism)."""
+        return [
+            [self.rank_of(pp=p, dp=d, cp=c, tp=t) for d in range(self.dp) for c in range(self.cp)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+        ]
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(pp=p, dp=d, tp=t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return [
+            [self.rank_of(pp=p, dp=d, cp=c, tp=t) for p in range(self.pp)]
+            for d in range(self.dp)
+            for c in range(self.cp)
+            for t in range(self.tp)
+        ]
 
     def ep_rank(self, rank: int) -> int:
         """Index of `rank` inside its EP group: which share of every MoE layer's experts it holds."""
@@ -121,13 +173,15 @@ class Layout:
         if self.pp == 1:
             return []
         return [
-            [self.rank_of(pp=0, dp=d, tp=t), self.rank_of(pp=self.pp - 1, dp=d, tp=t)]
+            [self.rank_of(pp=0, dp=d, cp=c, tp=t), self.rank_of(pp=self.pp - 1, dp=d, cp=c, tp=t)]
             for d in range(self.dp)
+            for c in range(self.cp)
             for t in range(self.tp)
         ]
 
     def stage_ranks(self, stage: int) -> list[int]:
-        return list(range(stage * self.dp * self.tp, (stage + 1) * self.dp * self.tp))
+        per_stage = self.dp * self.cp * self.tp
+        return list(range(stage * per_stage, (stage + 1) * per_stage))
 
     def crosses_node(self, group: list[int]) -> bool:
         return len({r // self.gpus_per_node for r in group}) > 1
@@ -146,6 +200,9 @@ class Layout:
     def dp_crosses_node(self, stage: int) -> bool:
         """Whether a DP group of `stage` spans nodes."""
         return any(self.crosses_node(g) for g in self.dp_groups() if self.placement(g[0]).pp == stage)
+
+    def cp_crosses_node(self) -> bool:
+        return any(self.crosses_node(g) for g in self.cp_groups())
 
     def ep_crosses_node(self) -> bool:
         return any(self.crosses_node(g) for g in self.ep_groups())
@@ -166,11 +223,14 @@ class Layout:
             "tp": self.tp,
             "pp": self.pp,
             "ep": self.ep,
+            "cp": self.cp,
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.num_nodes,
             "ranks": [vars(p) for p in self.placements()],
             "tp_groups": self.tp_groups(),
             "dp_groups": self.dp_groups(),
+            "cp_groups": self.cp_groups(),
+            "data_groups": self.data_groups(),
             "pp_groups": self.pp_groups(),
             "tied_groups": self.tied_groups(),
             "ep_groups": self.ep_groups(),

@@ -30,7 +30,8 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
     layout = recipe.layout(world_size)
     train = recipe.train
     config: DSConfig = {
-        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * layout.dp,
+        # DeepSpeed's data axis is dp x cp (context parallelism: each CP rank runs a slice of the same sequences)
+        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * layout.data_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "gradient_clipping": train.grad_clip,
@@ -52,6 +53,7 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
             "tp": layout.tp,
             "pp": layout.pp,
             "ep": layout.ep,
+            "cp": layout.cp,
             "nodes": layout.num_nodes,
             "gpus_per_node": layout.gpus_per_node,
             "world_size": layout.world_size,

@@ -110,13 +110,16 @@ class ModelSection(_Section):
 
 class ParallelSection(_Section):
     dp: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)] | Literal["auto"] = "auto"
-    """Data-parallel degree; "auto" = world size / (tp * pp)."""
+    """Data-parallel degree; "auto" = world size / (cp * tp * pp)."""
     tp: Annotated[StrictInt, Field(ge=1, le=MAX_GPUS_PER_NODE)] = 1
     """Tensor-parallel degree; TP groups stay inside a node."""
     pp: Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)] = 1
     """Pipeline stages."""
     stage_layers: Annotated[list[Annotated[StrictInt, Field(le=1 << 20)]], Field(min_length=1, max_length=MAX_WORLD_SIZE)] | None = None
     """Explicit decoder layers per stage (overrides the cost-balanced split); sums to num_hidden_layers."""
+    cp: Annotated[StrictInt, Field(ge=1, le=MAX_GPUS_PER_NODE)] = 1
+    """Context parallelism: every sequence is split over cp ranks (Ulysses: an all-to-all from sequence
+    shards to head shards around attention); world = dp x cp x tp x pp, CP ranks next to the TP ranks."""
     ep: int = Field(1, ge=1)
     """Expert parallelism: the experts of every MoE layer are split over ep data-parallel ranks, which
     exchange tokens all-to-all; divides dp. 1: every DP rank holds all experts (split over TP only)."""
@@ -277,7 +280,7 @@ class Recipe(_Section):
         world = world_size if world_size is not None else self.cluster_world_size
         if self.parallel.dp != "auto":
             return self.parallel.dp
-        per_replica = self.parallel.tp * self.parallel.pp
+        per_replica = self.parallel.tp * self.parallel.pp * self.parallel.cp
         return world // per_replica if world % per_replica == 0 else 0
 
     def layout(self, world_size: int | None = None) -> Layout:
@@ -288,6 +291,7 @@ class Recipe(_Section):
             pp=self.parallel.pp,
             gpus_per_node=self.cluster.gpus_per_node,
             ep=self.parallel.ep,
+            cp=self.parallel.cp,
         )
 
 

@@ -125,7 +125,7 @@ def test_bf16_accumulates_in_fp32_only_with_zero() -> None:
 def test_layout_section_and_world_size() -> None:
     config = build_ds_config(_tiny(parallel={"dp": "auto"}), world_size=16)
     assert config["dsx3d"] == {
-        "dp": 4, "tp": 2, "pp": 2, "ep": 1, "nodes": 2, "gpus_per_node": 8, "world_size": 16, "stage_layers": None,
+        "dp": 4, "tp": 2, "pp": 2, "ep": 1, "cp": 1, "nodes": 2, "gpus_per_node": 8, "world_size": 16, "stage_layers": None,
         "sequence_parallel": True, "seq_len": 64, "activation_checkpointing": False, "dtype": "fp32",
     }  # fmt: skip
     assert config["train_batch_size"] == 2 * 4 * 4

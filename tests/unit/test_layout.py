@@ -46,7 +46,7 @@ def test_seed_placement_of_each_rank(reference: Layout) -> None:
 
 def test_describe_is_plain_data(reference: Layout) -> None:
     d = reference.describe()
-    assert d["ranks"][5] == {"rank": 5, "node": 0, "local_rank": 5, "pp": 1, "dp": 0, "tp": 1}
+    assert d["ranks"][5] == {"rank": 5, "node": 0, "local_rank": 5, "pp": 1, "dp": 0, "tp": 1, "cp": 0}
     assert {"world_size", "dp", "tp", "pp", "gpus_per_node", "tp_groups", "dp_groups", "pp_groups"} <= set(d)
 
 
@@ -54,7 +54,7 @@ def test_single_stage_has_no_tied_groups() -> None:
     assert Layout(dp=4, tp=2, pp=1, gpus_per_node=8).tied_groups() == []
 
 
-@pytest.mark.parametrize("field", ["dp", "tp", "pp", "gpus_per_node"])
+@pytest.mark.parametrize("field", ["dp", "tp", "pp", "gpus_per_node", "cp"])
 def test_layout_rejects_non_positive_sizes(field: str) -> None:
     sizes = {"dp": 1, "tp": 1, "pp": 1, "gpus_per_node": 1, field: 0}
     with pytest.raises(ValueError, match=field):
@@ -86,6 +86,48 @@ def test_rank_order_equals_deepspeeds_topology(dp: int, tp: int, pp: int) -> Non
     assert lay.pp_groups() == (topo.get_axis_comm_lists("pipe") or one)
     for stage in range(pp):
         assert lay.stage_ranks(stage) == sorted(topo.filter_match(pipe=stage))
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_context_axis_sits_between_tp_and_dp_in_deepspeeds_data_axis(dp: int, cp: int, tp: int, pp: int) -> None:
+    """With cp > 1 DeepSpeed's topology is built with num_dp = dp x cp: its data coordinate is
+    dp_index * cp + cp_index, so its model, data and pipe groups are dsx3d's TP, data (dp x cp) and
+    pipeline groups; CP groups are cp consecutive data coordinates (next to TP in rank order), DP groups
+    take one rank from each CP block, and every group partitions its stage's ranks."""
+    lay = Layout(dp=dp, tp=tp, pp=pp, gpus_per_node=8, cp=cp)
+    topo = lay.topology
+    assert lay.world_size == dp * cp * tp * pp == topo.world_size()
+    for rank in range(lay.world_size):
+        coord, place = topo.get_coord(rank), lay.placement(rank)
+        assert (place.pp, place.dp * cp + place.cp, place.tp) == (coord.pipe, coord.data, coord.model)
+        assert lay.rank_of(pp=place.pp, dp=place.dp, cp=place.cp, tp=place.tp) == rank
+    one = [[r] for r in range(lay.world_size)]
+    assert lay.tp_groups() == (topo.get_axis_comm_lists("model") or one)
+    assert lay.data_groups() == (topo.get_axis_comm_lists("data") or one)
+    assert lay.pp_groups() == (topo.get_axis_comm_lists("pipe") or one)
+    for group in lay.cp_groups():
+        places = [lay.placement(r) for r in group]
+        assert [p.cp for p in places] == list(range(cp))
+        assert len({(p.pp, p.dp, p.tp) for p in places}) == 1
+        assert group == list(range(group[0], group[0] + cp * tp, tp))  # next to TP in rank order
+    for group in lay.dp_groups():
+        assert len({(lay.placement(r).pp, lay.placement(r).cp, lay.placement(r).tp) for r in group}) == 1
+    for groups in (lay.cp_groups(), lay.dp_groups(), lay.tp_groups(), lay.data_groups()):
+        assert sorted(r for g in groups for r in g) == list(range(lay.world_size))
+    for stage in range(pp):
+        assert lay.stage_ranks(stage) == sorted(topo.filter_match(pipe=stage))
+    assert all(len(g) == 2 for g in lay.tied_groups()) and len(lay.tied_groups()) == (dp * cp * tp if pp > 1 else 0)
+
+
+def test_cp_one_is_the_3d_layout() -> None:
+    """cp = 1 changes nothing: no CP groups, the data groups are the DP groups."""
+    lay = Layout(dp=2, tp=2, pp=2, gpus_per_node=8)
+    assert lay.cp_groups() == [] and lay.data_groups() == lay.dp_groups() and lay.data_size == 2
+    with pytest.raises(ValueError, match="expert and context parallelism"):
+        Layout(dp=2, tp=1, pp=1, gpus_per_node=8, ep=2, cp=2)
 
 
 @pytest.mark.parametrize(("dp", "ep"), [(2, 2), (4, 2), (4, 4), (8, 2), (6, 3)])
