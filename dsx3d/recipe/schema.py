@@ -171,6 +171,10 @@ class TrainSection(_Section):
     seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] = 1234
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
     activation_checkpointing: StrictBool = False
+    loss_tile_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_SEQ_LEN)] = 0
+    """0: the last stage computes the logits of a whole micro-batch at once. N > 0: it computes logits and
+    loss N tokens at a time and recomputes them in the backward pass, so at most N x vocabulary / tp logits
+    exist at once (long sequences, large vocabularies)."""
     log_interval: Annotated[StrictInt, Field(ge=1, le=MAX_STEPS)] = 1
     save_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Save a checkpoint every N steps (0: only at the end)."""
