@@ -223,8 +223,10 @@ def _scheduler_override(c: _Context) -> Iterator[Problem]:
 def _deepspeed_schema(c: _Context) -> Iterator[Problem]:
     """The final DeepSpeed config (dsx3d's, the recipe's `deepspeed:` merged in) through DeepSpeed's own
     parsers (`dsx3d.integrations.ds_schema`): a value DeepSpeed refuses is an error here, not in every rank
-    after launch."""
-    if not c.dp or c.world_size % (c.tp * c.pp):
+    after launch. Without a `deepspeed:` section the config is dsx3d's own, valid by construction (the golden
+    configs and the DeepSpeed fuzz test it), so DeepSpeed is not imported (the planner checks many layouts)."""
+    cp = c.recipe.parallel.cp
+    if not c.overrides or not c.dp or c.world_size % (c.tp * c.pp * cp):
         return
     from dsx3d.integrations.ds_schema import schema_problems
 
@@ -234,4 +236,4 @@ def _deepspeed_schema(c: _Context) -> Iterator[Problem]:
         return  # a layout that cannot be built (e.g. ep not dividing dp): the parallel rules name it
     if auto_paths(config):
         return  # `_auto_left` names them; DeepSpeed would refuse the strings
-    yield from schema_problems(config, c.dp)
+    yield from schema_problems(config, c.dp * cp)  # DeepSpeed's data axis is dp x cp
