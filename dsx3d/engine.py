@@ -224,7 +224,6 @@ def build_engine(
         from dsx3d.recipe.ds_config import merge_overrides
 
         ds_config = merge_overrides(ds_config, ds_overrides)
-        ds_config = {k: v for k, v in ds_config.items() if v is not None}  # an override of None removes the section
     placement = layout.placement(comm.get_rank())
     source = source if source is not None else default_weight_source(recipe, hf_config)
     module: StagedPipelineModule | SequentialLM

@@ -76,7 +76,8 @@ def build_ds_config(recipe: Recipe, world_size: int | None = None, hidden_size: 
 
 def merge_overrides(config: DSConfig, overrides: DSConfig) -> DSConfig:
     """`overrides` merged into a generated `config` (inputs untouched); an optimizer or schedule of another
-    type than the generated one brings its own parameters, not a mix with dsx3d's."""
+    type than the generated one brings its own parameters, not a mix with dsx3d's. A top-level override of
+    None removes that section (`"scheduler": None`: no LR scheduler in the engine at all)."""
     config = dict(config)
     for section in ("optimizer", "scheduler"):
         given, ours = overrides.get(section), config.get(section)
@@ -85,7 +86,7 @@ def merge_overrides(config: DSConfig, overrides: DSConfig) -> DSConfig:
     merged = deep_merge(config, overrides)
     for key in _NEVER_EMIT:
         merged.pop(key, None)
-    return merged
+    return {k: v for k, v in merged.items() if v is not None}
 
 
 AUTO = "auto"
