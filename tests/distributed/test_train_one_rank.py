@@ -16,6 +16,7 @@ import yaml
 from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.schema import recipe_from_dict
 from dsx3d.run.metrics import read_metrics
+from tests.helpers.recipes import tiny_recipe_dict
 
 pytestmark = pytest.mark.usefixtures("warm")
 
@@ -25,35 +26,19 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 
 
 def _recipe(tmp: Path, report_to: Any) -> dict[str, Any]:
-    return {
-        "model": {
-            "config": {
-                "model_type": "llama",
-                "hidden_size": 32,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "intermediate_size": 64,
-                "vocab_size": 512,
-                "max_position_embeddings": 64,
-                "tie_word_embeddings": False,
-            }
-        },
-        "parallel": {"dp": 1, "tp": 1, "pp": 1},
-        "cluster": {"nodes": 1, "gpus_per_node": 1},
-        "train": {
+    return tiny_recipe_dict(
+        parallel={"dp": 1, "tp": 1, "pp": 1},
+        cluster={"gpus_per_node": 1},
+        train={
             "steps": STEPS,
-            "seq_len": 32,
-            "micro_batch_size": 2,
-            "dtype": "fp32",
+            "gradient_accumulation_steps": 1,
             "report_to": report_to,
             "lr": LR,
-            "warmup_steps": 1,
             "lr_schedule": "cosine",
         },
-        "data": {"tokenizer_vocab_size": 512, "cache_dir": str(tmp / "cache")},
-        "output_dir": str(tmp / "run"),
-    }
+        data={"cache_dir": str(tmp / "cache")},
+        output_dir=str(tmp / "run"),
+    )
 
 
 def _hf_lrs() -> list[float]:
