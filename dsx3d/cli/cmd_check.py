@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 
 from dsx3d.cli.args import positive_int, world_size  # noqa: F401 (positive_int: for older imports)
+from dsx3d.cli.layout_flags import add_cp_argument, recipe_with_cp
 from dsx3d.cli.registry import summary
 from dsx3d.recipe.checks import check_recipe
-from dsx3d.recipe.schema import load_recipe
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,11 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=world_size,
         help="number of ranks (default: cluster.nodes x cluster.gpus_per_node)",
     )
+    add_cp_argument(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    problems = check_recipe(load_recipe(args.recipe), world_size=args.world_size)
+    problems = check_recipe(recipe_with_cp(args.recipe, args.cp), world_size=args.world_size)
     for problem in problems:
         print(problem)
     errors = sum(p.severity == "error" for p in problems)

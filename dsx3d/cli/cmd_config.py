@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 
 from dsx3d.cli.args import output_file, world_size
+from dsx3d.cli.layout_flags import add_cp_argument, recipe_with_cp
 from dsx3d.cli.registry import summary
 from dsx3d.recipe.checks import check_recipe, raise_for_errors
 from dsx3d.recipe.ds_config import write_ds_config
-from dsx3d.recipe.schema import load_recipe
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,11 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=world_size,
         help="number of ranks (default: cluster.nodes x cluster.gpus_per_node)",
     )
+    add_cp_argument(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    recipe = load_recipe(args.recipe)
+    recipe = recipe_with_cp(args.recipe, args.cp)
     output = Path(args.output) if args.output else Path("ds_configs") / f"{Path(args.recipe).stem}.json"
     output_file("--output", str(output))
     raise_for_errors(check_recipe(recipe, world_size=args.world_size))

@@ -1,7 +1,7 @@
 """`dsx3d estimate`: per-device memory per pipeline stage and step time of one layout, without processes.
 
     dsx3d estimate RECIPE [--json]
-    dsx3d estimate --params 7.5e9 --dp 64 --zero-stage 1 [--tp T --pp P] [--layers L --hidden H] [--json]
+    dsx3d estimate --params 7.5e9 --dp 64 --zero-stage 1 [--tp T --pp P --cp C] [--layers L --hidden H] [--json]
 
 Options given next to a RECIPE override its values. `--json` prints exactly one JSON object on stdout
 (logs go to stderr). Formulas and sources: `dsx3d.estimate` (README: "Estimating memory and step time").
@@ -209,6 +209,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name in ("dp", "tp", "pp"):
         p.add_argument(f"--{name}", type=positive(int, MAX_WORLD_SIZE), help=f"{name} degree")
     p.add_argument("--ep", type=positive(int, MAX_WORLD_SIZE), help="expert-parallel degree of an MoE model (divides dp)")
+    p.add_argument(
+        "--cp", type=positive(int, MAX_GPUS_PER_NODE), help="context-parallel degree: each sequence split over cp ranks"
+    )
+    p.add_argument(
+        "--loss-tile-tokens",
+        type=bounded_int(0, MAX_SEQ_LEN),
+        help="the last stage's logits this many tokens at a time (0: whole; default: the recipe's, else 0)",
+    )
     p.add_argument("--zero-stage", type=int, choices=range(4), help="ZeRO stage (default: recipe's, else 1)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="training dtype (default bf16)")
     p.add_argument("--micro-batch", type=positive(int, MAX_BATCH), help="sequences per micro-batch (default 1)")
@@ -257,11 +265,18 @@ def _from_recipe(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
     hf_config = load_hf_config(recipe.model)
     raise_for_errors(check_recipe(recipe, hf_config=hf_config))
     t, par = recipe.train, recipe.parallel
+    dp = recipe.resolved_dp()
+    if par.dp == "auto" and args.dp is None:  # "auto" fills the recipe's cluster with the degrees as overridden
+        per_replica = (args.tp or par.tp) * (args.pp or par.pp) * (args.cp or par.cp)
+        world = recipe.cluster_world_size
+        dp = world // per_replica if world % per_replica == 0 else 0
     setup = Setup(
-        dp=recipe.resolved_dp(),
+        dp=dp,
         tp=par.tp,
         pp=par.pp,
         ep=par.ep,
+        cp=par.cp,
+        loss_tile_tokens=t.loss_tile_tokens,
         zero_stage=recipe.zero.stage,
         dtype=t.dtype,
         micro_batch_size=t.micro_batch_size,
@@ -307,6 +322,8 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Setup, Hardware]:
         "tp": args.tp,
         "pp": args.pp,
         "ep": args.ep,
+        "cp": args.cp,
+        "loss_tile_tokens": args.loss_tile_tokens,
         "zero_stage": args.zero_stage,
         "dtype": args.dtype,
         "micro_batch_size": args.micro_batch,
@@ -327,7 +344,15 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Setup, Hardware]:
     )
     if setup.dp < 1:
         raise UserError.single(
-            "parallel.dp", "auto", "tp x pp does not divide the world size", "fix the layout"
+            "parallel.dp", "auto", "cp x tp x pp does not divide the world size", "fix the layout"
+        )
+    if setup.cp > 1 and setup.ep > 1:
+        raise UserError.single(
+            "--cp", setup.cp, f"expert parallelism (ep {setup.ep}) and context parallelism do not combine", "give --cp 1 or --ep 1"
+        )
+    if setup.seq_len % setup.cp:
+        raise UserError.single(
+            "--cp", setup.cp, f"does not divide the sequence length {setup.seq_len}", "choose cp among the divisors of seq_len"
         )
     return shape, setup, hardware_from(args, args.gpus_per_node or gpus_per_node)
 
@@ -349,9 +374,11 @@ def render(est: Estimate, setup: Setup) -> str:
     s = setup
     experts = any(st.expert_params_per_device for st in est.stages)
     ep = f" (ep {s.ep})" if s.ep > 1 or experts else ""
+    cp = f" x cp {s.cp}" if s.cp > 1 else ""
+    tiles = f", logits {s.loss_tile_tokens} tokens at a time" if s.loss_tile_tokens else ""
     lines = [
-        f"layout dp {s.dp}{ep} x tp {s.tp} x pp {s.pp}, ZeRO-{s.zero_stage}, {s.dtype}, micro-batch {s.micro_batch_size} x "
-        f"seq {s.seq_len}, m = {s.grad_accum}, checkpointing {'on' if s.activation_checkpointing else 'off'}; "
+        f"layout dp {s.dp}{ep}{cp} x tp {s.tp} x pp {s.pp}, ZeRO-{s.zero_stage}, {s.dtype}, micro-batch {s.micro_batch_size} x "
+        f"seq {s.seq_len}, m = {s.grad_accum}, checkpointing {'on' if s.activation_checkpointing else 'off'}{tiles}; "
         f"{est.total_params / 1e9:.2f}B parameters",
         "",
         f"{'stage':>5} {'layers':>6} {'params':>9}{'per rank (experts)'.rjust(24) if experts else ''} "
@@ -376,8 +403,9 @@ def render(est: Estimate, setup: Setup) -> str:
         "",
         f"step {est.step_time_s:.3f} s = pipeline {t['pipeline']:.3f} (compute {t['compute']:.3f}, tp {t['tp']:.3f}, "
         + (f"ep {t['ep']:.3f}, " if s.ep > 1 else "")
+        + (f"cp all-to-all {t['cp']:.3f}, " if s.cp > 1 else "")
         + f"pp {t['pp']:.3f}, bubble {est.bubble_fraction:.1%}) + dp {t['dp']:.3f} + tied {t['tied']:.3f}",
         f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}; per-rank traffic per step: "
-        + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in est.comm_bytes.items() if k != "ep" or s.ep > 1),
+        + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in est.comm_bytes.items() if (k != "ep" or s.ep > 1) and (k != "cp" or s.cp > 1)),
     ]
     return "\n".join(lines)

@@ -1,8 +1,8 @@
 """`dsx3d plan`: where every rank sits, its groups, which groups cross nodes, and the pipeline bubble.
 
-Two forms: `dsx3d plan RECIPE` (the recipe is checked first; --tp/--pp/--dp/--ep/--gpus-per-node override
-it) or `dsx3d plan --world-size N (or --nodes N) --gpus-per-node G --tp T --pp P [--dp D] [--ep E]` for a
-layout without a model.
+Two forms: `dsx3d plan RECIPE` (the recipe is checked first; --tp/--pp/--dp/--ep/--cp/--gpus-per-node
+override it) or `dsx3d plan --world-size N (or --nodes N) --gpus-per-node G --tp T --pp P [--dp D] [--ep E]
+[--cp C]` for a layout without a model. A CP group that crosses a node is shown with a warning.
 `--json` prints exactly one JSON object on stdout; everything else goes to stderr.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 from dsx3d.cli import plan_auto
 from dsx3d.cli.args import degree, gpus_per_node, output_file, world_size
 from dsx3d.cli.json_output import emit
+from dsx3d.cli.layout_flags import add_cp_argument
 from dsx3d.cli.registry import summary
 from dsx3d.errors import Problem, UserError
 from dsx3d.estimate.schedules import schedule_bubble
@@ -57,6 +58,8 @@ class Plan:
             "dp_groups": [g for g in lay.dp_groups() if lay.crosses_node(g)],
             "pp_groups": [g for g in lay.pp_groups() if lay.crosses_node(g)],
             "ep_groups": [g for g in lay.ep_groups() if lay.crosses_node(g)],
+            "cp_groups": [g for g in lay.cp_groups() if lay.crosses_node(g)],
+            "data_groups": [g for g in lay.data_groups() if lay.crosses_node(g)],
         }
         data["pp_node_crossings"] = sorted({s for g in lay.pp_groups() for s in lay.node_crossings(g)})
         data["stage_layers"] = self.stage_layers
@@ -83,8 +86,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tp", type=degree, help="tensor-parallel degree")
     p.add_argument("--pp", type=degree, help="pipeline stages")
-    p.add_argument("--dp", type=degree, help="data-parallel degree (default: world size / (tp x pp))")
+    p.add_argument("--dp", type=degree, help="data-parallel degree (default: world size / (cp x tp x pp))")
     p.add_argument("--ep", type=degree, help="expert-parallel degree of an MoE model (divides dp; default 1)")
+    add_cp_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--svg", metavar="FILE", help="also draw the placement to FILE (SVG)")
     plan_auto.add_arguments(p)
@@ -115,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan_from_recipe(args: argparse.Namespace) -> Plan:
     data = load_recipe(args.recipe).model_dump()
-    for name, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp"), ("ep", "parallel.ep")):
+    for name, key in (
+        ("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp"), ("ep", "parallel.ep"), ("cp", "parallel.cp")
+    ):  # fmt: skip
         if getattr(args, name) is not None:
             data["parallel"][name] = getattr(args, name)
             log.info("%s = %s (from --%s)", key, getattr(args, name), name)
@@ -130,11 +136,12 @@ def _plan_from_recipe(args: argparse.Namespace) -> Plan:
     if errors:
         raise UserError(errors)
     chosen = getattr(args, "schedule", None)
+    layout = recipe.layout(args.world_size)
     return Plan(
-        layout=recipe.layout(args.world_size),
+        layout=layout,
         micro_batches=recipe.train.gradient_accumulation_steps,
         schedule=recipe.parallel.schedule if chosen in (None, "any") else chosen,
-        warnings=[str(p) for p in problems],
+        warnings=[str(p) for p in problems] + [str(p) for p in _cp_warnings(layout, "parallel.cp")],
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
         stage_layers=stage_layers_for(
             hf_config, recipe.parallel.pp, recipe.train.seq_len, recipe.parallel.stage_layers
@@ -160,24 +167,45 @@ def _plan_from_flags(args: argparse.Namespace) -> Plan:
             f"without a recipe it needs {', '.join(missing)}",
             "give a recipe, or those options",
         )
-    per_replica = args.tp * args.pp
+    cp = getattr(args, "cp", None) or 1
+    per_replica = args.tp * args.pp * cp
     world = args.world_size if args.world_size is not None else args.dp * per_replica
     if world > MAX_WORLD_SIZE:
         raise UserError.single(
-            "--dp x --tp x --pp", world, f"more than the {MAX_WORLD_SIZE} ranks dsx3d plans for", "choose smaller degrees"
+            "--dp x --cp x --tp x --pp", world, f"more than the {MAX_WORLD_SIZE} ranks dsx3d plans for", "choose smaller degrees"
         )
     if world % per_replica or (args.dp is not None and args.dp * per_replica != world):
         raise UserError.single(
             "--world-size",
             world,
-            f"is not dp x tp x pp (dp {args.dp or 'auto'}, tp {args.tp}, pp {args.pp})",
+            f"is not dp x cp x tp x pp (dp {args.dp or 'auto'}, cp {cp}, tp {args.tp}, pp {args.pp})",
             "choose degrees whose product is the world size, or leave out --dp",
         )
     dp, ep = world // per_replica, getattr(args, "ep", None) or 1
     if dp % ep:
         raise UserError.single("--ep", ep, f"must divide dp = {dp}", "choose ep among the divisors of dp")
-    layout = Layout(dp=dp, tp=args.tp, pp=args.pp, gpus_per_node=args.gpus_per_node or 8, ep=ep)
-    return Plan(layout=layout, warnings=[str(p) for p in _layout_warnings(layout)])
+    if ep > 1 and cp > 1:
+        raise UserError.single(
+            "--cp", cp, f"expert parallelism (--ep {ep}) and context parallelism do not combine", "give --cp 1 or --ep 1"
+        )
+    layout = Layout(dp=dp, tp=args.tp, pp=args.pp, gpus_per_node=args.gpus_per_node or 8, ep=ep, cp=cp)
+    return Plan(layout=layout, warnings=[str(p) for p in _layout_warnings(layout) + _cp_warnings(layout, "--cp")])
+
+
+def _cp_warnings(layout: Layout, key: str) -> list[Problem]:
+    """A CP group across nodes is allowed but slow: its all-to-all around every attention goes over the network."""
+    if not layout.cp_crosses_node():
+        return []
+    return [
+        Problem(
+            key,
+            layout.cp,
+            f"CP groups cross nodes (cp x tp = {layout.cp * layout.tp} ranks, gpus_per_node {layout.gpus_per_node}): "
+            "the all-to-all around every attention layer runs over the inter-node network",
+            "keep cp x tp a divisor of gpus_per_node (a smaller cp, or tp)",
+            severity="warning",
+        )
+    ]
 
 
 def _layout_warnings(layout: Layout) -> list[Problem]:
@@ -210,20 +238,31 @@ def render_plan(plan: Plan) -> str:
     """The human-readable plan: placement table, groups, node crossings, bubble, warnings."""
     lay = plan.layout
     d = plan.describe()
-    ep = lay.ep > 1
+    ep, cp = lay.ep > 1, lay.cp > 1
     lines = [
-        f"world {lay.world_size} = dp {lay.dp}{f' (ep {lay.ep})' if ep else ''} x tp {lay.tp} x pp {lay.pp} "
-        f"on {lay.num_nodes} node(s) x {lay.gpus_per_node} GPUs",
+        f"world {lay.world_size} = dp {lay.dp}{f' (ep {lay.ep})' if ep else ''}{f' x cp {lay.cp}' if cp else ''} "
+        f"x tp {lay.tp} x pp {lay.pp} on {lay.num_nodes} node(s) x {lay.gpus_per_node} GPUs",
         "",
-        f"{'rank':>5} {'node':>5} {'local_rank':>10} {'pp':>3} {'dp':>3} {'tp':>3}" + (f"{'ep':>4}" if ep else ""),
+        f"{'rank':>5} {'node':>5} {'local_rank':>10} {'pp':>3} {'dp':>3}"
+        + (f" {'cp':>3}" if cp else "")
+        + f" {'tp':>3}"
+        + (f"{'ep':>4}" if ep else ""),
     ]
     lines += [
-        f"{p.rank:>5} {p.node:>5} {p.local_rank:>10} {p.pp:>3} {p.dp:>3} {p.tp:>3}"
+        f"{p.rank:>5} {p.node:>5} {p.local_rank:>10} {p.pp:>3} {p.dp:>3}"
+        + (f" {p.cp:>3}" if cp else "")
+        + f" {p.tp:>3}"
         + (f"{lay.ep_rank(p.rank):>4}" if ep else "")
         for p in lay.placements()
     ]
     lines.append("")
-    kinds = [("TP groups", "tp_groups"), ("DP groups", "dp_groups"), ("pipelines", "pp_groups")]
+    kinds = [("TP groups", "tp_groups"), ("DP groups", "dp_groups")]
+    if cp:
+        kinds += [
+            ("CP groups (one sequence split, all-to-all around attention)", "cp_groups"),
+            ("data groups (dp x cp: gradients averaged, ZeRO states split)", "data_groups"),
+        ]
+    kinds.append(("pipelines", "pp_groups"))
     if ep:
         kinds.append(("EP groups (all-to-all, experts split)", "ep_groups"))
     for title, key in kinds:

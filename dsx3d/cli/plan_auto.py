@@ -4,8 +4,9 @@
                [--global-batch B --seq-len S] [--top K] [--json] [--write-recipe FILE]
 
 CONFIG is a recipe YAML, an HF config.json or a checkpoint directory. Every candidate passes
-`dsx3d.recipe.checks` and fits the usable memory; for every other (dp, tp, pp, ZeRO) group the output says why it
-lost. `--json` prints one JSON object on stdout. The search and the model: `dsx3d.plan.search`, `dsx3d.estimate`.
+`dsx3d.recipe.checks` and fits the usable memory; for every other (dp, cp, tp, pp, ZeRO) group the output says why
+it lost. Sequences of at least 8192 tokens are also tried split over cp ranks (context parallelism); `--cp C`
+tries only C. `--json` prints one JSON object on stdout. The search and the model: `dsx3d.plan.search`, `dsx3d.estimate`.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group, "--schedule", choices=("1f1b", "zb-h1", "any"), default="any",
         help="pipeline schedule of the candidates with pp > 1 (default any: both are tried)",
     )
+    add_option(
+        group,
+        "--loss-tile-tokens",
+        type=bounded_int(0, MAX_SEQ_LEN),
+        help="the last stage's logits this many tokens at a time (default: the recipe's, else 0: whole)",
+    )
     add_option(group, "--top", type=positive(int, 10_000), default=5, help="candidates to show (default 5)")
     add_option(group, "--write-recipe", metavar="FILE", help="write the chosen layout as a recipe YAML")
     add_hardware_arguments(group)
@@ -98,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or (recipe.train.seq_len if recipe else 4096)
     shape = shape_from_hf_config(hf_config)
     hw = hardware_from(args, cluster.gpus_per_node)
-    base = Setup(dtype=args.dtype, flash_attention=args.flash_attention, fp32_grad_accum=args.fp32_grad_accum)
+    tiles = args.loss_tile_tokens if args.loss_tile_tokens is not None else (recipe.train.loss_tile_tokens if recipe else 0)
+    base = Setup(
+        dtype=args.dtype, flash_attention=args.flash_attention, fp32_grad_accum=args.fp32_grad_accum, loss_tile_tokens=tiles
+    )
     result = plan_layouts(
         shape,
         cluster,
@@ -110,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         hf_config=hf_config,
         max_micro_batch=args.max_micro_batch,
         schedules=("1f1b", "zb-h1") if getattr(args, "schedule", "any") in (None, "any") else (args.schedule,),
+        cps=(args.cp,) if getattr(args, "cp", None) else None,
     )
     if not result.checked:
         log.warning("no model config given (bare --params): candidates were not checked by dsx3d check")
@@ -142,6 +153,7 @@ def _write_recipe(
                     "seq_len",
                     "dtype",
                     "activation_checkpointing",
+                    "loss_tile_tokens",
                 }
             )
         )
@@ -196,6 +208,7 @@ def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
                 "tp": f.tp,
                 "pp": f.pp,
                 "ep": f.ep,
+                "cp": f.cp,
                 "zero_stage": f.zero_stage,
                 "status": f.status,
                 "reason": f.reason,
@@ -217,21 +230,25 @@ def render(
         "",
     ]
     moe = any(c.setup.ep > 1 for c in result.ranked[:top]) or any(f.ep > 1 for f in result.groups)
+    cp = any(c.setup.cp > 1 for c in result.ranked[:top]) or any(f.cp > 1 for f in result.groups)
     head = (
-        f"{'#':>2} {'dp':>3}{' ep' if moe else ''} {'tp':>3} {'pp':>3} {'zero':>4} {'b':>3} {'m':>4} {'ckpt':>4} "
+        f"{'#':>2} {'dp':>3}{' ep' if moe else ''}{' cp' if cp else ''} {'tp':>3} {'pp':>3} {'zero':>4} {'b':>3} {'m':>4} {'ckpt':>4} "
         f"{'mem GB':>7} {'tokens/s':>10} {'step s':>7} {'MFU':>6} {'bubble':>6}"
     )
     lines.append(head)
     for i, c in enumerate(result.ranked[:top], 1):
         s, e = c.setup, c.estimate
         lines.append(
-            f"{i:>2} {s.dp:>3}{f' {s.ep:>2}' if moe else ''} {s.tp:>3} {s.pp:>3} {s.zero_stage:>4} {s.micro_batch_size:>3} "
+            f"{i:>2} {s.dp:>3}{f' {s.ep:>2}' if moe else ''}{f' {s.cp:>2}' if cp else ''} {s.tp:>3} {s.pp:>3} {s.zero_stage:>4} {s.micro_batch_size:>3} "
             f"{s.grad_accum:>4} {'on' if s.activation_checkpointing else 'off':>4} {e.total_gb:>7.1f} "
             f"{e.tokens_per_s:>10,.0f} {e.step_time_s:>7.2f} {e.mfu:>6.1%} {e.bubble_fraction:>6.1%}"
         )
     if result.best is not None:
         lines += ["", "chosen: " + result.best.label()] + [f"  {w}" for w in result.best.warnings]
-    lines += ["", f"why the other layouts lost (best of each dp x tp x pp x ZeRO{' x ep' if moe else ''} group):"]
+    lines += [
+        "",
+        f"why the other layouts lost (best of each dp x {'cp x ' if cp else ''}tp x pp x ZeRO{' x ep' if moe else ''} group):",
+    ]
     lines += [
         f"  {f.label()}: {f.reason}"
         for f in result.groups

@@ -41,9 +41,9 @@ class StageEstimate:
     micro_batch_time_s: float
     """Compute + TP + p2p time of one micro-batch on this stage."""
     time_s: dict[str, float]
-    """Seconds per step by kind: compute, tp, pp (m micro-batches, no bubble) and dp (once per step)."""
+    """Seconds per step by kind: compute, tp, ep, cp, pp (m micro-batches, no bubble) and dp (once per step)."""
     comm_bytes: dict[str, float]
-    """Bytes one rank of this stage sends per step, by group type (tp, ep, pp, dp, tied)."""
+    """Bytes one rank of this stage sends per step, by group type (tp, ep, cp, pp, dp, tied)."""
 
 
 @dataclass
@@ -80,11 +80,19 @@ class Estimate:
 
 
 def _validate(shape: ModelShape, setup: Setup) -> list[int]:
-    for name in ("dp", "tp", "pp", "ep", "micro_batch_size", "seq_len", "grad_accum"):
+    for name in ("dp", "tp", "pp", "ep", "cp", "micro_batch_size", "seq_len", "grad_accum"):
         if getattr(setup, name) < 1:
             raise UserError.single(
                 name, getattr(setup, name), "must be a positive integer", f"set {name} >= 1"
             )
+    if setup.ep > 1 and setup.cp > 1:
+        raise UserError.single(
+            "cp", setup.cp, f"expert parallelism (ep = {setup.ep}) and context parallelism do not combine", "set ep 1 or cp 1"
+        )
+    if setup.loss_tile_tokens < 0:
+        raise UserError.single(
+            "loss_tile_tokens", setup.loss_tile_tokens, "must be 0 (whole logits) or a positive tile", "set 0 or N > 0"
+        )
     if setup.dp % setup.ep:
         raise UserError.single("ep", setup.ep, f"must divide dp = {setup.dp}", "pick ep among the divisors of dp")
     if setup.zero_stage > 1 and setup.pp > 1:
@@ -115,14 +123,15 @@ def _stage(
     shape: ModelShape, setup: Setup, hw: Hardware, stage: int, first: int, layers: int, params: ParamCount
 ) -> StageEstimate:
     """Memory of one device of `stage` (decoder layers [first, first + layers)), then its time and traffic
-    (`_stage_time`). Expert states are partitioned over the expert-data-parallel group, dp / ep ranks."""
+    (`_stage_time`). States are partitioned over DeepSpeed's data axis, dp x cp ranks; expert states over the
+    expert-data-parallel group, dp / ep ranks."""
     dense, experts = params.dense_per_device(setup.tp), params.experts_per_device(setup.tp, setup.ep)
     per_device = dense + experts
     parts = [
         memory.model_state_bytes(
             count, dp=dp, zero_stage=setup.zero_stage, dtype=setup.dtype, fp32_grad_accum=setup.grad_accum_fp32
         )
-        for count, dp in ((dense, setup.dp), (experts, setup.dp // setup.ep))
+        for count, dp in ((dense, setup.data_size), (experts, setup.data_size // setup.ep))
     ]
     states = memory.StateBytes(*(sum(getattr(p, f) for p in parts) for f in ("params", "grads", "optimizer")))
     moe_layers = shape.moe_layers(first, layers)
@@ -142,8 +151,11 @@ def _stage(
         moe_layers=moe_layers,
         ep=setup.ep,
         held=schedules.held_micro_batches(setup.schedule, stage, setup.pp, setup.grad_accum, setup.zb_costs),
+        cp=setup.cp,
+        loss_tile_tokens=setup.loss_tile_tokens,
     )
-    partition = dense / setup.dp + experts / (setup.dp // setup.ep) if setup.zero_stage >= 1 else per_device
+    data = setup.data_size
+    partition = dense / data + experts / (data // setup.ep) if setup.zero_stage >= 1 else per_device
     transients = memory.transient_bytes(
         partition,
         zero_stage=setup.zero_stage,
@@ -200,7 +212,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         tied_bytes = (
             shape.embedding / setup.tp * (4 if setup.grad_accum_fp32 else memory.dtype_bytes(setup.dtype))
         )
-        place = Layout(dp=setup.dp, tp=setup.tp, pp=p, gpus_per_node=hw.gpus_per_node)
+        place = Layout(dp=setup.dp, tp=setup.tp, pp=p, gpus_per_node=hw.gpus_per_node, cp=setup.cp)
         tied_bw = hw.inter_node_gbps if place.ends_cross_node() else hw.intra_node_gbps
         tied_time = tied_bytes / (tied_bw * GB)
         for st in (stages[0], stages[-1]):
@@ -230,12 +242,12 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         tokens_per_s=tokens / step,
         tokens_per_step=tokens,
         model_flops_per_step=flops,
-        comm_bytes={k: max(st.comm_bytes.get(k, 0.0) for st in stages) for k in ("tp", "ep", "pp", "dp", "tied")},
+        comm_bytes={k: max(st.comm_bytes.get(k, 0.0) for st in stages) for k in ("tp", "ep", "cp", "pp", "dp", "tied")},
         time_s={
             "pipeline": pipeline,
             "dp": dp_time,
             "tied": tied_time,
-            **{k: slowest.time_s[k] for k in ("compute", "tp", "ep", "pp")},
+            **{k: slowest.time_s[k] for k in ("compute", "tp", "ep", "cp", "pp")},
         },
         total_params=shape.total_params,
         stage_layers=[st.layers for st in stages],
@@ -256,6 +268,11 @@ def _assumptions(shape: ModelShape, setup: Setup) -> list[str]:
         notes.append(
             "fp32: 4+4+8 bytes per parameter without ZeRO, optimizer K=12 with ZeRO >= 1 "
             "(DeepSpeed keeps an fp32 partition copy)"
+        )
+    if setup.cp > 1:
+        notes.append(
+            f"cp {setup.cp}: each rank holds {setup.local_seq_len} of the {setup.seq_len} tokens outside attention; "
+            "ZeRO states and gradients over dp x cp"
         )
     if setup.flash_attention:
         notes.append("flash attention: the 5*a*s/h score term of the activations is left out")

@@ -69,10 +69,25 @@ class Setup:
     """parallel.schedule: "1f1b" or "zb-h1" (`dsx3d.estimate.schedules`)."""
     zb_costs: tuple[float, float, float] | None = None
     """parallel.zb_costs: relative F, B, W durations the zb-h1 order is built for (None: equal)."""
+    cp: int = 1
+    """parallel.cp: context parallelism, every sequence split over cp ranks (Ulysses all-to-all around
+    attention); ZeRO states are partitioned over dp x cp (`dsx3d.estimate.context`)."""
+    loss_tile_tokens: int = 0
+    """train.loss_tile_tokens: 0 keeps the last stage's logits whole; N computes them N tokens at a time."""
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_size(self) -> int:
+        """Ranks that average gradients and share ZeRO states: dp x cp (DeepSpeed's data axis)."""
+        return self.dp * self.cp
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one CP rank holds outside attention."""
+        return max(1, self.seq_len // self.cp)
 
     @property
     def grad_accum_fp32(self) -> bool:

@@ -59,6 +59,9 @@ of them per token on average, however they spread over EP ranks) the expert's in
 the route's row as dsx3d gathers it before the family's kernel gathers it again (h). At ep > 1 each EP rank runs the
 routes of ep ranks' tokens to its share of the experts. With the Korthikanti fallback the dense MLP's share (3 + 16/t)*s*b*h is
 replaced the same way.
+
+Context parallelism (cp) and the tiled loss: `dsx3d.estimate.context` (per-token terms at s/cp tokens, the
+score matrix per head shard, ZeRO over dp x cp, the last stage's logits whole or one tile at a time).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsx3d.errors import UserError
+from dsx3d.estimate.context import kv_heads_held, logits_bytes
 from dsx3d.models.shape import ModelShape, ParamCount
 from dsx3d.recipe.ds_optimizer import keeps_fp32_grad_buffer
 
@@ -166,11 +170,13 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     moe: bool = False,
     ep: int = 1,
+    cp: int = 1,
 ) -> float:
     """Bytes one decoder layer keeps for backward per micro-batch on one TP rank (module docstring); with an
     unknown MLP width, Korthikanti eq. 2 with TP: s*b*h*(10 + 24/t + 5*a*s/(h*t)) (10/t with sequence
-    parallelism), scaled by bytes/2 for fp32. `moe`: the layer's MLP is routed experts over tp x ep."""
-    s, b, h, t = seq_len, micro_batch, shape.hidden_size, tp
+    parallelism), scaled by bytes/2 for fp32. `moe`: the layer's MLP is routed experts over tp x ep. `cp`:
+    each rank keeps s/cp tokens of every term, the scores a*s/t per local token (`dsx3d.estimate.context`)."""
+    s, b, h, t = seq_len, micro_batch / cp, shape.hidden_size, tp
     w = dtype_bytes(dtype)
     if h == 0:
         return 0.0
@@ -185,7 +191,7 @@ def layer_activation_bytes(
         if moe:
             per_token_width -= 2 + 16 / t  # the dense MLP's activations; its input (1 of the 3) stays
         return s * b * (h * per_token_width * w / 2 + experts)
-    a, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    a, kv, d = shape.num_heads, kv_heads_held(shape.num_kv_heads, tp, cp), shape.head_dim
     norms = 2 * _norm_bytes(shape, w, h / t if sequence_parallel else h)
     entries = 2 * w * h
     attention = (w * (2 * a * d + 2 * kv * d) + 4 * a) / t
@@ -196,15 +202,23 @@ def layer_activation_bytes(
 
 
 def head_activation_bytes(
-    shape: ModelShape, *, seq_len: int, micro_batch: int, tp: int, dtype: str, sequence_parallel: bool = False
+    shape: ModelShape,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    dtype: str,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    loss_tile_tokens: int = 0,
 ) -> float:
     """The last stage's extra (module docstring): final norm, the head's whole input, the vocab-sharded
-    logits, the cross-entropy's softmax and its transient buffers."""
-    s, b, h, v = seq_len, micro_batch, shape.hidden_size, shape.vocab_size / tp
+    logits, the cross-entropy's softmax and its transient buffers (one tile of them with `loss_tile_tokens`)."""
+    tokens, h = seq_len * micro_batch / cp, shape.hidden_size
     w = dtype_bytes(dtype)
     norm = _norm_bytes(shape, w, h / tp if sequence_parallel else h)
-    logits = (w + 12 + (4 if w < 4 else 0)) * v
-    return s * b * (norm + w * h + logits)
+    logits = logits_bytes(tokens=tokens, vocab_per_rank=shape.vocab_size / tp, width=w, tile_tokens=loss_tile_tokens)
+    return tokens * (norm + w * h) + logits
 
 
 def in_flight(stage: int, pp: int, micro_batches: int) -> int:
@@ -229,9 +243,12 @@ def stage_activation_bytes(
     moe_layers: int = 0,
     ep: int = 1,
     held: int | None = None,
+    cp: int = 1,
+    loss_tile_tokens: int = 0,
 ) -> float:
     """Peak activation bytes on one device of `stage` (see the module docstring for the model); `moe_layers`
-    of its `layers` are MoE layers; `held`: micro-batches in flight (default 1F1B's, `in_flight`)."""
+    of its `layers` are MoE layers; `held`: micro-batches in flight (default 1F1B's, `in_flight`); `cp`:
+    context parallelism (s/cp tokens per rank); `loss_tile_tokens`: the last stage's logits a tile at a time."""
     if shape.hidden_size == 0:
         return 0.0
 
@@ -246,11 +263,12 @@ def stage_activation_bytes(
             sequence_parallel=sequence_parallel,
             moe=moe,
             ep=ep,
+            cp=cp,
         )
 
     one_layer = max(one(False) if layers > moe_layers else 0.0, one(True) if moe_layers else 0.0)
     all_layers = (layers - moe_layers) * one(False) + (moe_layers * one(True) if moe_layers else 0.0)
-    tokens = seq_len * micro_batch
+    tokens = seq_len * micro_batch / cp
     hidden = tokens * shape.hidden_size * dtype_bytes(dtype) / (tp if sequence_parallel else 1)
     first, last = stage == 0, stage == pp - 1
     held = in_flight(stage, pp, micro_batches) if held is None else held
@@ -265,7 +283,14 @@ def stage_activation_bytes(
     total += held * per_micro_batch + (0 if first else hidden) + (0 if last else hidden)  # receive buffers
     if last:
         total += head_activation_bytes(
-            shape, seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype=dtype, sequence_parallel=sequence_parallel
+            shape,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            tp=tp,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
+            cp=cp,
+            loss_tile_tokens=loss_tile_tokens,
         )
     return total
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsx3d.estimate import memory, timing
+from dsx3d.estimate import context, memory, timing
 from dsx3d.estimate.inputs import GB, Hardware, Setup, sequence_parallel
 from dsx3d.models.shape import ModelShape
 from dsx3d.plan.layout import Layout
@@ -20,10 +20,11 @@ def _stage_time(
 ) -> tuple[float, dict[str, float], dict[str, float]]:
     """(seconds per micro-batch, seconds per step by kind, bytes sent per step by group type). `per_device`
     is (dense, expert) parameters of one rank; `flop_params` those a token passes through in its layers."""
-    s, b, t, m = setup.seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
+    # s: the tokens of each sequence one rank holds outside attention (all of them without context parallelism)
+    s, b, t, m = setup.local_seq_len, setup.micro_batch_size, setup.tp, setup.grad_accum
     sp = sequence_parallel(shape, setup)
     width = memory.dtype_bytes(setup.dtype)
-    place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=hw.gpus_per_node, ep=setup.ep)
+    place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=hw.gpus_per_node, ep=setup.ep, cp=setup.cp)
     last = stage == setup.pp - 1
 
     def link(crosses: bool) -> float:
@@ -34,9 +35,10 @@ def _stage_time(
         layers=layers,
         head_params=shape.head if last else 0,
         attention_width=shape.attention_width,
-        seq_len=s,
+        seq_len=setup.seq_len,
         micro_batch=b,
         checkpointing=setup.activation_checkpointing,
+        cp=setup.cp,
     )
     compute = flops / (t * hw.peak_tflops * 1e12 * hw.efficiency)
     tp_bytes = timing.tp_bytes_per_micro_batch(
@@ -81,6 +83,19 @@ def _stage_time(
         checkpointing=setup.activation_checkpointing,
     )
     ep_time = ep_bytes / link(place.ep_crosses_node())
+    cp_bytes = context.alltoall_bytes_per_micro_batch(
+        layers=layers,
+        cp=setup.cp,
+        tp=t,
+        seq_len=setup.seq_len,
+        micro_batch=b,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        width=width,
+        checkpointing=setup.activation_checkpointing,
+    )
+    cp_time = cp_bytes / link(place.cp_crosses_node())
     # p2p: activations (and token ids) to the next stage, gradients back to the previous one
     forward_msg, backward_msg = timing.p2p_bytes_per_micro_batch(
         seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=width, shards=t if sp else 1
@@ -91,11 +106,26 @@ def _stage_time(
     p2p_time = sum(msg / link(place.boundary_crosses_node(k)) for msg, k in sends)
     grad_width = 4 if setup.grad_accum_fp32 else width
     dense, experts = per_device
+    data = setup.data_size  # gradients and ZeRO states over dp x cp
     dp_bytes = (
-        timing.dp_traffic_factor(setup.zero_stage, setup.dp, m) * dense
-        + timing.dp_traffic_factor(setup.zero_stage, setup.dp // setup.ep, m) * experts
+        timing.dp_traffic_factor(setup.zero_stage, data, m) * dense
+        + timing.dp_traffic_factor(setup.zero_stage, data // setup.ep, m) * experts
     ) * grad_width
-    dp_time = dp_bytes / link(place.dp_crosses_node(stage))
-    times = {"compute": compute * m, "tp": tp_time * m, "ep": ep_time * m, "pp": p2p_time * m, "dp": dp_time}
-    sent = {"tp": tp_bytes * m, "ep": ep_bytes * m, "pp": sum(msg for msg, _ in sends) * m, "dp": dp_bytes}
-    return compute + tp_time + ep_time + p2p_time, times, sent
+    data_crosses = any(place.crosses_node(g) for g in place.data_groups() if place.placement(g[0]).pp == stage)
+    dp_time = dp_bytes / link(data_crosses)
+    times = {
+        "compute": compute * m,
+        "tp": tp_time * m,
+        "ep": ep_time * m,
+        "cp": cp_time * m,
+        "pp": p2p_time * m,
+        "dp": dp_time,
+    }
+    sent = {
+        "tp": tp_bytes * m,
+        "ep": ep_bytes * m,
+        "cp": cp_bytes * m,
+        "pp": sum(msg for msg, _ in sends) * m,
+        "dp": dp_bytes,
+    }
+    return compute + tp_time + ep_time + cp_time + p2p_time, times, sent

@@ -43,6 +43,8 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
      reduce-scatters every micro-batch, 3m*s'*P. For m = 1 these are the ZeRO paper's 2x, 2x and 3x
      (Sec. 7). Counted as not overlapped with compute (a pessimistic bound).
   Tied embedding/head (pp > 1): an all-reduce of V*h/t over the first and last stage.
+  CP (context parallelism): the all-to-alls around attention (`dsx3d.estimate.context`); every other term
+     above counts the s/cp tokens a rank holds, and the DP exchange runs over dp x cp ranks.
 A group uses the inter-node bandwidth when its ranks span nodes (rank order pipe, data, model as in
 `dsx3d.plan.layout.Layout`), else the intra-node one. The bubble is `dsx3d.plan.layout.bubble_fraction`.
 """
@@ -73,9 +75,11 @@ def stage_flops_per_micro_batch(
     seq_len: int,
     micro_batch: int,
     checkpointing: bool,
+    cp: int = 1,
 ) -> float:
-    """(6*N_layers + 12*layers*h*s) * b*s (x 4/3 with checkpointing) + 6*N_head * b*s."""
-    tokens = seq_len * micro_batch
+    """(6*N_layers + 12*layers*h*s) * b*s (x 4/3 with checkpointing) + 6*N_head * b*s; with context
+    parallelism each rank runs b*s/cp of the tokens (and a/cp of the heads over the whole sequence)."""
+    tokens = seq_len * micro_batch / cp
     decoder = float(6 * layer_flop_params * layers + 12 * layers * attention_width * seq_len) * tokens
     if checkpointing:
         decoder *= 4 / 3

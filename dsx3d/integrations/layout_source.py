@@ -3,7 +3,7 @@ TrainingArguments also name (the "claims" dsx3d.integrations.trainer_args reconc
 
 `TrainingArguments.deepspeed` (or, under `accelerate launch`, ACCELERATE_DEEPSPEED_CONFIG_FILE) is one of:
 - a recipe YAML path;
-- a JSON written by `dsx3d config` (or the same as a dict): the layout in its "dsx3d" section, the batch arithmetic
+- a JSON written by `dsx3d config` (or the same as a dict): the layout (dp, cp, tp, pp, ep) in its "dsx3d" section, the batch arithmetic
   at its top level; it turns back into the recipe it came from;
 - any DeepSpeed JSON, such as the "auto"-valued ones HF's examples ship, with a section `"dsx3d": {"recipe":
   "my-recipe.yaml"}` naming the recipe that gives the layout (a relative path is relative to the JSON's folder).
@@ -110,6 +110,7 @@ def recipe_from_ds_config(config: DSConfig, name: str, model: JSONObject) -> Rec
             "tp": section["tp"],
             "pp": section["pp"],
             "ep": section.get("ep", 1),
+            "cp": section.get("cp", 1),
             "stage_layers": section.get("stage_layers"),
             "sequence_parallel": section.get("sequence_parallel", True),
         },

@@ -1,6 +1,7 @@
-"""Draw a layout: nodes as boxes, GPUs coloured by pipeline stage, TP groups outlined, DP groups linked, and
-with expert parallelism the blocks of ranks that exchange tokens (each block's ranks of one TP index form an
-EP group) in dotted frames.
+"""Draw a layout: nodes as boxes, GPUs coloured by pipeline stage, TP groups outlined, DP groups linked, with
+expert parallelism the blocks of ranks that exchange tokens (each block's ranks of one TP index form an EP
+group) in dotted frames, and with context parallelism the blocks of cp x tp ranks that split one sequence
+(each block's ranks of one TP index form a CP group) in dash-dotted frames.
 
 Uses matplotlib's object API (`Figure`), never pyplot, so no GUI backend or global state is involved;
 the file format follows the file name (.svg, .png, .pdf).
@@ -45,9 +46,11 @@ def draw_plan(layout: Layout, path: str | Path) -> Path:
     _draw_tp_groups(ax, layout, grid)
     _draw_dp_groups(ax, layout, grid)
     _draw_ep_blocks(ax, layout, grid)
+    _draw_cp_blocks(ax, layout, grid)
     ep = f" (ep {layout.ep})" if layout.ep > 1 else ""
+    cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
     ax.set_title(
-        f"dp {layout.dp}{ep} x tp {layout.tp} x pp {layout.pp} on {layout.num_nodes} node(s) x "
+        f"dp {layout.dp}{ep}{cp} x tp {layout.tp} x pp {layout.pp} on {layout.num_nodes} node(s) x "
         f"{layout.gpus_per_node} GPUs (world {layout.world_size})"
     )
     handles: list[Artist] = [Patch(color=colors[s], label=f"stage {s}") for s in range(layout.pp)]
@@ -57,6 +60,10 @@ def draw_plan(layout: Layout, path: str | Path) -> Path:
     ]
     if layout.ep > 1:
         handles.append(Patch(facecolor="none", edgecolor="crimson", linestyle=":", linewidth=2, label="EP groups (all-to-all)"))
+    if layout.cp > 1:
+        handles.append(
+            Patch(facecolor="none", edgecolor="navy", linestyle="-.", linewidth=2, label="CP groups (sequence split)")
+        )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +113,7 @@ def _draw_gpus(ax, layout: Layout, grid: _Grid, colors: list) -> None:
         x, y = grid.cell(p.rank, layout.gpus_per_node)
         ax.add_patch(Rectangle((x, y), CELL, CELL, facecolor=colors[p.pp], edgecolor="white", alpha=0.85))
         label = f"{p.rank}\npp{p.pp} dp{p.dp}\ntp{p.tp}" + (f" ep{layout.ep_rank(p.rank)}" if layout.ep > 1 else "")
+        label += f" cp{p.cp}" if layout.cp > 1 else ""
         ax.text(x + CELL / 2, y + CELL / 2, label, ha="center", va="center", fontsize=6)
 
 
@@ -147,7 +155,21 @@ def _draw_ep_blocks(ax, layout: Layout, grid: _Grid) -> None:
     for group in layout.ep_groups():
         first = layout.placement(group[0])
         blocks.setdefault((first.pp, first.dp), set()).update(group)
-    for ranks in blocks.values():
+    _frame_blocks(ax, layout, grid, blocks.values(), 0.16, ":", "crimson")
+
+
+def _draw_cp_blocks(ax, layout: Layout, grid: _Grid) -> None:
+    """One dash-dotted frame per row of each CP block: the cp x tp consecutive ranks of one stage and DP index,
+    whose CP groups (one per TP index) split the same sequences."""
+    blocks: dict[tuple[int, int], set[int]] = {}
+    for group in layout.cp_groups():
+        first = layout.placement(group[0])
+        blocks.setdefault((first.pp, first.dp), set()).update(group)
+    _frame_blocks(ax, layout, grid, blocks.values(), 0.13, "-.", "navy")
+
+
+def _frame_blocks(ax, layout: Layout, grid: _Grid, blocks, pad: float, style: str, color: str) -> None:
+    for ranks in blocks:
         rows: dict[float, list[float]] = {}
         for rank in ranks:
             x, y = grid.cell(rank, layout.gpus_per_node)
@@ -156,12 +178,12 @@ def _draw_ep_blocks(ax, layout: Layout, grid: _Grid) -> None:
             x0, x1 = min(xs), max(xs) + CELL
             ax.add_patch(
                 Rectangle(
-                    (x0 - 0.16, y - 0.16),
-                    x1 - x0 + 0.32,
-                    CELL + 0.32,
+                    (x0 - pad, y - pad),
+                    x1 - x0 + 2 * pad,
+                    CELL + 2 * pad,
                     fill=False,
                     linewidth=2,
-                    linestyle=":",
-                    edgecolor="crimson",
+                    linestyle=style,
+                    edgecolor=color,
                 )
             )

@@ -1,11 +1,13 @@
-"""The layout planner: enumerate dp x tp x pp, ZeRO stage, micro-batch and checkpointing for a model on a
+"""The layout planner: enumerate dp x cp x tp x pp, ZeRO stage, micro-batch and checkpointing for a model on a
 cluster, drop what the checker refuses or what does not fit, rank the rest by predicted tokens/s.
 
 Pure: every candidate is a `Setup` scored by `dsx3d.estimate.estimate` and a `Recipe` judged by
 `dsx3d.recipe.checks.check_recipe`; nothing starts a process. Search space:
   tp: divisors of gpus_per_node that divide the attention and KV head counts (TP stays inside a node);
-  pp: divisors of world / tp that leave at least 2 decoder layers per stage (pp = 1 always);
-  dp = world / (tp * pp), which must divide the global batch;
+  cp (sequences of at least LONG_SEQ tokens, dense models): divisors of gpus_per_node / tp (the CP ranks sit
+     next to the TP ranks inside a node) that split the heads of a TP rank and divide seq_len / tp;
+  pp: divisors of world / (cp * tp) that leave at least 2 decoder layers per stage (pp = 1 always);
+  dp = world / (cp * tp * pp), which must divide the global batch;
   ep (MoE models): 1 and the divisors of dp whose tp x ep splits the experts evenly;
   ZeRO 1 with pp > 1 (DeepSpeed refuses 2/3 with a pipeline), 1..3 with pp = 1;
   micro-batch b: divisors of global_batch / dp up to `max_micro_batch`, m = global_batch / (dp * b);
@@ -23,6 +25,8 @@ from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.recipe.schema import ModelSection, Recipe
 
 Checker = Callable[[Recipe, "HFConfig | None"], list[Problem]]
+LONG_SEQ = 8192
+"""Shorter sequences are not split over CP ranks: the all-to-alls then cost more than the memory they save."""
 
 
 @dataclass(frozen=True)
@@ -47,19 +51,19 @@ class Candidate:
     warnings: list[str] = field(default_factory=list)
 
     @property
-    def group_key(self) -> tuple[int, int, int, int, int]:
-        return (self.setup.dp, self.setup.tp, self.setup.pp, self.setup.zero_stage, self.setup.ep)
+    def group_key(self) -> tuple[int, int, int, int, int, int]:
+        return (self.setup.dp, self.setup.tp, self.setup.pp, self.setup.zero_stage, self.setup.ep, self.setup.cp)
 
     def label(self) -> str:
         s = self.setup
         ckpt = "on" if s.activation_checkpointing else "off"
         return (
-            f"{layout_label(s.dp, s.tp, s.pp, s.zero_stage, s.ep)} b{s.micro_batch_size} m{s.grad_accum} ckpt {ckpt}"
+            f"{layout_label(s.dp, s.tp, s.pp, s.zero_stage, s.ep, s.cp)} b{s.micro_batch_size} m{s.grad_accum} ckpt {ckpt}"
         )
 
 
-def layout_label(dp: int, tp: int, pp: int, zero: int, ep: int) -> str:
-    return f"dp{dp}{f' ep{ep}' if ep > 1 else ''} tp{tp} pp{pp} zero{zero}"
+def layout_label(dp: int, tp: int, pp: int, zero: int, ep: int, cp: int = 1) -> str:
+    return f"dp{dp}{f' ep{ep}' if ep > 1 else ''}{f' cp{cp}' if cp > 1 else ''} tp{tp} pp{pp} zero{zero}"
 
 
 @dataclass
@@ -75,9 +79,10 @@ class LayoutGroup:
     reason: str
     best: Candidate
     ep: int = 1
+    cp: int = 1
 
     def label(self) -> str:
-        return layout_label(self.dp, self.tp, self.pp, self.zero_stage, self.ep)
+        return layout_label(self.dp, self.tp, self.pp, self.zero_stage, self.ep, self.cp)
 
 
 @dataclass
@@ -108,9 +113,11 @@ def enumerate_setups(
     base: Setup | None = None,
     max_micro_batch: int = 16,
     schedules: tuple[str, ...] = ("1f1b", "zb-h1"),
+    cps: tuple[int, ...] | None = None,
 ) -> tuple[list[Setup], list[str]]:
     """Every candidate `Setup` of the search space (module docstring) and the notes on what was left out.
-    `base` carries the fields the search does not vary (dtype, flash_attention, split, ...)."""
+    `base` carries the fields the search does not vary (dtype, flash_attention, split, ...); `cps`: the
+    context-parallel degrees to try (default: those the module docstring names)."""
     base = base or Setup()
     skipped: list[str] = []
     setups: list[Setup] = []
@@ -128,20 +135,20 @@ def enumerate_setups(
             continue
         if world % tp:
             continue
-        for pp in _divisors(world // tp):
+        for cp, pp in [(c, p) for c in _cp_choices(shape, cluster, tp, seq_len, cps, skipped) for p in _divisors(world // (tp * c))]:
             if pp > 1 and shape.num_layers < 2 * pp:
                 continue
-            dp = world // (tp * pp)
+            dp = world // (cp * tp * pp)
             if global_batch % dp:
                 skipped.append(
-                    f"dp{dp} tp{tp} pp{pp}: global batch {global_batch} is not a multiple of dp {dp}"
+                    f"{layout_label(dp, tp, pp, 1, 1, cp).rsplit(' ', 1)[0]}: global batch {global_batch} is not a multiple of dp {dp}"
                 )
                 continue
             per_replica = global_batch // dp
-            # ep > 1 needs the pipeline engine (the checker refuses it at pp = 1)
+            # ep > 1 needs the pipeline engine (the checker refuses it at pp = 1); it does not combine with cp
             eps = [
                 e for e in _divisors(dp)
-                if e == 1 or (pp > 1 and shape.num_experts and shape.num_experts % (tp * e) == 0)
+                if e == 1 or (cp == 1 and pp > 1 and shape.num_experts and shape.num_experts % (tp * e) == 0)
             ]
             for ep, zero in [(e, z) for e in eps for z in ([1] if pp > 1 else [1, 2, 3]) if e == 1 or z < 3]:
                 for b in _divisors(per_replica, max_micro_batch):
@@ -153,6 +160,7 @@ def enumerate_setups(
                                 tp=tp,
                                 pp=pp,
                                 ep=ep,
+                                cp=cp,
                                 zero_stage=zero,
                                 micro_batch_size=b,
                                 seq_len=seq_len,
@@ -163,6 +171,34 @@ def enumerate_setups(
                             )
                         )
     return setups, skipped
+
+
+def _cp_choices(
+    shape: ModelShape, cluster: Cluster, tp: int, seq_len: int, cps: tuple[int, ...] | None, skipped: list[str]
+) -> list[int]:
+    """Context-parallel degrees worth trying with `tp` (module docstring); why others are left out goes to
+    `skipped`, once per tp."""
+    inside = _divisors(cluster.gpus_per_node // tp) if cluster.gpus_per_node % tp == 0 else [1]
+    if cps is not None:
+        wanted = [c for c in cps if c in inside or c == 1]
+        for c in sorted(set(cps) - set(wanted)):
+            skipped.append(f"cp{c} tp{tp}: cp x tp = {c * tp} does not divide the {cluster.gpus_per_node} GPUs of a node")
+        inside = wanted
+    elif seq_len < LONG_SEQ or shape.num_experts:
+        return [1]
+    out = []
+    for cp in inside:
+        if cp == 1:
+            out.append(cp)
+        elif shape.num_experts:
+            skipped.append(f"cp{cp}: context parallelism is not planned for MoE models (expert parallelism instead)")
+        elif shape.num_heads and shape.num_heads % (tp * cp):
+            skipped.append(f"cp{cp} tp{tp}: the {shape.num_heads} attention heads do not split over cp x tp = {cp * tp}")
+        elif seq_len % (tp * cp):
+            skipped.append(f"cp{cp} tp{tp}: seq_len {seq_len} is not a multiple of cp x tp = {cp * tp}")
+        else:
+            out.append(cp)
+    return out
 
 
 def _schedule_options(pp: int, default: str, schedules: tuple[str, ...]) -> list[tuple[bool, str]]:
@@ -178,7 +214,9 @@ def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: 
     return Recipe.model_validate(
         {
             "model": model,
-            "parallel": {"dp": setup.dp, "tp": setup.tp, "pp": setup.pp, "ep": setup.ep, "schedule": setup.schedule},
+            "parallel": {
+                "dp": setup.dp, "tp": setup.tp, "pp": setup.pp, "ep": setup.ep, "cp": setup.cp, "schedule": setup.schedule
+            },  # fmt: skip
             "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
             "train": {
                 "micro_batch_size": setup.micro_batch_size,
@@ -186,6 +224,7 @@ def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: 
                 "seq_len": setup.seq_len,
                 "dtype": setup.dtype,
                 "activation_checkpointing": setup.activation_checkpointing,
+                "loss_tile_tokens": setup.loss_tile_tokens,
             },
             "zero": {"stage": setup.zero_stage},
             "output_dir": output_dir,
@@ -243,6 +282,7 @@ def plan_layouts(
     use_checker: bool = True,
     max_micro_batch: int = 16,
     schedules: tuple[str, ...] = ("1f1b", "zb-h1"),
+    cps: tuple[int, ...] | None = None,
 ) -> PlanResult:
     """Search, judge and rank (module docstring). `model` and `hf_config` feed the checker; without a
     `model` section (a bare shape) the checker is skipped."""
@@ -255,7 +295,7 @@ def plan_layouts(
         checker = None
     setups, skipped = enumerate_setups(
         shape, cluster, global_batch=global_batch, seq_len=seq_len, base=base, max_micro_batch=max_micro_batch,
-        schedules=schedules,
+        schedules=schedules, cps=cps,
     )
     candidates = [_judge(s, shape, hw, cluster, model, hf_config, checker) for s in setups]
     ranked = sorted((c for c in candidates if c.status == "ok"), key=_speed_order)
@@ -270,7 +310,7 @@ def _speed_order(c: Candidate) -> tuple[float, float]:
 
 
 def _groups(candidates: list[Candidate], ranked: list[Candidate]) -> list[LayoutGroup]:
-    groups: dict[tuple[int, int, int, int, int], list[Candidate]] = {}
+    groups: dict[tuple[int, int, int, int, int, int], list[Candidate]] = {}
     for c in candidates:
         groups.setdefault(c.group_key, []).append(c)
     winner = ranked[0] if ranked else None
@@ -287,12 +327,12 @@ def _group_order(f: LayoutGroup) -> tuple[int, float]:
 
 
 def _group_verdict(members: list[Candidate], winner: Candidate | None) -> LayoutGroup:
-    dp, tp, pp, zero, ep = members[0].group_key
+    dp, tp, pp, zero, ep, cp = members[0].group_key
     ok = [c for c in members if c.status == "ok"]
     if ok:
         best = min(ok, key=_speed_order)
         if winner is not None and best is winner:
-            return LayoutGroup(dp, tp, pp, zero, "chosen", "fastest layout that fits", best, ep)
+            return LayoutGroup(dp, tp, pp, zero, "chosen", "fastest layout that fits", best, ep, cp)
         factor = winner.estimate.tokens_per_s / best.estimate.tokens_per_s if winner else 1.0
         speed = (
             f"{best.estimate.tokens_per_s:,.0f} tokens/s ({best.label()}, {best.estimate.total_gb:.1f} GB)"
@@ -301,11 +341,11 @@ def _group_verdict(members: list[Candidate], winner: Candidate | None) -> Layout
             reason = f"ties with the choice at {speed}; the choice needs less memory"
         else:
             reason = f"slower: best {speed}, {factor:.2f}x slower than the choice"
-        return LayoutGroup(dp, tp, pp, zero, "slower", reason, best, ep)
+        return LayoutGroup(dp, tp, pp, zero, "slower", reason, best, ep, cp)
     no_fit = [c for c in members if c.status == "no_fit"]
     if no_fit:
         best = min(no_fit, key=lambda c: c.estimate.overflow_gb())
         return LayoutGroup(
-            dp, tp, pp, zero, "no_fit", f"does not fit even with {best.label()}: {best.reason}", best, ep
+            dp, tp, pp, zero, "no_fit", f"does not fit even with {best.label()}: {best.reason}", best, ep, cp
         )
-    return LayoutGroup(dp, tp, pp, zero, "refused", f"refused by the checker: {members[0].reason}", members[0], ep)
+    return LayoutGroup(dp, tp, pp, zero, "refused", f"refused by the checker: {members[0].reason}", members[0], ep, cp)

@@ -40,7 +40,7 @@ def test_plan_json_is_exactly_one_object(capsys: pytest.CaptureFixture[str]) -> 
     assert out.strip().count("\n") == 0
     assert (data["world_size"], data["dp"], data["tp"], data["pp"], data["gpus_per_node"]) == (16, 2, 2, 4, 8)
     assert data["pp_groups"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
-    assert data["ranks"][9] == {"rank": 9, "node": 1, "local_rank": 1, "pp": 2, "dp": 0, "tp": 1}
+    assert data["ranks"][9] == {"rank": 9, "node": 1, "local_rank": 1, "pp": 2, "dp": 0, "tp": 1, "cp": 0}
     assert data["cross_node"]["tp_groups"] == [] and data["cross_node"]["dp_groups"] == []
     assert data["pp_node_crossings"] == [[1, 2]]
     assert data["tied_groups"] == [[0, 12], [1, 13], [2, 14], [3, 15]] and data["warnings"] == []

@@ -240,18 +240,19 @@ def command_line(draw: Any, command: str, sandbox: Path) -> list[str]:
         ]  # fmt: skip
     if command == "plan":
         flags = {"--world-size": NUMBER_TEXT, "--gpus-per-node": NUMBER_TEXT, "--tp": NUMBER_TEXT,
-                 "--pp": NUMBER_TEXT, "--dp": NUMBER_TEXT, "--json": None, "--svg": out}  # fmt: skip
+                 "--pp": NUMBER_TEXT, "--dp": NUMBER_TEXT, "--cp": NUMBER_TEXT, "--json": None, "--svg": out}  # fmt: skip
         if draw(st.integers(0, 3)) == 0:
             model = draw(st.one_of(recipe_file(sandbox), hf_config_file(sandbox)))
             auto = {"--nodes": NUMBER_TEXT, "--gpu-memory-gb": NUMBER_TEXT, "--global-batch": NUMBER_TEXT,
                     "--seq-len": NUMBER_TEXT, "--max-micro-batch": NUMBER_TEXT, "--top": NUMBER_TEXT,
-                    "--write-recipe": out, "--efficiency": NUMBER_TEXT, "--memory-headroom": NUMBER_TEXT}  # fmt: skip
+                    "--write-recipe": out, "--efficiency": NUMBER_TEXT, "--memory-headroom": NUMBER_TEXT,
+                    "--cp": NUMBER_TEXT, "--loss-tile-tokens": NUMBER_TEXT}  # fmt: skip
             return ["plan", "--auto", "--model", model, "--gpu-memory-gb", "80", *draw(options(auto))]
         recipe = [draw(recipe_file(sandbox))] if draw(st.booleans()) else []
         return ["plan", *recipe, *draw(options(flags))]
     if command == "estimate":
         flags = {name: NUMBER_TEXT for name in ("--params", "--layers", "--hidden", "--heads", "--dp", "--tp",
-                                                "--pp", "--micro-batch", "--seq-len", "--grad-accum",
+                                                "--pp", "--cp", "--loss-tile-tokens", "--micro-batch", "--seq-len", "--grad-accum",
                                                 "--gpu-memory-gb", "--peak-tflops", "--memory-headroom")}  # fmt: skip
         flags |= {"--json": None, "--zero-stage": NUMBER_TEXT, "--dtype": TEXTS}
         recipe = [draw(recipe_file(sandbox))] if draw(st.booleans()) else []

@@ -74,7 +74,9 @@ def test_golden_config_is_up_to_date(path: Path) -> None:
 def test_deepspeed_accepts_config_with_batch_over_dp(path: Path, parse_ds_config) -> None:
     recipe = load_recipe(path)
     config = json.loads((ROOT / "ds_configs" / f"{path.stem}.json").read_text())
-    dp, tp, pp = config["dsx3d"]["dp"], config["dsx3d"]["tp"], config["dsx3d"]["pp"]
+    # DeepSpeed's data axis: dp x cp ranks (context-parallel ranks average gradients like data-parallel ones)
+    dp = config["dsx3d"]["dp"] * config["dsx3d"].get("cp", 1)
+    tp, pp = config["dsx3d"]["tp"], config["dsx3d"]["pp"]
     parsed = parse_ds_config(config, dp, tp, pp)
     train = recipe.train
     assert parsed.world_size == dp
