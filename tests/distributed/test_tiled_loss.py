@@ -13,6 +13,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +232,28 @@ def test_tiled_peak_memory_is_bounded() -> None:
     assert full > 2 * logits, (full, logits)  # the measurement sees the logits
     assert tiled < bound, (tiled, bound)
     assert tiled < full / 5, (tiled, full)
+
+
+# -- dsx3d.Trainer --------------------------------------------------------------------------------------------
+
+
+def test_trainer_user_loss_and_full_logit_metrics_under_tiling(tmp_path: Path) -> None:
+    """With train.loss_tile_tokens in the Trainer's recipe, a compute_loss_func and a metric on full logits
+    still see the whole micro-batch's logits (computed for them) and train as plain HF does."""
+    import json
+
+    import yaml
+
+    from dsx3d.verify.harness import run_ranks
+    from tests.distributed.test_trainer import STEPS, TOL, _custom_loss_run, _steps
+    from tests.helpers.trainer_helpers import HF_AUTO_CONFIG, layout_recipe
+
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(layout_recipe(1, 2, 2, loss_tile_tokens=5)))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**HF_AUTO_CONFIG, "dsx3d": {"recipe": "r.yaml"}}))
+    ours = run_ranks(_custom_loss_run, 4, tmp_path, str(ds))[0]
+    ref = run_ranks(_custom_loss_run, 1, tmp_path, None)[0]
+    for key, tol in (("loss", TOL), ("grad_norm", 1e-4)):
+        a, b = _steps(ours["history"], key), _steps(ref["history"], key)
+        assert len(a) == len(b) == STEPS and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= tol, (key, a, b)
+    assert abs(ours["eval"]["eval_confidence"] - ref["eval"]["eval_confidence"]) <= TOL, (ours["eval"], ref["eval"])
