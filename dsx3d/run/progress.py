@@ -71,15 +71,14 @@ def format_log_line(record: dict[str, Any], total_steps: int) -> str:
         f"{record['tflops_per_device']:.3g} TFLOP/s/device | elapsed {format_duration(record['elapsed_s'])} | "
         f"eta {format_duration(record['eta_s'])}"
         + (f" | padding {record['padding_fraction']:.1%}" if "padding_fraction" in record else "")
-        + (_memory_text(record) if "peak_mem_gb" in record else "")
+        + (_memory_text(record["peak_mem_gb"], record["peak_mem_rank"], record["peak_mem_gb_by_stage"]) if "peak_mem_gb" in record else "")
         + (f" | eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
     )
 
 
-def _memory_text(record: dict[str, Any]) -> str:
-    stages = record["peak_mem_gb_by_stage"]
+def _memory_text(peak_gb: float, rank: int, stages: list[float]) -> str:
     per_stage = f" (stages {' / '.join(f'{gb:.2f}' for gb in stages)})" if len(stages) > 1 else ""
-    return f" | peak mem {record['peak_mem_gb']:.2f} GB on rank {record['peak_mem_rank']}{per_stage}"
+    return f" | peak mem {peak_gb:.2f} GB on rank {rank}{per_stage}"
 
 
 class Reporter:
