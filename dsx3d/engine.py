@@ -239,6 +239,7 @@ def build_engine(
             activation_checkpointing=recipe.train.activation_checkpointing,
             sequence_parallel=recipe.parallel.sequence_parallel,
             lora=lora,
+            loss_tile_tokens=recipe.train.loss_tile_tokens,
         )
     else:
         mpu = DataTensorParallelGroups(layout.tp_groups(), layout.data_groups())
@@ -253,6 +254,7 @@ def build_engine(
             activation_checkpointing=recipe.train.activation_checkpointing,
             after_item=_zero3_partitioner(ds_config, mpu),
             lora=lora,
+            loss_tile_tokens=recipe.train.loss_tile_tokens,
         )
     import deepspeed
 

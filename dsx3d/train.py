@@ -41,6 +41,7 @@ from dsx3d.models.shape import shape_from_hf_config
 from dsx3d.recipe.schema import Recipe, dump_recipe, load_recipe
 from dsx3d.run.data import check_vocab, prepare_once_per_node
 from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S, heartbeat, watch_owner
+from dsx3d.run.memory import PeakMemory, gather_peaks
 from dsx3d.run.metrics import Throughput
 from dsx3d.run.outputs import (
     RunPaths,
@@ -200,6 +201,9 @@ def _train_steps(
     )
     losses: list[float] = []
     saved = start
+    meter = PeakMemory(engine.ds_engine.device)
+    stages = [engine.layout.placement(r).pp for r in range(engine.layout.world_size)]
+    meter.start()
     try:
         for step in range(start + 1, end + 1):
             # Every rank draws the step's micro-batches, so even middle stages (which read none) keep the
@@ -216,7 +220,10 @@ def _train_steps(
             seconds, grad_norm = time.perf_counter() - began, engine.grad_norm
             evaluating = eval_batches is not None and _evaluates_at(recipe, step)
             eval_loss = evaluate(engine, eval_batches) if evaluating else None  # type: ignore[arg-type]
-            reporter.step(step, loss, lr, grad_norm, seconds, eval_loss, padding=stream.padding_fraction(step - 1))
+            memory = gather_peaks(meter, stages) if reporter.due(step, evaluating) else None
+            reporter.step(
+                step, loss, lr, grad_norm, seconds, eval_loss, padding=stream.padding_fraction(step - 1), memory=memory
+            )
             losses.append(loss)
             if train.save_interval and step % train.save_interval == 0:
                 ckpt.save(step, _client_state(step, stream, engine))

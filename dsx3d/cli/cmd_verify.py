@@ -56,6 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=bounded_float(0.0, 1.0), default=1e-3)
     p.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=0)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument(
+        "--loss-tile-tokens", type=bounded_int(0, 1 << 20), default=0,
+        help="train.loss_tile_tokens: logits and loss this many tokens at a time (0: all at once)",
+    )
     p.add_argument("--schedule", choices=["1f1b", "zb-h1"], default="1f1b", help="pipeline schedule (pp > 1)")
     p.add_argument(
         "--stage-layers", type=_layer_counts, default=None, metavar="N,N,...",
@@ -162,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         config, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, steps=args.steps, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr, dtype=args.dtype, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage, schedule=args.schedule,
-        stage_layers=args.stage_layers,
+        stage_layers=args.stage_layers, loss_tile_tokens=args.loss_tile_tokens,
     )
     raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config, data=False))
     log.info(

@@ -25,6 +25,7 @@ from dsx3d.distributed.comm import ProcessGroup
 from dsx3d.distributed.tensor_parallel.mappings import gather_last_dim
 from dsx3d.integrations.batches import count_targets
 from dsx3d.integrations.trl_face import token_statistics
+from dsx3d.models.tiled_head import HeadInputs
 
 Captured: TypeAlias = "torch.Tensor | tuple[Captured, ...] | list[Captured] | dict[str, Captured]"
 """What evaluation keeps of a micro-batch: logits, or what preprocess_logits_for_metrics made of them."""
@@ -88,23 +89,36 @@ class LastStageLoss:
         self.stats: list[torch.Tensor] | None = None
         """When a list, training appends each micro-batch's token statistics (dsx3d.integrations.trl_face)."""
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """`outputs`: the logits shard, or under `train.loss_tile_tokens` what the tiled loss computes them from
+        (`dsx3d.models.tiled_head`); whatever needs the logits themselves gets them computed whole."""
         if self.training:
             if self.stats is not None:
-                self.stats.append(token_statistics(logits, labels, self.shard))
+                self.stats.append(token_statistics(whole_logits(outputs), labels, self.shard))
             if self.compute_loss_func is None:
-                return self.mean_loss(logits, labels) * (count_targets(labels) * self.scale / max(self.step_tokens, 1))
-            return self._user_loss(logits, labels, self.step_tokens) * self.scale
+                return self.mean_loss(outputs, labels) * (count_targets(labels) * self.scale / max(self.step_tokens, 1))
+            return self._user_loss(whole_logits(outputs), labels, self.step_tokens) * self.scale
         n = count_targets(labels)
-        loss = self.mean_loss(logits, labels) if self.compute_loss_func is None else self._user_loss(logits, labels, n)
+        if self.compute_loss_func is None:
+            loss = self.mean_loss(outputs, labels)
+        else:
+            loss = self._user_loss(whole_logits(outputs), labels, n)
         if self.capture is not None:
-            self.captured.append(self.capture(logits, labels))
+            self.captured.append(self.capture(whole_logits(outputs), labels))
         return loss * n
 
     def _user_loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: int) -> torch.Tensor:
         outputs = CausalLMOutputWithPast(logits=self.shard.full(logits))
         items = torch.tensor(num_items, device=logits.device)
         return self.compute_loss_func(outputs, labels, num_items_in_batch=items)  # type: ignore[misc]
+
+
+def whole_logits(outputs: torch.Tensor | tuple[torch.Tensor, HeadInputs]) -> torch.Tensor:
+    """The micro-batch's logits shard: `outputs` itself, or computed from a tiled head's hidden states."""
+    if isinstance(outputs, tuple) and isinstance(outputs[1], HeadInputs):
+        return outputs[1].logits()
+    assert isinstance(outputs, torch.Tensor)
+    return outputs
 
 
 def capture_for(

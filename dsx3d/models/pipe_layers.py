@@ -34,6 +34,7 @@ from dsx3d.models.family_spec import FamilySpec
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.shape import dropout_probabilities
 from dsx3d.models.skeleton import Skeleton, with_hidden
+from dsx3d.models.tiled_head import HeadInputs, head_inputs, tiled_loss_sum
 from dsx3d.models.weights import WeightSource, materialize
 
 log = logging.getLogger("dsx3d")
@@ -69,6 +70,8 @@ class LayerBuilder:
         self.padded_vocab = padded_vocab(self.vocab, tp.size)
         self.vocab_start = tp.chunk_bounds(self.padded_vocab)[0]
         self.base_prefix = f"{plan.base_prefix}."
+        self.loss_tile_tokens = 0
+        """train.loss_tile_tokens: N > 0 computes the logits and the loss N tokens at a time (`dsx3d.models.tiled_head`)."""
         self.vocab_embedding: VocabParallelEmbedding | None = None
         self._scatter_embedding: bool | None = None
         if tp.sequence_parallel:
@@ -220,31 +223,41 @@ class LayerBuilder:
 
     def head(
         self, hidden: torch.Tensor, input_ids: torch.Tensor, router_logits: torch.Tensor | None, training: bool
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The last stage's logits (and, given router logits, the family's auxiliary loss terms)."""
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, HeadInputs]:
+        """The last stage's logits (and, given router logits, the family's auxiliary loss terms); with
+        `loss_tile_tokens`, the hidden states the loss computes them from, tile by tile (a tensor first: the
+        engine hooks the item's output tensors)."""
+        if self.loss_tile_tokens > 0:
+            inputs = head_inputs(self, hidden, input_ids, router_logits, training)
+            return inputs.hidden, inputs
         with self.tp.item(hidden, training=training):
             return self.skeleton.head(hidden, input_ids, router_logits)
 
     def loss(
         self,
-        outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, HeadInputs],
         labels: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """HF's causal-LM loss on vocab shards: predict token t+1 at position t; plus the family's auxiliary
         terms when the head computed them (`outputs` = (logits, auxiliary)). `labels` alone: the mean over
         this micro-batch's non-ignored tokens. (labels, norm): the sum over them divided by norm, the global
         batch's count of tokens with loss per micro-batch slot (dsx3d.data.stream), so that DeepSpeed's
-        average over micro-batches and DP ranks is the global per-token mean."""
-        logits, extra = outputs if isinstance(outputs, tuple) else (outputs, None)
+        average over micro-batches and DP ranks is the global per-token mean. `HeadInputs` (tiling): the
+        same sum, computed a tile of tokens at a time."""
         labels, norm = labels if isinstance(labels, (tuple, list)) else (labels, None)
         target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
-        per_token = vocab_parallel_cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target, self.vocab_start, self.vocab, self.tp.group
-        )
-        if norm is not None:
-            loss = per_token.sum() / norm.to(per_token.dtype).reshape(())
+        if isinstance(outputs, tuple) and isinstance(outputs[1], HeadInputs):
+            total, extra = tiled_loss_sum(outputs[1], target), outputs[1].aux
         else:
-            loss = per_token.sum() / (target != IGNORE_INDEX).sum().clamp(min=1)
+            logits, extra = outputs if isinstance(outputs, tuple) else (outputs, None)
+            assert isinstance(logits, torch.Tensor) and not isinstance(extra, HeadInputs)
+            total = vocab_parallel_cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target, self.vocab_start, self.vocab, self.tp.group
+            ).sum()
+        if norm is not None:
+            loss = total / norm.to(total.dtype).reshape(())
+        else:
+            loss = total / (target != IGNORE_INDEX).sum().clamp(min=1)
         return loss if extra is None else loss + extra
 
 

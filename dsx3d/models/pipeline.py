@@ -164,6 +164,7 @@ def build_pipeline(
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
     lora: LoraSpec | None = None,
+    loss_tile_tokens: int = 0,
 ) -> StagedPipelineModule:
     """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed).
     `sequence_parallel` takes effect with tp > 1 for families that allow it (`LayerBuilder`)."""
@@ -177,6 +178,7 @@ def build_pipeline(
         groups = create_expert_groups(layout.ep_groups(), layout.edp_groups(), rank)
         experts.group, experts.group_name = groups.ep_group, groups.name
     builder = LayerBuilder(config, plan, tp, source, experts, lora)
+    builder.loss_tile_tokens = loss_tile_tokens
     bounds = stage_bounds(config, layout.pp, seq_len, stage_layers)
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

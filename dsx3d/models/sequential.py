@@ -108,8 +108,10 @@ def build_sequential(
     activation_checkpointing: bool = False,
     after_item: Callable[[nn.Module], None] | None = None,
     lora: LoraSpec | None = None,
+    loss_tile_tokens: int = 0,
 ) -> SequentialLM:
     """This rank's whole model, TP-sharded over `tp` (whose group must be bound when tp.size > 1); with
     `lora`, frozen with peft adapters (dsx3d.models.lora)."""
     builder = LayerBuilder(config, resolve_family(config), tp, source, lora=lora)
+    builder.loss_tile_tokens = loss_tile_tokens
     return SequentialLM(builder, activation_checkpointing=activation_checkpointing, after_item=after_item)

@@ -7,5 +7,6 @@
 - checkpoints (tags, the atomic `latest` pointer, pruning, resume) live in `dsx3d.checkpoint.training`;
 - `metrics`: throughput arithmetic and the append-only metrics.jsonl;
 - `progress`: the rank-0 progress bar and log lines;
+- `memory`: each rank's peak memory over a logging interval, gathered to rank 0;
 - `plot`: the loss curve.
 """

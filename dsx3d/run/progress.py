@@ -13,6 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from dsx3d.run.memory import MemoryRecord
 from dsx3d.run.metrics import MetricsLog, Throughput
 from dsx3d.run.tracking import Tracker
 
@@ -44,10 +45,11 @@ class Progress:
                 dynamic_ncols=True,
             )
 
-    def update(self, loss: float, tokens_per_s: float, tflops: float) -> None:
+    def update(self, loss: float, tokens_per_s: float, tflops: float, peak_gb: float | None = None) -> None:
         if self._bar is not None:
+            mem = f", peak {peak_gb:.2f} GB" if peak_gb is not None else ""
             self._bar.set_postfix_str(
-                f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s, {tflops:.3g} TFLOP/s/dev", refresh=False
+                f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s, {tflops:.3g} TFLOP/s/dev{mem}", refresh=False
             )
             self._bar.update(1)
 
@@ -69,8 +71,14 @@ def format_log_line(record: dict[str, Any], total_steps: int) -> str:
         f"{record['tflops_per_device']:.3g} TFLOP/s/device | elapsed {format_duration(record['elapsed_s'])} | "
         f"eta {format_duration(record['eta_s'])}"
         + (f" | padding {record['padding_fraction']:.1%}" if "padding_fraction" in record else "")
+        + (_memory_text(record["peak_mem_gb"], record["peak_mem_rank"], record["peak_mem_gb_by_stage"]) if "peak_mem_gb" in record else "")
         + (f" | eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
     )
+
+
+def _memory_text(peak_gb: float, rank: int, stages: list[float]) -> str:
+    per_stage = f" (stages {' / '.join(f'{gb:.2f}' for gb in stages)})" if len(stages) > 1 else ""
+    return f" | peak mem {peak_gb:.2f} GB on rank {rank}{per_stage}"
 
 
 class Reporter:
@@ -83,7 +91,10 @@ class Reporter:
     since the previous record), tokens (trained so far), step_time_s, elapsed_s (since this process
     started training), eta_s, time (unix), padding_fraction (of the logged step's global batch: the share of its
     tokens that are padding, 0 for text blocks); and eval_loss at the steps that evaluated (the per-token mean
-    loss on the held-out data; an evaluation also forces a record at its step)."""
+    loss on the held-out data; an evaluation also forces a record at its step); given each rank's peak memory
+    of the interval (`dsx3d.run.memory`): peak_mem_gb (the largest over ranks), peak_mem_rank (whose),
+    peak_mem_gb_by_stage (the largest of each pipeline stage's ranks), peak_mem_gb_by_rank, peak_mem_kind
+    (what was measured: device_allocated, rss_interval or rss_process)."""
 
     def __init__(
         self,
@@ -113,6 +124,7 @@ class Reporter:
         seconds: float,
         eval_loss: float | None = None,
         padding: float | None = None,
+        memory: MemoryRecord | None = None,
     ) -> None:
         if self.metrics is None:
             return
@@ -121,11 +133,10 @@ class Reporter:
         n = len(self._losses)
         tokens_per_s = self.throughput.tokens_per_s(n, self._seconds)
         tflops = self.throughput.tflops_per_device(n, self._seconds)
-        self.progress.update(loss, tokens_per_s, tflops)
-        due = step == self.start_step + 1 or step % self.log_interval == 0 or step == self.total_steps
-        if due or eval_loss is not None:
+        self.progress.update(loss, tokens_per_s, tflops, memory.peak_gb if memory is not None else None)
+        if self.due(step, eval_loss is not None):
             elapsed = time.perf_counter() - self.started
-            record = {
+            record: dict[str, object] = {
                 "step": step,
                 "loss": loss,
                 "loss_avg": sum(self._losses) / n,
@@ -143,11 +154,17 @@ class Reporter:
                 record["padding_fraction"] = padding
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
+            if memory is not None:
+                record.update(memory.fields())
             self.metrics.write(record)
             if self.tracker is not None:
                 self.tracker.log(record)
             log.info("%s", format_log_line(record, self.total_steps))
             self._losses, self._seconds = [], 0.0
+
+    def due(self, step: int, evaluated: bool) -> bool:
+        """Whether `step` writes a record (the same answer on every rank)."""
+        return evaluated or step == self.start_step + 1 or step % self.log_interval == 0 or step == self.total_steps
 
     def close(self) -> None:
         self.progress.close()

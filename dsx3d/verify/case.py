@@ -75,6 +75,8 @@ class ParityCase:
     dtype: str = "fp32"
     seed: int = 0
     activation_checkpointing: bool = False
+    loss_tile_tokens: int = 0
+    """train.loss_tile_tokens: the last stage's logits and loss N tokens at a time (0: all at once)."""
     stage_layers: list[int] | None = None
     sequence_parallel: bool = True
     """parallel.sequence_parallel (takes effect with tp > 1)"""

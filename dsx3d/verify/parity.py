@@ -124,6 +124,7 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "seed": case.seed,
                 "dtype": case.dtype,
                 "activation_checkpointing": case.activation_checkpointing,
+                "loss_tile_tokens": case.loss_tile_tokens,
             },
             "zero": {"stage": case.zero_stage},
         }

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench.report_packing import packing
+from scripts.bench.report_tiled import tiled_loss
 from scripts.bench.report_verify import verify_sweep
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
@@ -456,6 +457,7 @@ COMMANDS = """## Reproducing
     python -m scripts.bench.moe             # MoE: expert bytes per rank, estimator memory (about 5 min)
     python -m scripts.bench.lora            # LoRA vs full fine-tuning: optimizer and gradient bytes per rank
     python -m scripts.bench.packing         # packed SFT rows vs padded examples: non-padding tokens/s
+    python -m scripts.bench.tiled_loss      # last-stage peak memory, tiled logits and loss vs full logits
     python -m scripts.bench.comm --family mixtral --ep 2    # MoE TP and all-to-all bytes
     python -m scripts.bench.report          # this section, from scripts/bench/results.json
     bash scripts/bench/gpu.sh               # on a CUDA machine
@@ -510,6 +512,7 @@ def render(results: dict[str, Any]) -> str:
         "moe": moe,
         "lora_memory": lora,
         "packing": packing,
+        "tiled_loss": tiled_loss,
         "gpu": gpu,
         "verify_sweep": verify_sweep,
     }
@@ -523,6 +526,7 @@ def render(results: dict[str, Any]) -> str:
         "moe",
         "lora_memory",
         "packing",
+        "tiled_loss",
         "gpu",
         "verify_sweep",
     ]

@@ -273,7 +273,8 @@ def command_line(draw: Any, command: str, sandbox: Path) -> list[str]:
         return ["train", draw(recipe_file(sandbox)), *draw(options(flags))]
     if command == "verify":
         flags = {name: NUMBER_TEXT for name in ("--dp", "--tp", "--pp", "--steps", "--micro-batches",
-                                                "--micro-batch-size", "--seq-len", "--lr", "--seed", "--timeout")}
+                                                "--micro-batch-size", "--seq-len", "--lr", "--seed", "--timeout",
+                                                "--loss-tile-tokens")}
         flags |= {"--dtype": TEXTS, "--json": None}
         source = draw(st.sampled_from(["arch", "config", "model", "none"]))
         head = {"arch": lambda: ["--arch", draw(TEXTS)], "config": lambda: ["--config", draw(hf_config_file(sandbox))],

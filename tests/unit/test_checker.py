@@ -306,6 +306,22 @@ CASES = [
         id="zero-bubble-holds-unmeasured-activations",
     ),
     pytest.param(
+        {"parallel": {"dp": 4, "pp": 1}, "zero": {"stage": 3}, "train": {"loss_tile_tokens": 32}},
+        None,
+        "train.loss_tile_tokens",
+        "error",
+        "ZeRO-3 has already partitioned",
+        id="tiled-loss-gradient-of-a-partitioned-head",
+    ),
+    pytest.param(
+        {"train": {"loss_tile_tokens": 128}},
+        None,
+        "train.loss_tile_tokens",
+        "warning",
+        "saves no memory",
+        id="one-tile-holds-the-whole-micro-batch",
+    ),
+    pytest.param(
         _model(model_type="no-such-model"),
         None,
         "model.config.model_type",

@@ -3,6 +3,8 @@
 - `mappings`: the f/g autograd functions (enter/leave a TP region), gather/split along the last dim, the
   gradient all-reduce hook of replicated parameters;
 - `cross_entropy`: the vocab-parallel cross-entropy;
+- `tiled_loss`: the LM head and its loss a tile of tokens at a time, recomputed in the backward
+  (`train.loss_tile_tokens`);
 - `layers`: column/row-parallel linears, the vocab-parallel embedding and head (HF parameter names kept);
 - `context`: a rank's TP coordinates and group.
 

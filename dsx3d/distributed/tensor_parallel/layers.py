@@ -120,8 +120,13 @@ class VocabParallelHead(nn.Module):
         self.bias = bias
         self.tp, self.vocab_start = tp, vocab_start
         self.defer_weight_grad = False  # set by a zero-bubble engine (at tp > 1 the region defers on its own)
+        self.plain = False
+        """This rank's columns of an input already entered by the caller, no TP region and nothing deferred (the
+        tiled loss, `dsx3d.models.tiled_head`)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            return torch.nn.functional.linear(hidden, self.weight, self.bias)
         if self.defer_weight_grad and self.tp.size == 1:
             return deferrable_linear(hidden, self.weight, self.bias)
         full = self.tp.enter_region(hidden, training=self.training)

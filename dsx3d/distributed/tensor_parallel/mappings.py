@@ -192,3 +192,21 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None) -> t
 
 def split_to_sequence(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _SplitRows.apply(x, group)
+
+
+class _GatherRows(torch.autograd.Function):
+    """A sequence shard (..., n/t, h) becomes the whole sequence (..., n, h) for per-rank computation whose
+    gradient is partial over TP (a rank's vocabulary columns); backward sums it and keeps this rank's block."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_rows(x, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_rows(grad, ctx.group).contiguous(), None
+
+
+def gather_from_sequence(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    return x if group_size(group) == 1 else _GatherRows.apply(x, group)

@@ -45,6 +45,7 @@ from dsx3d.recipe.checks.parallel import (
     _world_size_matches,
     _zero_with_pipeline,
 )
+from dsx3d.recipe.checks.tiling import _loss_tiles
 from dsx3d.recipe.hf_config import load_hf_config
 from dsx3d.recipe.schema import Recipe
 
@@ -126,6 +127,7 @@ RULES: list[Rule] = [
     _tracking_packages,
     _lora,
     _schedule,
+    _loss_tiles,
 ]
 
 # Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.
