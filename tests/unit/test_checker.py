@@ -306,6 +306,14 @@ CASES = [
         id="zero-bubble-holds-unmeasured-activations",
     ),
     pytest.param(
+        {"parallel": {"zb_costs": "auto"}},
+        None,
+        "parallel.zb_costs",
+        "error",
+        "schedule: zb-h1",
+        id="measured-costs-need-split-passes",
+    ),
+    pytest.param(
         _model(model_type="no-such-model"),
         None,
         "model.config.model_type",
