@@ -44,7 +44,7 @@ class PostGrad(ds_schedule.SendGrad):
 @functools.lru_cache(maxsize=64)
 def _program(stages: int, micro_batches: int, stage: int, costs: zb_greedy.Costs) -> tuple[tuple[str, int], ...]:
     plan = zb_greedy.best_plan(stages, micro_batches, costs)
-    return tuple(zb_greedy.stage_program(plan, stage))
+    return tuple(zb_greedy.posted_program(plan, stage))
 
 
 class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
