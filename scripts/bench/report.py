@@ -107,40 +107,54 @@ def _cells(values: list[Any], fmt: str) -> str:
     return ", ".join("-" if x is None else format(x, fmt) for x in values)
 
 
+def _span(x: dict[str, float] | None) -> str:
+    return "-" if not x else f"{x['median']:.3f} [{x['min']:.2f}-{x['max']:.2f}]"
+
+
 def bubble(r: dict[str, Any]) -> list[str]:
-    out = [f"## Pipeline bubble, p = {r['pp']}: 1F1B and zb-h1", ""] + _header(r)
+    """1F1B, zb-h1 and zb-h1 with measured costs at p = 2 and 4 (scripts/bench/bubble.py, one run)."""
+    out = ["## Pipeline bubble: 1F1B, zb-h1 and zb-h1 with measured costs", ""] + _header(r)
     w = r["workload"]
+    bounds = "; ".join(f"p = {p}: {run['stage_bounds']}" for p, run in r["runs"].items())
     out += [
         f"Tiny Llama ({w['layers']} layers, width {w['hidden']}, vocabulary {w['vocab']}), micro-batch {w['micro_batch']} x "
-        f"{w['seq_len']} tokens, stage bounds {r['stage_bounds']} over [embedding, layers, norm, head]; {r['rounds']} timed steps per "
-        "row. Idle per stage: measured in wall time, and replayed with each instruction's CPU time as its duration "
-        "(`scripts/bench/replay.py`). Ratios are zb-h1 / 1F1B at the same m.",
+        f"{w['seq_len']} tokens, fp32, one thread per rank on {r.get('cores', 2)} cores (p = 4 runs 4 processes on them); "
+        f"stage bounds over [embedding, layers, norm, head] {bounds}; {r['rounds']} timed rounds, the schedules stepped "
+        "alternately in each. `zb-h1 auto`: `parallel.zb_costs: auto` (order built from the F, B, W measured in the "
+        "first step). Idle: mean over stages; wall, and replayed with each instruction's CPU time as its duration "
+        "(`scripts/bench/replay.py`; wall time on this shared machine mostly measures the wait for a core). `bound`: the "
+        "schedule's own (1F1B (p-1)/(m+p-1); ZB-H1 for F = B = W; the auto order simulated with its measured costs); "
+        "`simulated`: the row's order with this run's per-stage CPU costs and free transfers. Ratios: new / 1F1B per "
+        "round, median [min-max].",
         "",
-        "| schedule | m | analytic idle | idle, wall, per stage | idle, replayed, per stage | window ms (wall / replayed) "
-        "| window ratio (wall / replayed) | CPU ms per micro-batch F / B / W, per stage | busy CPU ratio "
-        "| step peak MiB per stage | peak ratio |",
+        "| schedule | p | m | bound | simulated | idle wall | idle replayed | replayed idle per stage | step ratio wall | step ratio replayed | peak memory ratio per stage |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in r["rows"]:
-        rep = row.get("replayed")
-        parts = row.get("part_ms_per_micro_batch")
-        fbw = "-"
-        if parts:
-            fbw = "; ".join(
-                " / ".join(f"{parts[k]['cpu'][i]:.1f}" for k in ("F", "B", "W")) for i in range(len(row["idle_per_stage"]))
+    for run in r["runs"].values():
+        for row in run["rows"]:
+            out.append(
+                f"| {row['schedule'].replace('-auto', ' auto')} | {row['p']} | {row['m']} | {row['analytic']:.3f} | "
+                f"{row.get('simulated', float('nan')):.3f} | {row['idle_mean']:.3f} | {row['replayed_idle_mean']:.3f} | "
+                f"{_cells(row['replayed_idle_per_stage'], '.3f')} | {_span(row.get('step_ratio_vs_1f1b'))} | "
+                f"{_span(row.get('replayed_ratio_vs_1f1b'))} | {_cells(row.get('peak_ratio_vs_1f1b', []), '.2f') or '-'} |"
             )
-        ratio = row.get("window_ratio_vs_1f1b")
-        ratios = "-" if ratio is None else f"{ratio:.2f} / {rep['window_ratio_vs_1f1b']:.2f}" if rep else f"{ratio:.2f}"
-        out.append(
-            f"| {row.get('schedule', '1f1b')} | {row['m']} | {row['analytic']:.3f} | {_cells(row['idle_per_stage'], '.3f')} "
-            f"| {_cells(rep['idle_per_stage'], '.3f') if rep else '-'} "
-            f"| {row['window_ms']:.0f} / {rep['window_ms']:.0f} | {ratios} | {fbw} "
-            f"| {row.get('busy_cpu_ratio_vs_1f1b', '-')} | {_cells(row.get('peak_mib_over_step_start', []), '.1f')} "
-            f"| {_cells(row.get('peak_ratio_vs_1f1b', []), '.2f') or '-'} |"
-            if rep
-            else f"| {row.get('schedule', '1f1b')} | {row['m']} | {row['analytic']:.3f} | "
-            f"{_cells(row['idle_per_stage'], '.3f')} | - | {row['window_ms']:.0f} | {ratios} | - | - | - | - |"
-        )
+    out += [
+        "",
+        "Where each stage's step went, ms per micro-batch (wall; CPU ms per pass in the last column): F, B, W, waiting "
+        "in receives and sends, dispatch between instructions, and `other` (gradient reduce and optimizer step, after "
+        "the pipeline window).",
+        "",
+        "| schedule | p | m | F | B | W | recv | send | dispatch | other | CPU F / B / W per stage |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in r["runs"].values():
+        for row in run["rows"]:
+            t, c = row["wall_ms_per_micro_batch"], row["cpu_ms_per_pass"]
+            cpu = "; ".join(
+                " / ".join("-" if c[k][i] is None else f"{c[k][i]:.1f}" for k in ("F", "B", "W")) for i in range(row["p"])
+            )
+            cols = " | ".join(_cells(t[k], ".1f") for k in ("F", "B", "W", "recv", "send", "dispatch", "other"))
+            out.append(f"| {row['schedule'].replace('-auto', ' auto')} | {row['p']} | {row['m']} | {cols} | {cpu} |")
     out.append("")
     return out
 
@@ -405,13 +419,11 @@ METHODS = """## How the figures are measured
   alone in freshly forked ranks; RSS high-water (/proc/self/status VmHWM, reset with /proc/self/clear_refs
   right after the fork) minus the RSS at the fork (the forked parent's libraries are shared), over build
   and two steps; model states = distinct parameter, gradient and optimizer-state storages after the steps.
-- **Bubble** (`scripts/bench/bubble.py`): every PipelineEngine instruction is timed by wrapping the engine's
-  instruction table. Busy = ForwardPass + BackwardPass (the loss is in the last stage's forward); the window
-  runs from the barrier to the last BackwardPass on any stage (gradient reduction and optimizer step are not
-  pipeline time); idle = 1 - busy / window. (p-1)/(m+p-1) assumes equal stages and free p2p; busy time per
-  micro-batch and stage is shown, and p2p transfers and wake-up latency (long on a loaded machine) count as
-  idle, so the measured idle sits a little above the formula. p = 2 on 2 cores (p = 4 would time-slice
-  stages on shared cores).
+- **Bubble** (`scripts/bench/bubble.py`): every PipelineEngine instruction is timed by
+  `dsx3d.models.stage_clock.StageClock` (wall span and CPU time). Busy = F, B and W passes (the loss is in the
+  last stage's forward); the window runs from the barrier to the last pass on any stage (gradient reduction
+  and optimizer step are not pipeline time); idle = 1 - busy / window, also replayed with CPU times as
+  durations. p = 4 runs 4 processes on 2 cores: they time-slice, so its wall figures are the least reliable.
 - **Communication** (`scripts/bench/comm.py`): `bench.counting.CommCounter` wraps the ProcessGroup
   methods every torch.distributed call ends in (DeepSpeed's included), recording op, group ranks and buffer
   bytes; a call is attributed to TP, DP, PP (send/recv between adjacent stages) or the tied pair by its
