@@ -19,6 +19,7 @@ Peak memory: each rank's peak RSS during the step over its RSS at the step's sta
 MALLOC_MMAP_THRESHOLD_=65536 so freed tensors leave the RSS).
 
     python -m scripts.bench.bubble [--quick] [--pp 2 4] [--micro-batches 4 8 16] [--rounds N] [--no-write]
+        [--stage-layers 2 1 1 0]   (an explicit split for the p it fits; results under their own key)
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ def _key(schedule: str, m: int) -> str:
 
 def worker(
     rank: int, works: dict[int, bc.Workload], state: dict[str, torch.Tensor], pp: int, rounds: int, warmup: int,
-    schedules: tuple[str, ...],
+    schedules: tuple[str, ...], stage_layers: list[int] | None = None,
 ) -> dict[str, Any]:
     contenders, clocks, batches = [], {}, {}
     for name in schedules:
         schedule, costs = SCHEDULES[name]
         for m, work in works.items():
-            c = bc.dsx3d_contender(_key(name, m), work, state, dp=1, pp=pp, schedule=schedule, zb_costs=costs)
+            c = bc.dsx3d_contender(
+                _key(name, m), work, state, dp=1, pp=pp, schedule=schedule, zb_costs=costs, stage_layers=stage_layers
+            )
             clocks[c.name] = StageClock(c.engine.ds_engine)
             contenders.append(c)
             batches[c.name] = bc.make_batches(work, warmup + rounds)
@@ -70,9 +73,12 @@ def worker(
     return {"stage": c.engine.placement.pp, "steps": steps, "costs": costs}
 
 
-def run_pp(p: int, config: Any, seq: int, ms: list[int], rounds: int, schedules: tuple[str, ...], state: Any) -> dict[str, Any]:
+def run_pp(
+    p: int, config: Any, seq: int, ms: list[int], rounds: int, schedules: tuple[str, ...], state: Any,
+    stage_layers: list[int] | None = None,
+) -> dict[str, Any]:
     works = {m: bc.Workload(config, micro_batch=2, seq_len=seq, global_batch=2 * m) for m in ms}
-    per_rank = run_ranks(worker, p, works, state, p, rounds, 2, schedules, timeout_s=3000)
+    per_rank = run_ranks(worker, p, works, state, p, rounds, 2, schedules, stage_layers, timeout_s=3000)
     per_rank.sort(key=lambda r: r["stage"])
     rows = [
         {"schedule": name, "p": p, "m": m, **stage_figures(per_rank, _key(name, m), m)}
@@ -82,7 +88,7 @@ def run_pp(p: int, config: Any, seq: int, ms: list[int], rounds: int, schedules:
     compare(rows, per_rank, {name: SCHEDULES[name] for name in schedules})
     from dsx3d.models.pipeline import stage_bounds
 
-    return {"stage_bounds": stage_bounds(config, p, seq, None), "rows": rows}
+    return {"stage_bounds": stage_bounds(config, p, seq, stage_layers), "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16], help="m values")
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    parser.add_argument("--stage-layers", type=int, nargs="+", default=None,
+                        help="parallel.stage_layers for the p with that many stages (default: the cost-balanced split)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 8)
     config = bc.bench_config(args.quick)
@@ -101,7 +109,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     state = bc.make_state(config)
     with bc.provenance(args.quick) as meta:
         runs = {
-            str(p): run_pp(p, config, seq, args.micro_batches, rounds, tuple(args.schedules), state) for p in args.pp
+            str(p): run_pp(
+                p, config, seq, args.micro_batches, rounds, tuple(args.schedules), state,
+                args.stage_layers if args.stage_layers and len(args.stage_layers) == p else None,
+            )
+            for p in args.pp
         }
     result = {
         **meta,
@@ -112,9 +124,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "hidden": config.hidden_size, "layers": config.num_hidden_layers, "vocab": config.vocab_size,
         },
         "rounds": rounds,
+        "stage_layers": args.stage_layers,
         "runs": runs,
     }
-    bc.emit("bubble", result, write=not args.no_write)
+    key = "bubble" + ("_stage_layers_" + "_".join(map(str, args.stage_layers)) if args.stage_layers else "")
+    bc.emit(key, result, write=not args.no_write)
     return result
 
 

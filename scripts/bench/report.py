@@ -113,7 +113,8 @@ def _span(x: dict[str, float] | None) -> str:
 
 def bubble(r: dict[str, Any]) -> list[str]:
     """1F1B, zb-h1 and zb-h1 with measured costs at p = 2 and 4 (scripts/bench/bubble.py, one run)."""
-    out = ["## Pipeline bubble: 1F1B, zb-h1 and zb-h1 with measured costs", ""] + _header(r)
+    split = f", stage_layers {r['stage_layers']}" if r.get("stage_layers") else ""
+    out = [f"## Pipeline bubble: 1F1B, zb-h1 and zb-h1 with measured costs{split}", ""] + _header(r)
     w = r["workload"]
     bounds = "; ".join(f"p = {p}: {run['stage_bounds']}" for p, run in r["runs"].items())
     out += [
