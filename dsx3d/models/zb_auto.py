@@ -1,7 +1,8 @@
 """`parallel.zb_costs: auto`: zb-h1's cost-aware order built from F, B and W durations measured in the engine.
 
-The first training step runs the order for equal costs with a `StageClock` on the engine. Before the second
-step every rank reduces its stage's median F, B and W busy times over the whole world (the ranks of one stage,
+The first two training steps run the order for equal costs; the second is timed by a `StageClock` on the engine
+(the first is not: it allocates the pipeline's buffers and exchanges tensor shapes, and its passes measured
+up to twice their later durations). Before the third step every rank reduces its stage's median F, B and W busy times over the whole world (the ranks of one stage,
 its data- and tensor-parallel replicas, are averaged), so that every rank holds the same per-stage costs and
 builds the same order; from then on the clock is off and the order is the one `zb_greedy` builds for those
 costs (per stage: a slower stage, the head's, is planned as slower). Measured once: later steps have the
@@ -34,20 +35,28 @@ def agree(stage: int, stages: int, local: dict[str, float | None]) -> zb_greedy.
     return zb_greedy.Costs(f, b, w)
 
 
+UNTIMED_STEPS = 1
+"""Training steps run before the timed one."""
+
+
 class MeasuredCosts:
-    """Times the first training step of `engine`, then holds the costs all ranks agreed on."""
+    """Times training step `UNTIMED_STEPS + 1` of `engine`, then holds the costs all ranks agreed on."""
 
     def __init__(self, engine: PipeEngine) -> None:
         self.engine = engine
         self.clock: StageClock | None = None
         self.costs: zb_greedy.Costs | None = None
         self._table = engine._INSTRUCTION_MAP
+        self._steps = 0
 
     def before_step(self) -> zb_greedy.Costs | None:
-        """The costs for the step about to run: None (equal) while measuring, then the agreed ones."""
+        """The costs for the step about to run: None (equal) until they are measured, then the agreed ones."""
         if self.costs is not None:
             return self.costs
-        if self.clock is None:  # first step: measure it
+        self._steps += 1
+        if self._steps <= UNTIMED_STEPS:
+            return None
+        if self.clock is None:  # the timed step
             self._table = self.engine._INSTRUCTION_MAP
             self.clock = StageClock(self.engine)
             return None
