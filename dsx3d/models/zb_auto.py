@@ -1,12 +1,14 @@
 """`parallel.zb_costs: auto`: zb-h1's cost-aware order built from F, B and W durations measured in the engine.
 
-The first two training steps run the order for equal costs; the second is timed by a `StageClock` on the engine
-(the first is not: it allocates the pipeline's buffers and exchanges tensor shapes, and its passes measured
-up to twice their later durations). Before the third step every rank reduces its stage's median F, B and W busy times over the whole world (the ranks of one stage,
-its data- and tensor-parallel replicas, are averaged), so that every rank holds the same per-stage costs and
-builds the same order; from then on the clock is off and the order is the one `zb_greedy` builds for those
-costs (per stage: a slower stage, the head's, is planned as slower). Measured once: later steps have the
-same shapes, so the same durations; re-measuring would cost a collective per step and could make ranks
+The first training step runs the order for equal costs untimed (it allocates the pipeline's buffers and
+exchanges tensor shapes: its passes measured up to twice their later durations); the next `TIMED_STEPS`
+also run it, timed by a `StageClock` on the engine. Before the step after them every rank reduces its
+stage's median F, B and W busy times (over all timed micro-batches: one step alone, on a loaded machine,
+was off by up to 30% on one stage) over the whole world (the ranks of one stage, its data- and
+tensor-parallel replicas, are averaged), so that every rank holds the same per-stage costs and builds the
+same order; from then on the clock is off and the order is the one `zb_greedy` builds for those costs
+(per stage: a slower stage, the head's, is planned as slower). Measured once: later steps have the same
+shapes, so the same durations; re-measuring would cost a collective per step and could make ranks
 switch orders at different steps if they did not all re-measure together.
 """
 
@@ -36,11 +38,13 @@ def agree(stage: int, stages: int, local: dict[str, float | None]) -> zb_greedy.
 
 
 UNTIMED_STEPS = 1
-"""Training steps run before the timed one."""
+"""Training steps run before the timed ones."""
+TIMED_STEPS = 2
+"""Training steps the costs are measured over."""
 
 
 class MeasuredCosts:
-    """Times training step `UNTIMED_STEPS + 1` of `engine`, then holds the costs all ranks agreed on."""
+    """Times `TIMED_STEPS` training steps of `engine` after `UNTIMED_STEPS`, then holds the costs all ranks agreed on."""
 
     def __init__(self, engine: PipeEngine) -> None:
         self.engine = engine
@@ -56,9 +60,10 @@ class MeasuredCosts:
         self._steps += 1
         if self._steps <= UNTIMED_STEPS:
             return None
-        if self.clock is None:  # the timed step
+        if self.clock is None:  # the first timed step
             self._table = self.engine._INSTRUCTION_MAP
             self.clock = StageClock(self.engine)
+        if self._steps <= UNTIMED_STEPS + TIMED_STEPS:
             return None
         events = self.clock.take()
         self.engine._INSTRUCTION_MAP = self._table  # the clock is off from here on

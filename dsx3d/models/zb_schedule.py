@@ -88,7 +88,7 @@ def _storages(received: Any) -> set[int]:
 def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | str | None = None) -> None:
     """Run `engine` (a DeepSpeed PipelineEngine) on ZB-H1: its train schedule, B and W instructions, and the
     plain `nn.Linear`s of its stage rewired to defer their weight gradients. `costs`: the relative F, B, W
-    durations the order is built for (None: equal; "auto": measured in the second step, `zb_auto`). Refuses a gradient path that
+    durations the order is built for (None: equal; "auto": measured in steps 2 and 3, `zb_auto`). Refuses a gradient path that
     accumulates outside `.grad` (ZeRO's separate fp32 accumulation attribute, BF16 immediate updates)."""
     optimizer = getattr(engine, "optimizer", None)
     if getattr(optimizer, "use_grad_accum_attribute", False) or getattr(optimizer, "immediate_grad_update", False):

@@ -134,7 +134,7 @@ class ParallelSection(_Section):
     """zb-h1: relative durations of a micro-batch's F, B (input gradient) and W (weight gradients) passes, e.g.
     measured [1.0, 1.35, 0.6]; the order is built for them (`dsx3d.models.zb_greedy`). Unset: [1, 1, 1], the
     time model's (each is one pass over the matrix products), which gives the plain ZB-H1 order. `auto`: the
-    engine times each stage's passes in the second step and builds the order for them from the third on
+    engine times each stage's passes in its second and third steps and builds the order for them from the fourth on
     (`dsx3d.models.zb_auto`); the estimator, which cannot measure, assumes [1, 1, 1]."""
 
 

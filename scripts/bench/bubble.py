@@ -1,5 +1,5 @@
 """Pipeline bubble: 1F1B, zb-h1 (the ZB-H1 order for equal costs) and zb-h1 with `zb_costs: auto` (the
-cost-aware order built from the F, B, W durations the engine measured in its second step), at p = 2 and 4.
+cost-aware order built from the F, B, W durations the engine measured in its second and third steps), at p = 2 and 4.
 
 Method. For each p, one engine per (schedule, m) (pp = p, dp = tp = 1, same model, micro-batch and split) is
 built in the same p forked ranks; all are stepped in every round, the order reversed every other round
@@ -78,7 +78,7 @@ def run_pp(
     stage_layers: list[int] | None = None,
 ) -> dict[str, Any]:
     works = {m: bc.Workload(config, micro_batch=2, seq_len=seq, global_batch=2 * m) for m in ms}
-    per_rank = run_ranks(worker, p, works, state, p, rounds, 3, schedules, stage_layers, timeout_s=3000)
+    per_rank = run_ranks(worker, p, works, state, p, rounds, 4, schedules, stage_layers, timeout_s=3000)
     per_rank.sort(key=lambda r: r["stage"])
     rows = [
         {"schedule": name, "p": p, "m": m, **stage_figures(per_rank, _key(name, m), m)}

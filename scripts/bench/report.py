@@ -122,7 +122,7 @@ def bubble(r: dict[str, Any]) -> list[str]:
         f"{w['seq_len']} tokens, fp32, one thread per rank on {r.get('cores', 2)} cores (p = 4 runs 4 processes on them); "
         f"stage bounds over [embedding, layers, norm, head] {bounds}; {r['rounds']} timed rounds, the schedules stepped "
         "alternately in each. `zb-h1 auto`: `parallel.zb_costs: auto` (order built from the F, B, W measured in the "
-        "second step). Idle: mean over stages; wall, and replayed with each instruction's CPU time as its duration "
+        "second and third steps). Idle: mean over stages; wall, and replayed with each instruction's CPU time as its duration "
         "(`scripts/bench/replay.py`; wall time on this shared machine mostly measures the wait for a core). `bound`: the "
         "schedule's own (1F1B (p-1)/(m+p-1); ZB-H1 for F = B = W; the auto order simulated with its measured costs); "
         "`simulated`: the row's order with this run's per-stage CPU costs and free transfers. Ratios: new / 1F1B per "
