@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.report_bubble import bubble
 from scripts.bench.report_packing import packing
 from scripts.bench.report_verify import verify_sweep
 
@@ -105,59 +106,6 @@ def alternatives(r: dict[str, Any]) -> list[str]:
 
 def _cells(values: list[Any], fmt: str) -> str:
     return ", ".join("-" if x is None else format(x, fmt) for x in values)
-
-
-def _span(x: dict[str, float] | None) -> str:
-    return "-" if not x else f"{x['median']:.3f} [{x['min']:.2f}-{x['max']:.2f}]"
-
-
-def bubble(r: dict[str, Any]) -> list[str]:
-    """1F1B, zb-h1 and zb-h1 with measured costs at p = 2 and 4 (scripts/bench/bubble.py, one run)."""
-    split = f", stage_layers {r['stage_layers']}" if r.get("stage_layers") else ""
-    out = [f"## Pipeline bubble: 1F1B, zb-h1 and zb-h1 with measured costs{split}", ""] + _header(r)
-    w = r["workload"]
-    bounds = "; ".join(f"p = {p}: {run['stage_bounds']}" for p, run in r["runs"].items())
-    out += [
-        f"Tiny Llama ({w['layers']} layers, width {w['hidden']}, vocabulary {w['vocab']}), micro-batch {w['micro_batch']} x "
-        f"{w['seq_len']} tokens, fp32, one thread per rank on {r.get('cores', 2)} cores (p = 4 runs 4 processes on them); "
-        f"stage bounds over [embedding, layers, norm, head] {bounds}; {r['rounds']} timed rounds, the schedules stepped "
-        "alternately in each. `zb-h1 auto`: `parallel.zb_costs: auto` (order built from the F, B, W measured in the "
-        "second and third steps). Idle: mean over stages; wall, and replayed with each instruction's CPU time as its duration "
-        "(`scripts/bench/replay.py`; wall time on this shared machine mostly measures the wait for a core). `bound`: the "
-        "schedule's own (1F1B (p-1)/(m+p-1); ZB-H1 for F = B = W; the auto order simulated with its measured costs); "
-        "`simulated`: the row's order with this run's per-stage CPU costs and free transfers. Ratios: new / 1F1B per "
-        "round, median [min-max].",
-        "",
-        "| schedule | p | m | bound | simulated | idle wall | idle replayed | replayed idle per stage | step ratio wall | step ratio replayed | peak memory ratio per stage |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for run in r["runs"].values():
-        for row in run["rows"]:
-            out.append(
-                f"| {row['schedule'].replace('-auto', ' auto')} | {row['p']} | {row['m']} | {row['analytic']:.3f} | "
-                f"{row.get('simulated', float('nan')):.3f} | {row['idle_mean']:.3f} | {row['replayed_idle_mean']:.3f} | "
-                f"{_cells(row['replayed_idle_per_stage'], '.3f')} | {_span(row.get('step_ratio_vs_1f1b'))} | "
-                f"{_span(row.get('replayed_ratio_vs_1f1b'))} | {_cells(row.get('peak_ratio_vs_1f1b', []), '.2f') or '-'} |"
-            )
-    out += [
-        "",
-        "Where each stage's step went, ms per micro-batch (wall; CPU ms per pass in the last column): F, B, W, waiting "
-        "in receives and sends, dispatch between instructions, and `other` (gradient reduce and optimizer step, after "
-        "the pipeline window).",
-        "",
-        "| schedule | p | m | F | B | W | recv | send | dispatch | other | CPU F / B / W per stage |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for run in r["runs"].values():
-        for row in run["rows"]:
-            t, c = row["wall_ms_per_micro_batch"], row["cpu_ms_per_pass"]
-            cpu = "; ".join(
-                " / ".join("-" if c[k][i] is None else f"{c[k][i]:.1f}" for k in ("F", "B", "W")) for i in range(row["p"])
-            )
-            cols = " | ".join(_cells(t[k], ".1f") for k in ("F", "B", "W", "recv", "send", "dispatch", "other"))
-            out.append(f"| {row['schedule'].replace('-auto', ' auto')} | {row['p']} | {row['m']} | {cols} | {cpu} |")
-    out.append("")
-    return out
 
 
 def communication(key: str, r: dict[str, Any]) -> list[str]:
@@ -548,7 +496,7 @@ def render(results: dict[str, Any]) -> str:
         if key in renderers:
             lines += renderers[key](r)
         elif key.startswith("bubble"):
-            lines += bubble(r)
+            lines += bubble(r, _header(r))
         elif key == "communication_sweep":
             lines += communication_sweep(r)
         elif key.startswith("communication"):

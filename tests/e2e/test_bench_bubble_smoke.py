@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from scripts.bench import bubble
-from scripts.bench.report import bubble as render
+from scripts.bench.report_bubble import bubble as render
 
 pytestmark = pytest.mark.usefixtures("warm")
 
@@ -24,5 +24,5 @@ def test_quick_bubble_rows() -> None:
     assert len(auto["measured_costs_ms"]["f"]) == 2 and min(auto["measured_costs_ms"]["w"]) > 0
     assert auto["step_ratio_vs_1f1b"]["min"] <= auto["step_ratio_vs_1f1b"]["max"]
     assert rows[0]["cpu_ms_per_pass"]["W"] == [None, None]  # 1F1B has no separate W pass
-    text = "\n".join(render(r))
+    text = "\n".join(render(r, []))
     assert "zb-h1 auto | 2 | 4" in text
