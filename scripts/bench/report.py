@@ -104,10 +104,6 @@ def alternatives(r: dict[str, Any]) -> list[str]:
     return out
 
 
-def _cells(values: list[Any], fmt: str) -> str:
-    return ", ".join("-" if x is None else format(x, fmt) for x in values)
-
-
 def communication(key: str, r: dict[str, Any]) -> list[str]:
     lay, w = r["layout"], r["workload"]
     title = f"## Communication per step, {r.get('model_type', 'llama')}"
