@@ -286,7 +286,7 @@ def _from_recipe(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
         stage_layers=tuple(par.stage_layers) if par.stage_layers else None,
         sequence_parallel=par.sequence_parallel,
         schedule=par.schedule,
-        zb_costs=par.zb_costs,
+        zb_costs=par.zb_costs if isinstance(par.zb_costs, tuple) else None,  # auto: measured only in the engine
         reduce_bucket_size=_reduce_bucket_size(recipe.deepspeed),
     )
     return shape_from_hf_config(hf_config), setup, recipe.cluster.gpus_per_node

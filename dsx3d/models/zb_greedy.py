@@ -16,9 +16,10 @@ shortest step is kept (ties: the earlier policy;
 the first reproduces `compute_ticks` when every pass costs the same). Every policy keeps at most min(p, m)
 micro-batches between F and W on any stage, the most that 1F1B's first stage holds.
 
-Transfers: each happens just before its receiver's pass starts; every stage runs its transfers in one global
-order (simulated time, link, activations first), so the programs cannot deadlock with blocking sends
-(`stage_program`).
+Transfers: with blocking sends, each happens just before its receiver's pass starts and every stage runs its
+transfers in one global order (simulated time, link, activations first), so the programs cannot deadlock
+(`stage_program`). zb-h1 posts its sends, and runs `posted_program`: each send right after the pass that made
+its tensor, each receive right before the pass that needs it.
 """
 
 from __future__ import annotations
@@ -218,3 +219,26 @@ def stage_program(plan: Plan | tuple[tuple[Timed, ...], ...], stage: int) -> lis
             if s == stage:
                 items.append((x.start, 1, 0, 0, x.op))
     return [name for *_, name in sorted(items)]
+
+
+def posted_program(plan: Plan | tuple[tuple[Timed, ...], ...], stage: int) -> list[tuple[str, int]]:
+    """This stage's program for posted sends (a send does not wait for its receive): each pass in the plan's
+    order, its receive just before it and its send just after it. A stage then waits only for what a pass
+    needs, and a finished output leaves at once, whatever the real durations; `stage_program` instead places a
+    send at its receiver's planned start, which holds it back behind the sender's later passes when the real
+    durations differ from the planned ones. Cannot deadlock: a receive waits only for a send that follows its
+    producing pass, and the passes' dependencies are acyclic (`simulate` orders them)."""
+    p = len(plan)
+    out: list[tuple[str, int]] = []
+    for x in plan[stage]:
+        kind, j = x.op
+        if kind == "F" and stage > 0:
+            out.append(("RecvAct", j))
+        elif kind == "B" and stage + 1 < p:
+            out.append(("RecvGrad", j))
+        out.append(x.op)
+        if kind == "F" and stage + 1 < p:
+            out.append(("SendAct", j))
+        elif kind == "B" and stage > 0:
+            out.append(("SendGrad", j))
+    return out

@@ -22,6 +22,7 @@ from dsx3d.distributed.pending_sends import PendingSends
 from dsx3d.distributed.tensor_parallel.weight_grad import DEFER_OK, WEIGHT_GRADS, defer_linears
 from dsx3d.integrations.boundary_types import PipeEngine
 from dsx3d.models import zb_greedy
+from dsx3d.models.zb_auto import MeasuredCosts
 
 
 class BackwardInput(ds_schedule.BufferOpInstruction):
@@ -41,23 +42,24 @@ class PostGrad(ds_schedule.SendGrad):
 
 
 @functools.lru_cache(maxsize=64)
-def _program(stages: int, micro_batches: int, stage: int, costs: tuple[float, float, float]) -> tuple[tuple[str, int], ...]:
-    plan = zb_greedy.best_plan(stages, micro_batches, zb_greedy.Costs.uniform(stages, *costs))
-    return tuple(zb_greedy.stage_program(plan, stage))
+def _program(stages: int, micro_batches: int, stage: int, costs: zb_greedy.Costs) -> tuple[tuple[str, int], ...]:
+    plan = zb_greedy.best_plan(stages, micro_batches, costs)
+    return tuple(zb_greedy.posted_program(plan, stage))
 
 
 class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
     """ZB-H1 for one stage: its transfers and work, then the tied-gradient reduce, the reduce and the step.
-    `costs`: the relative F, B, W durations the order is built for."""
+    `costs`: the F, B, W durations the order is built for (None: equal)."""
 
-    costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    costs: zb_greedy.Costs | None = None
 
     def num_pipe_buffers(self) -> int:
         return max(2, self.micro_batches)
 
     def steps(self):  # type: ignore[no-untyped-def]
         loads = self.stage_id in (0, self.stages - 1)
-        for name, j in _program(self.stages, self.micro_batches, self.stage_id, tuple(self.costs)):
+        costs = self.costs or zb_greedy.Costs.uniform(self.stages)
+        for name, j in _program(self.stages, self.micro_batches, self.stage_id, costs):
             if name == "F":
                 yield ([ds_schedule.LoadMicroBatch(j)] if loads else []) + [ds_schedule.ForwardPass(j)]
             else:
@@ -83,9 +85,10 @@ def _storages(received: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
-def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | None = None) -> None:
+def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | str | None = None) -> None:
     """Run `engine` (a DeepSpeed PipelineEngine) on ZB-H1: its train schedule, B and W instructions, and the
-    plain `nn.Linear`s of its stage rewired to defer their weight gradients. Refuses a gradient path that
+    plain `nn.Linear`s of its stage rewired to defer their weight gradients. `costs`: the relative F, B, W
+    durations the order is built for (None: equal; "auto": measured in steps 2 and 3, `zb_auto`). Refuses a gradient path that
     accumulates outside `.grad` (ZeRO's separate fp32 accumulation attribute, BF16 immediate updates)."""
     optimizer = getattr(engine, "optimizer", None)
     if getattr(optimizer, "use_grad_accum_attribute", False) or getattr(optimizer, "immediate_grad_update", False):
@@ -146,9 +149,12 @@ def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | 
     table[PostGrad] = post(table[ds_schedule.SendGrad])
     table[ds_schedule.ReduceGrads] = reduce_grads_checked
     engine._INSTRUCTION_MAP = table
+    fixed = zb_greedy.Costs.uniform(engine.num_stages, *costs) if isinstance(costs, tuple) else None
+    measure = MeasuredCosts(engine) if costs == "auto" else None
+
     def train_schedule() -> ZeroBubbleH1Schedule:
         schedule = ZeroBubbleH1Schedule(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
-        schedule.costs = tuple(costs) if costs else schedule.costs  # type: ignore[assignment]
+        schedule.costs = measure.before_step() if measure is not None else fixed
         return schedule
 
     engine._train_schedule = train_schedule

@@ -130,10 +130,12 @@ class ParallelSection(_Section):
     schedule: Literal["1f1b", "zb-h1"] = "1f1b"
     """Pipeline schedule (pp > 1): DeepSpeed's 1F1B, or zero bubble ZB-H1, which splits each backward into the
     input gradient (sent upstream at once) and the weight gradients (run later, where 1F1B idles)."""
-    zb_costs: tuple[PositiveFloat, PositiveFloat, PositiveFloat] | None = None
+    zb_costs: tuple[PositiveFloat, PositiveFloat, PositiveFloat] | Literal["auto"] | None = None
     """zb-h1: relative durations of a micro-batch's F, B (input gradient) and W (weight gradients) passes, e.g.
     measured [1.0, 1.35, 0.6]; the order is built for them (`dsx3d.models.zb_greedy`). Unset: [1, 1, 1], the
-    time model's (each is one pass over the matrix products), which gives the plain ZB-H1 order."""
+    time model's (each is one pass over the matrix products), which gives the plain ZB-H1 order. `auto`: the
+    engine times each stage's passes in its second and third steps and builds the order for them from the fourth on
+    (`dsx3d.models.zb_auto`); the estimator, which cannot measure, assumes [1, 1, 1]."""
 
 
 class ClusterSection(_Section):

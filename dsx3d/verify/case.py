@@ -82,8 +82,8 @@ class ParityCase:
     """parallel.sequence_parallel (takes effect with tp > 1)"""
     schedule: str = "1f1b"
     """parallel.schedule (with pp > 1): "1f1b" or "zb-h1"."""
-    zb_costs: tuple[float, float, float] | None = None
-    """parallel.zb_costs: the F, B, W durations zb-h1's order is built for."""
+    zb_costs: tuple[float, float, float] | str | None = None
+    """parallel.zb_costs: the F, B, W durations zb-h1's order is built for, or "auto" (measured)."""
     lora: dict[str, Any] | None = None
     """A recipe's model.lora section: both sides train peft LoRA adapters on the frozen model (the reference
     is `peft.get_peft_model` on the same HF model; only the adapters are compared)."""

@@ -1,39 +1,42 @@
-"""Pipeline bubble: measured idle fraction per stage against (p-1)/(m+p-1), for m = p, 2p and 4p.
+"""Pipeline bubble: 1F1B, zb-h1 (the ZB-H1 order for equal costs) and zb-h1 with `zb_costs: auto` (the
+cost-aware order built from the F, B, W durations the engine measured in its second and third steps), at p = 2 and 4.
 
-Method. One engine per m (pp=p, dp=tp=1, same model, micro-batch and stage split) is built in the same p
-ranks; they are stepped alternately (round-robin, order reversed every round, a barrier before each step).
-Every schedule instruction the DeepSpeed PipelineEngine executes is timed (`bench_common.InstructionClock`
-wraps the engine's instruction table). A stage is busy while it runs ForwardPass or BackwardPass (the
-loss is part of the last stage's forward); everything else inside the step (waiting in send/recv, loading
-micro-batches) is idle. The pipeline window of a step runs from the moment all ranks have left the barrier
-to the end of the last BackwardPass on any stage; the gradient reduction and optimizer step after it are
-not pipeline time. Idle fraction of stage s = 1 - busy_s / window, averaged over the timed steps. The
-analytic figure assumes equally loaded stages; the measured per-micro-batch busy time of each stage is
-reported so an imbalance can be seen. Each instruction's CPU time is recorded too: per part (F, B, W) per
-micro-batch, summed per step, and a replay of every step with CPU times as durations (`replay.py`), which is
-what the schedule gives without the waiting for a core that dominates wall time on an oversubscribed machine.
-Peak memory: each rank's peak RSS during the step over its RSS at the step's start (VmHWM reset before each
-step; run with MALLOC_MMAP_THRESHOLD_=65536 so freed tensors leave the RSS).
+Method. For each p, one engine per (schedule, m) (pp = p, dp = tp = 1, same model, micro-batch and split) is
+built in the same p forked ranks; all are stepped in every round, the order reversed every other round
+(A B C ... C B A: load drift hits every schedule alike), a barrier before each step. Each engine carries a
+`dsx3d.models.stage_clock.StageClock`: every instruction's wall span and CPU time. A stage is busy while it
+runs F, B or W (the loss is part of the last stage's F); everything else in the step is idle: waiting in a
+receive or a send, loading micro-batches, the engine's other instructions and the dispatch between
+instructions. The pipeline window of a step runs from the moment all ranks have left the barrier to the end
+of the last pass on any stage (the gradient reduce and optimizer step after it are not pipeline time).
+Idle fraction of stage s = 1 - busy_s / window, averaged over the timed steps, also replayed with each
+instruction's CPU time as its duration (`replay.py`: what the order gives without the wait for a core that
+dominates wall time on an oversubscribed machine). Bounds per row: `analytic` (the schedule's own: 1F1B's
+(p-1)/(m+p-1), ZB-H1's for equal costs, the cost-aware order simulated with the measured costs) and
+`simulated` (the row's order simulated with the per-stage CPU costs measured in this run, no transfer time).
+Step ratios are per round (new / 1F1B at the same m, both stepped in that round): median and range.
+Peak memory: each rank's peak RSS during the step over its RSS at the step's start (run with
+MALLOC_MMAP_THRESHOLD_=65536 so freed tensors leave the RSS).
 
-    python -m scripts.bench.bubble [--quick] [--pp 2] [--rounds N] [--no-write]
+    python -m scripts.bench.bubble [--quick] [--pp 2 4] [--micro-batches 4 8 16] [--rounds N] [--no-write]
+        [--stage-layers 2 1 1 0]   (an explicit split for the p it fits; results under their own key)
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
 
 import torch
 
 from dsx3d.distributed import comm
+from dsx3d.models.stage_clock import StageClock
 from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
-from scripts.bench.replay import replay
+from scripts.bench.bubble_figures import compare, stage_figures
 
-BUSY = ("ForwardPass", "BackwardPass", "BackwardInput", "BackwardWeight")
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = {"1f1b": ("1f1b", None), "zb-h1": ("zb-h1", None), "zb-h1-auto": ("zb-h1", "auto")}
 
 
 def _key(schedule: str, m: int) -> str:
@@ -41,20 +44,17 @@ def _key(schedule: str, m: int) -> str:
 
 
 def worker(
-    rank: int,
-    works: dict[int, bc.Workload],
-    state: dict[str, torch.Tensor],
-    pp: int,
-    rounds: int,
-    warmup: int,
-    schedules: tuple[str, ...] = SCHEDULES,
-    zb_costs: tuple[float, float, float] | None = None,
+    rank: int, works: dict[int, bc.Workload], state: dict[str, torch.Tensor], pp: int, rounds: int, warmup: int,
+    schedules: tuple[str, ...], stage_layers: list[int] | None = None,
 ) -> dict[str, Any]:
     contenders, clocks, batches = [], {}, {}
-    for schedule in schedules:
+    for name in schedules:
+        schedule, costs = SCHEDULES[name]
         for m, work in works.items():
-            c = bc.dsx3d_contender(_key(schedule, m), work, state, dp=1, pp=pp, schedule=schedule, zb_costs=zb_costs)
-            clocks[c.name] = bc.InstructionClock(c.engine.ds_engine)
+            c = bc.dsx3d_contender(
+                _key(name, m), work, state, dp=1, pp=pp, schedule=schedule, zb_costs=costs, stage_layers=stage_layers
+            )
+            clocks[c.name] = StageClock(c.engine.ds_engine)
             contenders.append(c)
             batches[c.name] = bc.make_batches(work, warmup + rounds)
     steps: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
@@ -69,140 +69,66 @@ def worker(
             peak = None if rss is None else bc.proc_status_kb("VmHWM") - rss
             if r >= warmup:
                 steps[c.name].append({"start": t0, "events": events, "peak_kb": peak})
-    return {"stage": c.engine.placement.pp, "steps": steps}
+    costs = {c.name: getattr(c.engine.ds_engine, "dsx3d_zb_costs", None) for c in contenders}
+    return {"stage": c.engine.placement.pp, "steps": steps, "costs": costs}
 
 
-PARTS = {"F": ("ForwardPass",), "B": ("BackwardPass", "BackwardInput"), "W": ("BackwardWeight",)}
+def run_pp(
+    p: int, config: Any, seq: int, ms: list[int], rounds: int, schedules: tuple[str, ...], state: Any,
+    stage_layers: list[int] | None = None,
+) -> dict[str, Any]:
+    works = {m: bc.Workload(config, micro_batch=2, seq_len=seq, global_batch=2 * m) for m in ms}
+    per_rank = run_ranks(worker, p, works, state, p, rounds, 4, schedules, stage_layers, timeout_s=3000)
+    per_rank.sort(key=lambda r: r["stage"])
+    rows = [
+        {"schedule": name, "p": p, "m": m, **stage_figures(per_rank, _key(name, m), m)}
+        for name in schedules
+        for m in works
+    ]
+    compare(rows, per_rank, {name: SCHEDULES[name] for name in schedules})
+    from dsx3d.models.pipeline import stage_bounds
 
-
-def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int) -> dict[str, Any]:
-    """Idle fraction per stage, averaged over steps (see the module docstring); busy wall and CPU time per
-    micro-batch of each part (F, B: the whole backward under 1F1B, W), and the step's peak RSS over its start."""
-    n_steps = len(per_rank[0]["steps"][name])
-    stages = sorted(r["stage"] for r in per_rank)
-    idle: dict[int, list[float]] = {s: [] for s in stages}
-    busy_per_mb: dict[int, list[float]] = {s: [] for s in stages}
-    parts: dict[tuple[int, str, int], list[float]] = {}  # (stage, part, 0 wall / 1 cpu) -> per step
-    peaks: dict[int, list[int]] = {s: [] for s in stages}
-    windows, cpu_steps, replayed = [], [], []
-    for i in range(n_steps):
-        replayed.append(
-            replay({r["stage"]: [(k, c) for k, _, _, c in r["steps"][name][i]["events"]] for r in per_rank})
-        )
-        start = max(r["steps"][name][i]["start"] for r in per_rank)
-        end = max(
-            e for r in per_rank for (kind, _, e, _) in r["steps"][name][i]["events"] if kind in BUSY[1:]
-        )
-        windows.append(end - start)
-        cpu_step = 0.0
-        for r in per_rank:
-            st, events = r["stage"], r["steps"][name][i]["events"]
-            busy = sum(e - b for kind, b, e, _ in events if kind in BUSY)
-            idle[st].append(1 - busy / (end - start))
-            busy_per_mb[st].append(busy / m)
-            for part, kinds in PARTS.items():
-                chosen = [(e - b, c) for kind, b, e, c in events if kind in kinds]
-                parts.setdefault((st, part, 0), []).append(sum(w for w, _ in chosen) / m)
-                parts.setdefault((st, part, 1), []).append(sum(c for _, c in chosen) / m)
-            cpu_step += sum(c for kind, _, _, c in events if kind in BUSY)
-            if r["steps"][name][i]["peak_kb"] is not None:
-                peaks[st].append(r["steps"][name][i]["peak_kb"])
-        cpu_steps.append(cpu_step)
-
-    def ms(values: list[float]) -> float:
-        return bc.rounded(1e3 * statistics.median(values), 3)
-
-    return {
-        "idle_per_stage": [bc.rounded(statistics.fmean(idle[s]), 3) for s in stages],
-        "idle_mean": bc.rounded(statistics.fmean(statistics.fmean(v) for v in idle.values()), 3),
-        "busy_ms_per_micro_batch": [ms(busy_per_mb[s]) for s in stages],
-        "part_ms_per_micro_batch": {
-            part: {"wall": [ms(parts[(s, part, 0)]) for s in stages], "cpu": [ms(parts[(s, part, 1)]) for s in stages]}
-            for part in PARTS
-        },
-        "busy_cpu_ms_per_step": ms(cpu_steps),
-        "peak_mib_over_step_start": [
-            bc.rounded(max(peaks[s]) / 1024, 3) if peaks[s] else None for s in stages
-        ],
-        "window_ms": ms(windows),
-        "replayed": {  # the same steps replayed with CPU times as durations (scripts/bench/replay.py)
-            "idle_per_stage": [
-                bc.rounded(statistics.fmean(1 - x["busy"][s] / x["window"] for x in replayed), 3) for s in stages
-            ],
-            "window_ms": ms([x["window"] for x in replayed]),
-        },
-    }
+    return {"stage_bounds": stage_bounds(config, p, seq, stage_layers), "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds: a smoke run")
-    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks); p > cores oversubscribes")
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline stages (ranks); p > cores oversubscribes")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8, quick 2)")
     parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=None, help="m values (default p, 2p, 4p)")
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
-    parser.add_argument("--zb-costs", type=float, nargs=3, default=None, metavar=("F", "B", "W"),
-                        help="relative F, B, W durations zb-h1's order is built for (parallel.zb_costs)")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16], help="m values")
+    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    parser.add_argument("--stage-layers", type=int, nargs="+", default=None,
+                        help="parallel.stage_layers for the p with that many stages (default: the cost-balanced split)")
     args = parser.parse_args(argv)
-    rounds, warmup, p = args.rounds or (2 if args.quick else 8), 1, args.pp
+    rounds = args.rounds or (2 if args.quick else 8)
     config = bc.bench_config(args.quick)
     seq = 32 if args.quick else 128
-    works = {
-        m: bc.Workload(config, micro_batch=2, seq_len=seq, global_batch=2 * m)
-        for m in (args.micro_batches or (p, 2 * p, 4 * p))
-    }
-    schedules = tuple(args.schedules)
-    zb_tuple = tuple(args.zb_costs) if args.zb_costs else None
     warm_up()
     state = bc.make_state(config)
     with bc.provenance(args.quick) as meta:
-        per_rank = run_ranks(worker, p, works, state, p, rounds, warmup, schedules, zb_tuple, timeout_s=1800)
-    from dsx3d.estimate.schedules import schedule_bubble
-
-    rows = []
-    for schedule in schedules:
-        for m in works:
-            figures = stage_figures(per_rank, _key(schedule, m), m)
-            rows.append({
-                "schedule": schedule, "p": p, "m": m,
-                "analytic": bc.rounded(schedule_bubble(schedule, p, m, zb_tuple), 3),
-                "analytic_1f1b": bc.rounded((p - 1) / (m + p - 1), 3),
-                **figures,
-            })
-    base = {r["m"]: r for r in rows if r["schedule"] == "1f1b"}
-    for r in rows:
-        if r["schedule"] != "1f1b" and r["m"] in base:
-            b = base[r["m"]]
-            r["window_ratio_vs_1f1b"] = bc.rounded(r["window_ms"] / b["window_ms"], 3)
-            r["replayed"]["window_ratio_vs_1f1b"] = bc.rounded(
-                r["replayed"]["window_ms"] / b["replayed"]["window_ms"], 3
+        runs = {
+            str(p): run_pp(
+                p, config, seq, args.micro_batches, rounds, tuple(args.schedules), state,
+                args.stage_layers if args.stage_layers and len(args.stage_layers) == p else None,
             )
-            r["busy_cpu_ratio_vs_1f1b"] = bc.rounded(r["busy_cpu_ms_per_step"] / b["busy_cpu_ms_per_step"], 3)
-            r["peak_ratio_vs_1f1b"] = [
-                bc.rounded(z / o, 3) if z and o else None
-                for z, o in zip(r["peak_mib_over_step_start"], b["peak_mib_over_step_start"], strict=True)
-            ]
-    from dsx3d.models.pipeline import stage_bounds
-
-    bounds = stage_bounds(config, p, seq, None)
+            for p in args.pp
+        }
     result = {
         **meta,
-        "what": "idle fraction per pipeline stage (1 - forward/backward time / pipeline window) vs (p-1)/(m+p-1)",
-        "pp": p,
-        "stage_bounds": bounds,
+        "what": "idle fraction per pipeline stage, 1F1B vs zb-h1 vs zb-h1 with measured costs, against each order's bound",
+        "cores": len(__import__("os").sched_getaffinity(0)),
         "workload": {
-            "micro_batch": 2,
-            "seq_len": seq,
-            "dtype": "fp32",
-            "hidden": config.hidden_size,
-            "layers": config.num_hidden_layers,
-            "vocab": config.vocab_size,
+            "micro_batch": 2, "seq_len": seq, "dtype": "fp32",
+            "hidden": config.hidden_size, "layers": config.num_hidden_layers, "vocab": config.vocab_size,
         },
         "rounds": rounds,
-        "rows": rows,
+        "stage_layers": args.stage_layers,
+        "runs": runs,
     }
-    bc.emit(f"bubble_pp{p}", result, write=not args.no_write)
+    key = "bubble" + ("_stage_layers_" + "_".join(map(str, args.stage_layers)) if args.stage_layers else "")
+    bc.emit(key, result, write=not args.no_write)
     return result
 
 

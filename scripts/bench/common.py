@@ -203,7 +203,8 @@ def dsx3d_contender(
     pp: int = 1,
     deepspeed: dict[str, Any] | None = None,
     schedule: str = "1f1b",
-    zb_costs: tuple[float, float, float] | None = None,
+    zb_costs: tuple[float, float, float] | str | None = None,
+    stage_layers: list[int] | None = None,
     **train: Any,
 ) -> Contender:
     """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides; `schedule`: parallel.schedule."""
@@ -211,8 +212,8 @@ def dsx3d_contender(
     from dsx3d.models.weights import StateDictSource
 
     recipe = recipe_for(work, dp, tp, pp, **train)
-    if schedule != recipe.parallel.schedule or zb_costs:
-        update = {"schedule": schedule, "zb_costs": zb_costs}
+    if schedule != recipe.parallel.schedule or zb_costs or stage_layers:
+        update = {"schedule": schedule, "zb_costs": zb_costs, "stage_layers": stage_layers}
         recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=update)})
     if deepspeed:
         recipe = recipe.model_copy(update={"deepspeed": deepspeed})

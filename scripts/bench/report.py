@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.report_bubble import bubble
 from scripts.bench.report_packing import packing
 from scripts.bench.report_tiled import tiled_loss
 from scripts.bench.report_verify import verify_sweep
@@ -101,48 +102,6 @@ def alternatives(r: dict[str, Any]) -> list[str]:
         "under its persistence threshold (10 x hidden, as transformers sets it) whole on every rank.",
         "",
     ]
-    return out
-
-
-def _cells(values: list[Any], fmt: str) -> str:
-    return ", ".join("-" if x is None else format(x, fmt) for x in values)
-
-
-def bubble(r: dict[str, Any]) -> list[str]:
-    out = [f"## Pipeline bubble, p = {r['pp']}: 1F1B and zb-h1", ""] + _header(r)
-    w = r["workload"]
-    out += [
-        f"Tiny Llama ({w['layers']} layers, width {w['hidden']}, vocabulary {w['vocab']}), micro-batch {w['micro_batch']} x "
-        f"{w['seq_len']} tokens, stage bounds {r['stage_bounds']} over [embedding, layers, norm, head]; {r['rounds']} timed steps per "
-        "row. Idle per stage: measured in wall time, and replayed with each instruction's CPU time as its duration "
-        "(`scripts/bench/replay.py`). Ratios are zb-h1 / 1F1B at the same m.",
-        "",
-        "| schedule | m | analytic idle | idle, wall, per stage | idle, replayed, per stage | window ms (wall / replayed) "
-        "| window ratio (wall / replayed) | CPU ms per micro-batch F / B / W, per stage | busy CPU ratio "
-        "| step peak MiB per stage | peak ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in r["rows"]:
-        rep = row.get("replayed")
-        parts = row.get("part_ms_per_micro_batch")
-        fbw = "-"
-        if parts:
-            fbw = "; ".join(
-                " / ".join(f"{parts[k]['cpu'][i]:.1f}" for k in ("F", "B", "W")) for i in range(len(row["idle_per_stage"]))
-            )
-        ratio = row.get("window_ratio_vs_1f1b")
-        ratios = "-" if ratio is None else f"{ratio:.2f} / {rep['window_ratio_vs_1f1b']:.2f}" if rep else f"{ratio:.2f}"
-        out.append(
-            f"| {row.get('schedule', '1f1b')} | {row['m']} | {row['analytic']:.3f} | {_cells(row['idle_per_stage'], '.3f')} "
-            f"| {_cells(rep['idle_per_stage'], '.3f') if rep else '-'} "
-            f"| {row['window_ms']:.0f} / {rep['window_ms']:.0f} | {ratios} | {fbw} "
-            f"| {row.get('busy_cpu_ratio_vs_1f1b', '-')} | {_cells(row.get('peak_mib_over_step_start', []), '.1f')} "
-            f"| {_cells(row.get('peak_ratio_vs_1f1b', []), '.2f') or '-'} |"
-            if rep
-            else f"| {row.get('schedule', '1f1b')} | {row['m']} | {row['analytic']:.3f} | "
-            f"{_cells(row['idle_per_stage'], '.3f')} | - | {row['window_ms']:.0f} | {ratios} | - | - | - | - |"
-        )
-    out.append("")
     return out
 
 
@@ -406,13 +365,11 @@ METHODS = """## How the figures are measured
   alone in freshly forked ranks; RSS high-water (/proc/self/status VmHWM, reset with /proc/self/clear_refs
   right after the fork) minus the RSS at the fork (the forked parent's libraries are shared), over build
   and two steps; model states = distinct parameter, gradient and optimizer-state storages after the steps.
-- **Bubble** (`scripts/bench/bubble.py`): every PipelineEngine instruction is timed by wrapping the engine's
-  instruction table. Busy = ForwardPass + BackwardPass (the loss is in the last stage's forward); the window
-  runs from the barrier to the last BackwardPass on any stage (gradient reduction and optimizer step are not
-  pipeline time); idle = 1 - busy / window. (p-1)/(m+p-1) assumes equal stages and free p2p; busy time per
-  micro-batch and stage is shown, and p2p transfers and wake-up latency (long on a loaded machine) count as
-  idle, so the measured idle sits a little above the formula. p = 2 on 2 cores (p = 4 would time-slice
-  stages on shared cores).
+- **Bubble** (`scripts/bench/bubble.py`): every PipelineEngine instruction is timed by
+  `dsx3d.models.stage_clock.StageClock` (wall span and CPU time). Busy = F, B and W passes (the loss is in the
+  last stage's forward); the window runs from the barrier to the last pass on any stage (gradient reduction
+  and optimizer step are not pipeline time); idle = 1 - busy / window, also replayed with CPU times as
+  durations. p = 4 runs 4 processes on 2 cores: they time-slice, so its wall figures are the least reliable.
 - **Communication** (`scripts/bench/comm.py`): `bench.counting.CommCounter` wraps the ProcessGroup
   methods every torch.distributed call ends in (DeepSpeed's included), recording op, group ranks and buffer
   bytes; a call is attributed to TP, DP, PP (send/recv between adjacent stages) or the tied pair by its
@@ -539,7 +496,7 @@ def render(results: dict[str, Any]) -> str:
         if key in renderers:
             lines += renderers[key](r)
         elif key.startswith("bubble"):
-            lines += bubble(r)
+            lines += bubble(r, _header(r))
         elif key == "communication_sweep":
             lines += communication_sweep(r)
         elif key.startswith("communication"):

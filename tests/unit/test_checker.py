@@ -322,6 +322,14 @@ CASES = [
         id="one-tile-holds-the-whole-micro-batch",
     ),
     pytest.param(
+        {"parallel": {"zb_costs": "auto"}},
+        None,
+        "parallel.zb_costs",
+        "error",
+        "schedule: zb-h1",
+        id="measured-costs-need-split-passes",
+    ),
+    pytest.param(
         _model(model_type="no-such-model"),
         None,
         "model.config.model_type",

@@ -13,6 +13,15 @@ KEY = "parallel.schedule"
 
 def schedule_problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
     if recipe.parallel.schedule != "zb-h1":
+        if recipe.parallel.zb_costs == "auto":
+            yield Problem(
+                "parallel.zb_costs",
+                "auto",
+                f"auto times the F, B and W passes that zb-h1 runs separately, to order them; "
+                f"parallel.schedule {recipe.parallel.schedule} runs DeepSpeed's fused backward, which has no B and "
+                "W passes to measure and no order to build",
+                "set parallel.schedule: zb-h1, or remove parallel.zb_costs",
+            )
         return
     if recipe.parallel.pp == 1:
         yield Problem(
