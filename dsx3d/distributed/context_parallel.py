@@ -34,9 +34,17 @@ ATTN_NAME = "dsx3d_cp_ulysses"
 _registered = False
 
 
-def _dispatch(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: object, **kwargs: object) -> object:
+def _dispatch(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: object = None,
+    *args: object,
+    **kwargs: object,
+) -> object:
     """The registered attention function: the module's own Ulysses wrapper."""
-    return module.__dict__["_dsx3d_ulysses"](module, query, key, value, mask, **kwargs)
+    return module.__dict__["_dsx3d_ulysses"](module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def _register() -> None:
