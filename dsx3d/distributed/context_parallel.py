@@ -83,11 +83,11 @@ def _ulysses_class() -> type[nn.Module]:
 def attention_modules(layer: nn.Module) -> list[nn.Module]:
     """The HF attention modules of a decoder layer: those that dispatch through `config._attn_implementation`
     with per-head shapes (q/k/v projections viewed as (..., heads, head_dim))."""
-    return [
-        m
-        for m in layer.modules()
-        if hasattr(m, "config") and hasattr(m, "head_dim") and hasattr(m, "num_key_value_groups")
-    ]
+    return [m for m in layer.modules() if hasattr(m, "config") and hasattr(m, "scaling") and _head_dim(m)]
+
+
+def _head_dim(attn: nn.Module) -> int:
+    return int(getattr(attn, "head_dim", None) or getattr(attn, "head_size", None) or 0)
 
 
 @dataclass
@@ -139,6 +139,8 @@ class CPContext:
         _register()
         ulysses = _ulysses_class()
         for attn in mods:
+            if hasattr(attn, "sinks") or hasattr(attn, "s_aux"):
+                raise RuntimeError(f"context parallelism: {type(attn).__name__} has per-head attention sinks")
             config = cast(PretrainedConfig, attn.config)
             core = _core_attention(attn, config._attn_implementation)
             heads = config.num_attention_heads // tp
@@ -147,7 +149,7 @@ class CPContext:
                 attn=core,
                 batch_size=1,
                 attn_head_count=heads,
-                attn_head_size=attn.head_dim,
+                attn_head_size=_head_dim(attn),
                 kv_head_count=kv // tp,
                 num_hidden_layers=num_layers,
                 process_group=self.group,

@@ -81,6 +81,20 @@ def _family(c: _Context) -> Iterator[Problem]:
         return
     text = config.get_text_config()
     reason = CP_REFUSED.get(text.model_type)
+    plan = getattr(text, "base_model_tp_plan", None) or {}
+    splits = {"full_attention", "sliding_attention"}
+    others = sorted(set(getattr(text, "layer_types", None) or []) - splits)
+    if reason is None and others:
+        reason = (
+            f"layers of type {', '.join(others)} carry a state along the sequence (a recurrent scan), which "
+            "cannot run on a slice and has no attention heads to exchange; only full and sliding-window "
+            "attention layers split over CP ranks"
+        )
+    if reason is None and any(k.endswith((".sinks", ".s_aux")) for k in plan):
+        reason = (
+            "its attention has learned per-head sinks, a parameter the attention function itself reads for the "
+            "heads this TP rank holds; after the Ulysses exchange a CP rank holds a different subset of heads"
+        )
     if reason is not None:
         yield Problem(
             "parallel.cp", cp, f"{text.model_type}: {reason}", "set parallel.cp: 1 (use parallel.tp to split this model)"
