@@ -163,3 +163,15 @@ def test_dsx3d_train_slices_sft_rows(tmp_path: Path, layout: tuple[int, int, int
     with torch.no_grad():
         expected = float(model(input_ids=ids, labels=labels, num_items_in_batch=int(counted_tokens(rows.labels).sum())).loss)
     assert evals[-1] == pytest.approx(expected, rel=1e-5)
+
+
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj"], "init_lora_weights": False}
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 2, 1)], ids=["cp2-tp2"])
+def test_cp_lora_adapters(layout: tuple[int, int, int, int]) -> None:
+    """LoRA adapters on the frozen model train as peft's on one process (only adapters are compared)."""
+    dp, cp, tp, pp = layout
+    r = run_parity(ParityCase(tiny_config("llama"), dp=dp, cp=cp, tp=tp, pp=pp, steps=2, lora=LORA))
+    assert r.ok, [f"{c.name}: {c.worst:.3g} ({c.where})" for c in r.checks if not c.ok]
+    assert r.worst_param == "" or ".lora_" in r.worst_param
