@@ -25,7 +25,7 @@ from dsx3d.recipe.schema import Recipe, load_recipe, recipe_from_dict
 from dsx3d.verify.cp_faults import CP_FAULTS
 from dsx3d.verify.harness import RankFailure, run_ranks
 from dsx3d.verify.parity import ParityCase, case_recipe, run_parity, run_verify
-from dsx3d.verify.sweep import cp_sweep_cases
+from dsx3d.verify.sweep import CP_LAYOUTS, cp_sweep_cases
 from tests.helpers.packed_parity import run_packed_parity
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
@@ -67,8 +67,15 @@ def test_cp_parity(family: str, overrides: dict, layout: tuple[int, int, int, in
     _assert_ok(run_verify(ParityCase(config, dp=dp, cp=cp, tp=tp, pp=pp, steps=2, **extra)))
 
 
+CI_LAYOUTS = [(lay, zero) for lay, zero in CP_LAYOUTS if math.prod(lay) <= 8]
+"""The CI sample's layouts: at most 8 ranks (16 are opt-in)."""
+
+
 @pytest.mark.parametrize(
-    "case", cp_sweep_cases(int(os.environ.get("DSX3D_CP_SWEEP_COUNT", "30")) if SWEEP else 1, seed=SEED),
+    "case",
+    cp_sweep_cases(int(os.environ.get("DSX3D_CP_SWEEP_COUNT", "30")), seed=SEED)
+    if SWEEP
+    else cp_sweep_cases(2, seed=SEED, layouts=CI_LAYOUTS),
     ids=lambda c: c.label,
 )
 def test_cp_parity_on_generated_configs(case) -> None:  # type: ignore[no-untyped-def]
@@ -175,3 +182,18 @@ def test_cp_lora_adapters(layout: tuple[int, int, int, int]) -> None:
     r = run_parity(ParityCase(tiny_config("llama"), dp=dp, cp=cp, tp=tp, pp=pp, steps=2, lora=LORA))
     assert r.ok, [f"{c.name}: {c.worst:.3g} ({c.where})" for c in r.checks if not c.ok]
     assert r.worst_param == "" or ".lora_" in r.worst_param
+
+
+APERTUS = {
+    "attention_bias": False, "head_dim": 8, "hidden_size": 64, "intermediate_size": 72, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "tie_word_embeddings": True, "vocab_size": 301,
+}
+
+
+@pytest.mark.skipif(not SWEEP, reason="16 ranks: opt-in (DSX3D_CP_SWEEP=1)")
+@pytest.mark.xfail(strict=True, reason="open: AdamW's final weights differ (up_proj, 15x the tolerance) while SGD's gradients match")
+def test_open_apertus_adamw_at_dp2_cp2_tp2_pp2() -> None:
+    """Found by the generated sweep: apertus (xIELU activation, QK norms) at dp2 cp2 tp2 pp2 passes the SGD
+    run (every gradient of both steps) and fails AdamW's final weights; the same config passes at dp2 cp2
+    (pp1 tp1), dp1 cp2 tp2 pp2 and dp4 tp2 pp2, and llama with the same sizes passes at dp2 cp2 tp2 pp2."""
+    _assert_ok(run_verify(ParityCase(tiny_config("apertus", **APERTUS), dp=2, cp=2, tp=2, pp=2, steps=2)))
