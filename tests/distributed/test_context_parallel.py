@@ -195,5 +195,8 @@ APERTUS = {
 def test_open_apertus_adamw_at_dp2_cp2_tp2_pp2() -> None:
     """Found by the generated sweep: apertus (xIELU activation, QK norms) at dp2 cp2 tp2 pp2 passes the SGD
     run (every gradient of both steps) and fails AdamW's final weights; the same config passes at dp2 cp2
-    (pp1 tp1), dp1 cp2 tp2 pp2 and dp4 tp2 pp2, and llama with the same sizes passes at dp2 cp2 tp2 pp2."""
+    (pp1 tp1), dp1 cp2 tp2 pp2 and dp4 tp2 pp2, and llama with the same sizes passes at dp2 cp2 tp2 pp2. It
+    fails at ZeRO-0 too, and one AdamW step passes (worst 0.026: an o_proj element with a near-zero gradient
+    moves 1e-4 apart, within what round-off explains); the second step's propagation of that admitted
+    difference exceeds the slack verify estimates for it. Not shown to be a CP defect; left open."""
     _assert_ok(run_verify(ParityCase(tiny_config("apertus", **APERTUS), dp=2, cp=2, tp=2, pp=2, steps=2)))
