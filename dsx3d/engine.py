@@ -18,7 +18,9 @@ from typing import Any, cast
 import torch
 from transformers import PretrainedConfig
 
+from dsx3d.data.cp_slice import sliced
 from dsx3d.distributed import comm
+from dsx3d.distributed.context_parallel import CPContext, create_cp_group
 from dsx3d.distributed.expert_parallel.groups import keep_pipeline_checkpoints, register_with_deepspeed
 from dsx3d.distributed.grad_clip import install_fp32_clipping
 from dsx3d.distributed.groups import DataTensorParallelGroups
@@ -72,7 +74,9 @@ class Engine3D:
     def train_step(self, micro_batches: Iterator[MicroBatch]) -> float:
         """One optimizer step over gradient_accumulation_steps micro-batches of this DP rank; the loss is
         the mean over micro-batches and DP ranks, known on every rank (with (labels, norm) micro-batches, the
-        per-token mean over the global batch)."""
+        per-token mean over the global batch). With cp > 1 each micro-batch is cut to this rank's slice
+        of every sequence here (dsx3d.data.cp_slice)."""
+        micro_batches = sliced(micro_batches, self.layout.cp, self.placement.cp)
         if self.pipelined:
             return float(self.ds_engine.train_batch(data_iter=micro_batches))
         engine, m = self.ds_engine, self.ds_engine.gradient_accumulation_steps()
@@ -87,6 +91,7 @@ class Engine3D:
 
     def eval_loss(self, micro_batches: Iterator[MicroBatch]) -> float:
         """The mean loss over gradient_accumulation_steps micro-batches and the DP ranks, without gradients."""
+        micro_batches = sliced(micro_batches, self.layout.cp, self.placement.cp)
         if self.pipelined:
             loss = self.ds_engine.eval_batch(data_iter=micro_batches, compute_loss=True, reduce_output="avg")
             return float(loss)
@@ -247,6 +252,9 @@ def build_engine(
             rank=placement.tp, size=layout.tp, sequence_parallel=recipe.parallel.sequence_parallel and layout.tp > 1
         )
         tp.bind(mpu.get_tensor_model_parallel_group())
+        cp = CPContext(rank=placement.cp, size=layout.cp)
+        if layout.cp > 1:
+            cp.bind(create_cp_group(layout.cp_groups(), comm.get_rank()))
         module = build_sequential(
             hf_config,
             tp,
@@ -255,6 +263,7 @@ def build_engine(
             after_item=_zero3_partitioner(ds_config, mpu),
             lora=lora,
             loss_tile_tokens=recipe.train.loss_tile_tokens,
+            cp=cp,
         )
     import deepspeed
 

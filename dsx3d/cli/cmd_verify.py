@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=small, default=2)
     p.add_argument("--ep", type=small, default=1, help="expert parallelism of an MoE model (divides dp)")
     p.add_argument(
+        "--cp", type=small, default=1, help="context parallelism: every sequence split over cp ranks (Ulysses attention)"
+    )
+    p.add_argument(
         "--zero-stage",
         type=int,
         choices=[0, 1, 2, 3],
@@ -156,22 +159,23 @@ def run(args: argparse.Namespace) -> int:
     from dsx3d.verify.harness import RankFailure, warm_up
     from dsx3d.verify.parity import ParityCase, case_recipe, run_verify
 
-    if args.dp * args.tp * args.pp > MAX_VERIFY_WORLD:
+    world = args.dp * args.cp * args.tp * args.pp
+    if world > MAX_VERIFY_WORLD:
         raise UserError.single(
-            "--dp x --tp x --pp", args.dp * args.tp * args.pp, f"more than the {MAX_VERIFY_WORLD} ranks verify forks on this machine",
+            "--dp x --cp x --tp x --pp", world, f"more than the {MAX_VERIFY_WORLD} ranks verify forks on this machine",
             "choose smaller degrees",
         )
     config, model, dropped = _config_and_model(args)
     case = ParityCase(
-        config, dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, steps=args.steps, micro_batch_size=args.micro_batch_size,
+        config, dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, ep=args.ep, steps=args.steps, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr, dtype=args.dtype, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage, schedule=args.schedule,
         stage_layers=args.stage_layers, loss_tile_tokens=args.loss_tile_tokens,
     )
     raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config, data=False))
     log.info(
-        "verify: %s at dp=%d tp=%d pp=%d ep=%d, ZeRO-%d, %d steps, %s",
-        config.model_type, args.dp, args.tp, args.pp, args.ep, args.zero_stage, args.steps, args.dtype,
+        "verify: %s at dp=%d cp=%d tp=%d pp=%d ep=%d, ZeRO-%d, %d steps, %s",
+        config.model_type, args.dp, args.cp, args.tp, args.pp, args.ep, args.zero_stage, args.steps, args.dtype,
     )
     if dropped:
         log.info("verify compares without dropout (set to 0: %s)", ", ".join(f"{k}={v:g}" for k, v in dropped.items()))
@@ -195,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(r: Any) -> None:
     lay = r.layout
     ep = f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else ""
-    print(f"{r.optimizer} at dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}{ep} zero={lay['zero_stage']}")
+    cp = f" cp={lay['cp']}" if lay.get("cp", 1) > 1 else ""
+    print(f"{r.optimizer} at dp={lay['dp']}{cp} tp={lay['tp']} pp={lay['pp']}{ep} zero={lay['zero_stage']}")
     print(f"{'step':>4}  {'loss (HF)':>12}  {'loss (3D)':>12}  {'grad norm (HF)':>14}  {'grad norm (3D)':>14}")
     for i, (a, b, c, d) in enumerate(zip(r.losses_ref, r.losses_3d, r.grad_norms_ref, r.grad_norms_3d, strict=True)):
         print(f"{i + 1:>4}  {a:>12.7f}  {b:>12.7f}  {c:>14.7f}  {d:>14.7f}")

@@ -214,6 +214,16 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         if state.engine is None:
             from dsx3d.engine import build_engine
 
+            cp = state.recipe.parallel.cp
+            if cp > 1:
+                raise UserError.single(
+                    "parallel.cp",
+                    cp,
+                    "dsx3d.Trainer does not run context parallelism: HF's collators pad each batch to its own "
+                    "longest row, which cp need not divide, and a compute_loss_func would get the CP slices' "
+                    "shifted targets instead of HF's labels",
+                    "train with `dsx3d train`, which cuts every sequence into CP slices, or set parallel.cp: 1",
+                )
             args = self.args
             optimizer = {
                 "type": "AdamW",

@@ -6,7 +6,8 @@ rows add their integer position_ids (`dsx3d.models.packed`). With
 sequence parallelism hidden_states is this TP rank's (b, s/t, h) shard of the sequence; the recorded layer
 calls (masks, rotary tables) stay whole-sequence, which is what the TP regions (attention) see. An MoE
 family with an auxiliary loss appends the router logits of the layers so far (`dsx3d.models.moe`), from the
-first stage that has a router on.
+first stage that has a router on. With context parallelism (`dsx3d.distributed.context_parallel`)
+hidden_states and input_ids are this CP rank's slice of the sequence and position_ids the whole sequence's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from dsx3d.distributed.context_parallel import CPContext
 from dsx3d.distributed.expert_parallel.experts import ExpertContext, shard_experts
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -55,8 +57,11 @@ class LayerBuilder:
         source: WeightSource,
         experts: ExpertContext | None = None,
         lora: LoraSpec | None = None,
+        cp: CPContext | None = None,
     ):
         self.config, self.plan, self.tp, self.source = config, plan, tp, source
+        self.cp = cp if cp is not None else CPContext()
+        """Context parallelism: its group must be bound before layers are owned (Ulysses attention)."""
         self.experts = experts if experts is not None else ExpertContext(tp)
         self.lora = lora
         """With LoRA, every parameter read from the weights is frozen and decoder layers get peft adapters."""
@@ -149,7 +154,10 @@ class LayerBuilder:
         return self._own(self.skeleton.submodule(rel_name), rel_name, on_sequence)
 
     def own_layer(self, index: int) -> nn.Module:
-        return self._own(self.skeleton.layers[index], f"{self.plan.layers_name}.{index}")
+        layer = self._own(self.skeleton.layers[index], f"{self.plan.layers_name}.{index}")
+        if self.cp.on:
+            self.cp.install(layer, self.tp.size, self.skeleton.num_layers)
+        return layer
 
     def own_embedding(self) -> nn.Module:
         embedding = self.skeleton.submodule(self.plan.embed_name)
@@ -245,7 +253,10 @@ class LayerBuilder:
         average over micro-batches and DP ranks is the global per-token mean. `HeadInputs` (tiling): the
         same sum, computed a tile of tokens at a time."""
         labels, norm = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
+        if self.cp.on:  # this CP rank's slice of targets, shifted before the cut (dsx3d.data.cp_slice)
+            target = labels.reshape(-1)
+        else:
+            target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
         if isinstance(outputs, tuple) and isinstance(outputs[1], HeadInputs):
             total, extra = tiled_loss_sum(outputs[1], target), outputs[1].aux
         else:
@@ -264,7 +275,11 @@ class LayerBuilder:
 def embed_forward(builder: LayerBuilder, inputs: object, training: bool) -> tuple[torch.Tensor, ...]:
     """input_ids, or (input_ids, position_ids) for packed rows -> what travels to the first layer."""
     input_ids, positions = packed.split_inputs(inputs)
-    return packed.pack(builder.embed(input_ids, training, positions), input_ids, positions, None)
+    hidden = builder.embed(input_ids, training, positions)
+    if builder.cp.on:  # the slice's positions in, the whole sequence's out (the layers' masks need them)
+        assert positions is not None, "context parallelism: micro-batches carry position_ids (dsx3d.data.cp_slice)"
+        positions = builder.cp.gather_positions(positions)
+    return packed.pack(hidden, input_ids, positions, None)
 
 
 class EmbeddingPipe(nn.Module):
@@ -293,7 +308,12 @@ class DecoderLayerPipe(nn.Module):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, input_ids, positions, carried = packed.unpack(inputs)
         builder = self.builder[0]
-        call = builder.skeleton.layer_calls(input_ids, hidden.dtype, positions)[self.index]
+        if builder.cp.on:  # masks for the whole sequence, rotary tables for this rank's slice
+            assert positions is not None
+            args, kwargs = builder.skeleton.layer_calls(positions, hidden.dtype, positions)[self.index]
+            call = (args, builder.cp.local_call(kwargs, positions.shape[-1]))
+        else:
+            call = builder.skeleton.layer_calls(input_ids, hidden.dtype, positions)[self.index]
         args, kwargs = with_hidden(call, hidden)
         with builder.tp.item(hidden, training=self.training):  # no region open at either end
             with moe.capture_router_logits(self.routers) as router_logits:

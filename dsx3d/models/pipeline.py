@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from dsx3d.distributed import comm
+from dsx3d.distributed.context_parallel import CPContext, create_cp_group
 from dsx3d.distributed.expert_parallel.experts import ExpertContext
 from dsx3d.distributed.expert_parallel.groups import ExpertGroups, create_expert_groups, moe_marker
 from dsx3d.distributed.tensor_parallel.context import TPContext
@@ -173,11 +174,14 @@ def build_pipeline(
     place = layout.placement(rank)
     tp = TPContext(rank=place.tp, size=layout.tp, sequence_parallel=sequence_parallel and layout.tp > 1)
     experts = ExpertContext(tp, ep_rank=layout.ep_rank(rank), ep=layout.ep)
+    cp = CPContext(rank=place.cp, size=layout.cp)
+    if layout.cp > 1:  # before DeepSpeed's grid: every rank creates the groups in the same order
+        cp.bind(create_cp_group(layout.cp_groups(), rank))
     groups: ExpertGroups | None = None
     if layout.ep > 1:
         groups = create_expert_groups(layout.ep_groups(), layout.edp_groups(), rank)
         experts.group, experts.group_name = groups.ep_group, groups.name
-    builder = LayerBuilder(config, plan, tp, source, experts, lora)
+    builder = LayerBuilder(config, plan, tp, source, experts, lora, cp)
     builder.loss_tile_tokens = loss_tile_tokens
     bounds = stage_bounds(config, layout.pp, seq_len, stage_layers)
 

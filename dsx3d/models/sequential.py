@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
+from dsx3d.distributed.context_parallel import CPContext
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.models.family_spec import resolve_family
 from dsx3d.models.lora import LoraSpec
@@ -109,9 +110,10 @@ def build_sequential(
     after_item: Callable[[nn.Module], None] | None = None,
     lora: LoraSpec | None = None,
     loss_tile_tokens: int = 0,
+    cp: CPContext | None = None,
 ) -> SequentialLM:
     """This rank's whole model, TP-sharded over `tp` (whose group must be bound when tp.size > 1); with
     `lora`, frozen with peft adapters (dsx3d.models.lora)."""
-    builder = LayerBuilder(config, resolve_family(config), tp, source, lora=lora)
+    builder = LayerBuilder(config, resolve_family(config), tp, source, lora=lora, cp=cp)
     builder.loss_tile_tokens = loss_tile_tokens
     return SequentialLM(builder, activation_checkpointing=activation_checkpointing, after_item=after_item)

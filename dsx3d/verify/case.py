@@ -58,6 +58,8 @@ class ParityCase:
     pp: int = 1
     ep: int = 1
     """Expert parallelism (divides dp): MoE experts split over ep DP ranks, tokens exchanged all-to-all."""
+    cp: int = 1
+    """Context parallelism: every sequence split over cp ranks (Ulysses attention)."""
     steps: int = 3
     micro_batch_size: int = 2
     micro_batches: int = 2
@@ -90,7 +92,7 @@ class ParityCase:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def global_batch(self) -> int:

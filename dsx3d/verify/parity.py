@@ -104,6 +104,7 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "tp": case.tp,
                 "pp": case.pp,
                 "ep": case.ep,
+                "cp": case.cp,
                 "stage_layers": case.stage_layers,
                 "sequence_parallel": case.sequence_parallel,
                 "schedule": case.schedule,
@@ -228,7 +229,7 @@ def run_parity(
             if diff > worst:
                 worst, worst_name = diff, name
     return ParityResult(
-        layout={"dp": case.dp, "tp": case.tp, "pp": case.pp, "ep": case.ep, "zero_stage": case.zero_stage},
+        layout={"dp": case.dp, "cp": case.cp, "tp": case.tp, "pp": case.pp, "ep": case.ep, "zero_stage": case.zero_stage},
         optimizer=case.optimizer,
         losses_ref=ref.losses,
         losses_3d=losses_3d,

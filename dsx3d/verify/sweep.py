@@ -46,6 +46,8 @@ class SweepCase:
     dtype: str = "fp32"
     checkpoint: bool = False
     """Saved as a published checkpoint (bf16, sharded, indexed) and read back through verify's --model."""
+    cp: int = 1
+    """Context parallelism (`cp_sweep_cases`); layout stays (dp, tp, pp)."""
 
     def config(self) -> PretrainedConfig:
         return tiny_config(self.family, **self.dims)
@@ -54,7 +56,8 @@ class SweepCase:
     def label(self) -> str:
         dims = ",".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
         ckpt = ",ckpt" if self.checkpoint else ""
-        return f"{self.family}[{dims}]@dp{self.layout[0]}tp{self.layout[1]}pp{self.layout[2]}z{self.zero_stage},{self.dtype}{ckpt}"
+        cp = f"cp{self.cp}" if self.cp > 1 else ""
+        return f"{self.family}[{dims}]@dp{self.layout[0]}{cp}tp{self.layout[1]}pp{self.layout[2]}z{self.zero_stage},{self.dtype}{ckpt}"
 
     def stage_layers(self) -> list[int] | None:
         """An even split for bf16 pipelines: DeepSpeed's BF16_Optimizer crashes on a stage without parameter
@@ -119,4 +122,63 @@ def sweep_cases(count: int, seed: int = 0, layouts: list[tuple[tuple[int, int, i
             continue
         kept = {k: v for k, v in case.dims.items() if getattr(config, k, None) == v}
         cases.append(SweepCase(family, kept, layout, zero, case.dtype, case.checkpoint))
+    return cases
+
+
+CP_LAYOUTS: list[tuple[tuple[int, int, int, int], int]] = [
+    # ((dp, cp, tp, pp), ZeRO stage)
+    ((1, 2, 1, 1), 1),
+    ((1, 2, 2, 1), 1),
+    ((1, 2, 1, 2), 1),
+    ((2, 2, 1, 2), 1),
+    ((2, 2, 1, 1), 2),
+    ((1, 4, 1, 1), 3),
+    ((2, 2, 2, 2), 1),
+]
+CP_HEADS = (4, 8, 12)
+
+
+def _cp_dims(rng: random.Random) -> dict[str, object]:
+    """`_dims` with head counts that split over tp x cp (heads 4, 8 or 12; kv heads 2, 4 or all)."""
+    dims = _dims(rng)
+    heads = rng.choice(CP_HEADS)
+    head_dim = int(str(dims["head_dim"]))
+    dims.update(
+        num_attention_heads=heads,
+        num_key_value_heads=rng.choice([k for k in (2, 4, heads) if heads % k == 0]),
+        hidden_size=heads * head_dim,
+    )
+    return dims
+
+
+def cp_sweep_cases(
+    count: int, seed: int = 0, layouts: list[tuple[tuple[int, int, int, int], int]] | None = None
+) -> list[SweepCase]:
+    """`count` buildable cases with context parallelism, round-robin over the families the checker lets run
+    at cp > 1 (tp 2 supported, not MoE, not refused), with `_cp_dims` sizes and a layout from `layouts`
+    (default `CP_LAYOUTS`). A draw the checker refuses (heads that do not split) is drawn again."""
+    from dsx3d.recipe.checks import check_recipe
+    from dsx3d.verify.parity import ParityCase, case_recipe
+
+    rng = random.Random(seed)
+    layouts = layouts or CP_LAYOUTS
+    families = [f for f in families_with_plans() if refusal(f, 2) is None]
+    cases: list[SweepCase] = []
+    misses = 0
+    while len(cases) < count and misses < 50 * count:
+        family = families[(len(cases) + misses) % len(families)]
+        (dp, cp, tp, pp), zero = layouts[rng.randrange(len(layouts))]
+        case = SweepCase(family, _cp_dims(rng), (dp, tp, pp), zero, rng.choice(DTYPES), cp=cp)
+        try:
+            config = case.config()
+            _runs_in_transformers(config)
+        except Exception:  # sizes the family's own config or model refuses: draw new ones
+            misses += 1
+            continue
+        parity = ParityCase(config, dp=dp, cp=cp, tp=tp, pp=pp, zero_stage=zero)
+        if any(p.severity == "error" for p in check_recipe(case_recipe(parity), parity.world_size, config, data=False)):
+            misses += 1
+            continue
+        kept = {k: v for k, v in case.dims.items() if getattr(config, k, None) == v}
+        cases.append(SweepCase(family, kept, (dp, tp, pp), zero, case.dtype, cp=cp))
     return cases

@@ -190,7 +190,9 @@ def _write_stage(
     message instead of raising, so that every peer still takes part in every gather."""
     place, layout = engine.placement, engine.layout
     split_experts = layout.ep > 1 and any(d[4] for layer in stages[place.pp] for d in layer)
-    if place.dp != 0 and engine.zero_stage < 3 and not (split_experts and place.dp < layout.ep):
+    # CP ranks of a DP index hold the same weights: the first (cp index 0) exports them
+    replica = place.dp != 0 or place.cp != 0
+    if replica and engine.zero_stage < 3 and not (split_experts and place.dp < layout.ep):
         return None
     writer_rank = layout.rank_of(pp=place.pp, dp=0, tp=0)
     is_writer = place.rank == writer_rank
@@ -212,7 +214,7 @@ def _write_stage(
             tensors = {}
             with engine.gathered(params[name] for name, *_ in layer):
                 for name, _, _, dim, expert in layer:
-                    if place.dp != 0 and not expert:
+                    if replica and not expert:
                         continue
                     t = (merged[name]() if name in merged else params[name].detach()).to(dtype)
                     if dim is not None and layout.tp > 1:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dsx3d.errors import Problem, UserError
 from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.recipe.checks.context import Rule, _Context, _warning
+from dsx3d.recipe.checks.context_parallel import context_parallel_problems
 from dsx3d.recipe.checks.deepspeed import (
     _auto_left,
     _batch_overrides,
@@ -123,6 +124,7 @@ RULES: list[Rule] = [
     _monitor_packages,
     _family_supported,
     _sequence_parallel,
+    context_parallel_problems,
     _model_builds,
     _tracking_packages,
     _lora,

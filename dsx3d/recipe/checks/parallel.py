@@ -13,20 +13,20 @@ from dsx3d.recipe.checks.context import _Context, _divisors, _warning
 def _world_size_matches(c: _Context) -> Iterator[Problem]:
     cp = c.recipe.parallel.cp
     per_replica = c.tp * c.pp * cp
-    degrees = f"cp x tp x pp = {cp} x {c.tp} x {c.pp}" if cp > 1 else f"tp x pp = {c.tp} x {c.pp}"
+    degrees, names = (f"{c.tp} x {c.pp}", "tp x pp") if cp == 1 else (f"{cp} x {c.tp} x {c.pp}", "cp x tp x pp")
     if c.recipe.parallel.dp == "auto":
         if c.world_size % per_replica:
             yield Problem(
                 "parallel.dp",
                 "auto",
-                f"{degrees} = {per_replica} does not divide the world size {c.world_size} ({c.world_source})",
-                f"change {'parallel.cp / ' if cp > 1 else ''}parallel.tp / parallel.pp, or the cluster, so that "
-                f"{degrees.split(' = ')[0]} divides the world size",
+                f"{names} = {degrees} = {per_replica} does not divide the world size {c.world_size} ({c.world_source})",
+                f"change parallel.{names.replace(' x ', ' / parallel.')}, or the cluster, so that {names} divides the world size",
             )
     elif c.dp * per_replica != c.world_size:
+        key = "parallel.dp x parallel.tp x parallel.pp" if cp == 1 else "parallel.dp x parallel.cp x parallel.tp x parallel.pp"
         yield Problem(
-            f"parallel.dp x {'parallel.cp x ' if cp > 1 else ''}parallel.tp x parallel.pp",
-            f"{c.dp} x {f'{cp} x ' if cp > 1 else ''}{c.tp} x {c.pp} = {c.dp * per_replica}",
+            key,
+            f"{c.dp} x {degrees} = {c.dp * per_replica}",
             f"must equal the world size {c.world_size} ({c.world_source})",
             "set parallel.dp: auto, or change the degrees or the cluster",
         )
