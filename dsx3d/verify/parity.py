@@ -29,7 +29,7 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -38,11 +38,13 @@ from dsx3d.verify.case import (  # noqa: F401
     CRITERIA,
     FP32_EPS,
     LOSS_TOL_FP32,
+    Check,
     Criteria,
     ParityCase,
     make_batches,
     micro_batch,
 )
+from dsx3d.verify.clip_check import applied_norm_check
 from dsx3d.verify.reference import (  # noqa: F401
     Reference,
     _accumulate_grads,
@@ -55,16 +57,6 @@ from dsx3d.verify.reference import (  # noqa: F401
 
 """Spacing of fp32 numbers at 1.0 (2^-23): an element w is rounded to within FP32_EPS * |w|."""
 """Loss difference allowed in fp32, relative to max(1, |loss|)."""
-
-
-@dataclass
-class Check:
-    """One criterion's verdict: the worst value seen (as a fraction of what is allowed: <= 1 passes)."""
-
-    name: str
-    worst: float
-    where: str
-    ok: bool
 
 
 @dataclass
@@ -146,11 +138,14 @@ def _rank_worker(
 ) -> dict[str, object]:
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
+    from dsx3d.verify.master_weights import master_shards
 
     engine = build_engine(
         case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case)
     )
+    masters = case.optimizer == "sgd" and case.dtype != "fp32"  # dsx3d.verify.master_weights
     losses, norms, shards = [], [], []
+    initial = master_shards(engine) if masters else None
     for batch in batches:
         micro = iter(
             [
@@ -163,10 +158,10 @@ def _rank_worker(
         losses.append(engine.train_step(micro))
         norms.append(engine.grad_norm)
         if case.optimizer == "sgd":
-            shards.append(engine.hf_shards())
+            shards.append(master_shards(engine) if masters else engine.hf_shards())
     if case.optimizer != "sgd":
         shards.append(engine.hf_shards())
-    return {"losses": losses, "norms": norms, "shards": shards}
+    return {"losses": losses, "norms": norms, "shards": shards, "initial": initial}
 
 
 def run_parity(
@@ -216,8 +211,14 @@ def run_parity(
         checks.append(Check("parameters", float("inf"), f"missing from the 3D model: {missing}", False))
     elif case.optimizer == "sgd":
         after = [*merged]  # parameters after step t, t = 1..steps
-        before = [initial, *after[:-1]]
+        start = initial
+        if results[0]["initial"] is not None:  # fp32 masters: fp32's spacing (dsx3d.verify.master_weights)
+            start = merge_shards([r["initial"] for r in results], sizes)
+            criteria = replace(criteria, stored_u=FP32_EPS / 2)
+        before = [start, *after[:-1]]
         checks.append(_gradient_check(ref.snapshots, before, after, criteria, ref.update_slack))
+        if case.grad_clip > 0:
+            checks.append(applied_norm_check(before, after, norms_3d, case.lr, case.grad_clip, params))
     else:
         checks.append(_adam_weight_check(ref.snapshots[-1], merged[-1], ref.adam_slack, criteria))
     worst, worst_name = 0.0, ""
@@ -322,8 +323,6 @@ def run_verify(
     case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0
 ) -> list[ParityResult]:
     """`dsx3d verify`: the gradients through an SGD run, then the optimizer as training runs it (AdamW)."""
-    from dataclasses import replace
-
     state = None if model is None else {k: v.detach().clone() for k, v in model.state_dict().items()}
     results = []
     for optimizer in ("sgd", "adamw"):
