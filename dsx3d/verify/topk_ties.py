@@ -91,7 +91,7 @@ def flipping(spreads: list[float], choose: Callable[[int, torch.Size], torch.Ten
         with torch.no_grad():
             top = _TOPK(x.detach().movedim(dim, -1), k + 1, dim=-1, largest=largest, sorted=True)
             margin = (top.values[..., k - 1] - top.values[..., k]).abs()
-            take = (margin <= 2 * BF16_DRAWS * spread) & choose(i, margin.shape)
+            take = (margin <= BF16_DRAWS * spread) & choose(i, margin.shape)
             index = top.indices[..., :k].clone()
             index[..., k - 1] = torch.where(take, top.indices[..., k], index[..., k - 1])
             index = index.movedim(-1, dim)
