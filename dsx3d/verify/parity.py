@@ -13,6 +13,9 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
 - with SGD (`optimizer="sgd"`): every step's weight change, tensor by tensor. W_{t+1} - W_t = -lr c_t g_t,
   so this compares every parameter's gradient before the optimizer, relative to its own norm, with a small
   floor relative to the whole model's update for tensors whose gradient is (nearly) zero;
+- with SGD and clipping: that every step's update is as long as lr x the clipped norm the engine reports
+  (`dsx3d.verify.clip_check`: a check within the 3D run, free of bf16's round-off; in bf16 the SGD run reads
+  the engine's fp32 master weights, `dsx3d.verify.master_weights`);
 - with AdamW: the final weights element by element, within the move Adam's amplification of gradient
   round-off can explain. Adam's update u = lr m/(sqrt(v) + eps) changes with a gradient perturbation delta
   by about lr delta / (sqrt(v) + eps): an element whose gradient is near zero (|g| ~ eps) turns a round-off
