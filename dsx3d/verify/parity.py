@@ -14,8 +14,8 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
   so this compares every parameter's gradient before the optimizer, relative to its own norm, with a small
   floor relative to the whole model's update for tensors whose gradient is (nearly) zero;
 - with SGD and clipping: that every step's update is as long as lr x the clipped norm the engine reports
-  (`dsx3d.verify.clip_check`: a check within the 3D run, free of bf16's round-off; in bf16 the SGD run reads
-  the engine's fp32 master weights, `dsx3d.verify.master_weights`);
+  (`dsx3d.verify.clip_check`: a check within the 3D run, free of bf16's round-off; in bf16 on the engine's
+  fp32 master weights, `dsx3d.verify.master_weights`);
 - with AdamW: the final weights element by element, within the move Adam's amplification of gradient
   round-off can explain. Adam's update u = lr m/(sqrt(v) + eps) changes with a gradient perturbation delta
   by about lr delta / (sqrt(v) + eps): an element whose gradient is near zero (|g| ~ eps) turns a round-off
@@ -147,8 +147,9 @@ def _rank_worker(
         case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case)
     )
     masters = case.optimizer == "sgd" and case.dtype != "fp32"  # dsx3d.verify.master_weights
-    losses, norms, shards = [], [], []
-    initial = master_shards(engine) if masters else None
+    losses, norms, shards, master = [], [], [], []
+    if masters:
+        master.append(master_shards(engine))
     for batch in batches:
         micro = iter(
             [
@@ -161,10 +162,12 @@ def _rank_worker(
         losses.append(engine.train_step(micro))
         norms.append(engine.grad_norm)
         if case.optimizer == "sgd":
-            shards.append(master_shards(engine) if masters else engine.hf_shards())
+            shards.append(engine.hf_shards())
+        if masters:
+            master.append(master_shards(engine))
     if case.optimizer != "sgd":
         shards.append(engine.hf_shards())
-    return {"losses": losses, "norms": norms, "shards": shards, "initial": initial}
+    return {"losses": losses, "norms": norms, "shards": shards, "masters": master}
 
 
 def run_parity(
@@ -214,12 +217,11 @@ def run_parity(
         checks.append(Check("parameters", float("inf"), f"missing from the 3D model: {missing}", False))
     elif case.optimizer == "sgd":
         after = [*merged]  # parameters after step t, t = 1..steps
-        start = initial
-        if results[0]["initial"] is not None:  # fp32 masters: fp32's spacing (dsx3d.verify.master_weights)
-            start = merge_shards([r["initial"] for r in results], sizes)
-            criteria = replace(criteria, stored_u=FP32_EPS / 2)
-        before = [start, *after[:-1]]
+        before = [initial, *after[:-1]]
         checks.append(_gradient_check(ref.snapshots, before, after, criteria, ref.update_slack))
+        if results[0]["masters"]:  # bf16: the fp32 masters (dsx3d.verify.master_weights)
+            steps = [merge_shards([r["masters"][i] for r in results], sizes) for i in range(len(results[0]["masters"]))]
+            before, after = steps[:-1], steps[1:]
         if case.grad_clip > 0:
             checks.append(applied_norm_check(before, after, norms_3d, case.lr, case.grad_clip, params))
     else:
