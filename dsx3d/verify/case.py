@@ -16,6 +16,16 @@ FP32_EPS = torch.finfo(torch.float32).eps
 LOSS_TOL_FP32 = 1e-5
 
 
+@dataclass
+class Check:
+    """One criterion's verdict: the worst value seen (as a fraction of what is allowed: <= 1 passes)."""
+
+    name: str
+    worst: float
+    where: str
+    ok: bool
+
+
 @dataclass(frozen=True)
 class Criteria:
     """Tolerances of one comparison (see the module docstring)."""

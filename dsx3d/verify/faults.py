@@ -196,6 +196,11 @@ class Fault:
     config: Callable[[], PretrainedConfig]
     patch: Callable[[], contextlib.AbstractContextManager[None]]
     ep: int = 1
+    bf16_config: Callable[[], PretrainedConfig] | None = None
+    """The model in bf16, where `config`'s would hide the defect below what bf16 itself changes."""
+
+    def config_for(self, dtype: str) -> PretrainedConfig:
+        return (self.bf16_config or self.config)() if dtype == "bf16" else self.config()
 
 
 def _llama() -> PretrainedConfig:
@@ -205,6 +210,15 @@ def _llama() -> PretrainedConfig:
 def _moe() -> PretrainedConfig:
     """Mixtral: top-2 of 8 experts, fused 3D expert weights, with its load-balancing loss."""
     return tiny_config("mixtral", num_local_experts=8, output_router_logits=True)
+
+
+def _moe_every_expert() -> PretrainedConfig:
+    """Mixtral routing every token to both of its 2 experts: no top-k choice for bf16 to leave undecided.
+    On `_moe` in bf16 about half of the token choices lie within bf16's round-off of the router's scores
+    (dsx3d.verify.topk_ties: a tiny router's probabilities are nearly uniform), and the correct run differs
+    from fp32 by what those flips change; the router's own gradient, which the routing defect halves, is the
+    quantity they move most."""
+    return tiny_config("mixtral", num_local_experts=2, num_experts_per_tok=2, output_router_logits=True)
 
 
 FAULTS: dict[str, Fault] = {
@@ -236,12 +250,25 @@ FAULTS: dict[str, Fault] = {
         "replicated_with_grad_allreduce ignored", (1, 2, 1), lambda: tiny_config("qwen3"), no_qk_norm_grad_allreduce
     ),
     "expert gradients reduced over every DP rank": Fault(
-        "experts of different EP ranks averaged together", (2, 1, 2), _moe, experts_reduced_over_all_dp_ranks, ep=2
+        "experts of different EP ranks averaged together",
+        (2, 1, 2),
+        _moe,
+        experts_reduced_over_all_dp_ranks,
+        ep=2,
+        bf16_config=_moe_every_expert,
     ),
     "routing-weight gradient not summed over TP": Fault(
-        "the router learns from one TP rank's experts only", (1, 2, 1), _moe, routing_weight_grad_not_summed_over_tp
+        "the router learns from one TP rank's experts only",
+        (1, 2, 1),
+        _moe,
+        routing_weight_grad_not_summed_over_tp,
+        bf16_config=_moe_every_expert,
     ),
     "auxiliary loss lost between stages": Fault(
-        "the load-balancing loss is left out when the layers span stages", (1, 1, 2), _moe, aux_loss_lost_between_stages
+        "the load-balancing loss is left out when the layers span stages",
+        (1, 1, 2),
+        _moe,
+        aux_loss_lost_between_stages,
+        bf16_config=_moe_every_expert,
     ),
 }

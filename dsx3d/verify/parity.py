@@ -13,6 +13,9 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
 - with SGD (`optimizer="sgd"`): every step's weight change, tensor by tensor. W_{t+1} - W_t = -lr c_t g_t,
   so this compares every parameter's gradient before the optimizer, relative to its own norm, with a small
   floor relative to the whole model's update for tensors whose gradient is (nearly) zero;
+- with SGD and clipping: that every step's update is as long as lr x the clipped norm the engine reports
+  (`dsx3d.verify.clip_check`: a check within the 3D run, free of bf16's round-off; in bf16 on the engine's
+  fp32 master weights, `dsx3d.verify.master_weights`);
 - with AdamW: the final weights element by element, within the move Adam's amplification of gradient
   round-off can explain. Adam's update u = lr m/(sqrt(v) + eps) changes with a gradient perturbation delta
   by about lr delta / (sqrt(v) + eps): an element whose gradient is near zero (|g| ~ eps) turns a round-off
@@ -29,7 +32,7 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -38,11 +41,13 @@ from dsx3d.verify.case import (  # noqa: F401
     CRITERIA,
     FP32_EPS,
     LOSS_TOL_FP32,
+    Check,
     Criteria,
     ParityCase,
     make_batches,
     micro_batch,
 )
+from dsx3d.verify.clip_check import applied_norm_check
 from dsx3d.verify.reference import (  # noqa: F401
     Reference,
     _accumulate_grads,
@@ -55,16 +60,6 @@ from dsx3d.verify.reference import (  # noqa: F401
 
 """Spacing of fp32 numbers at 1.0 (2^-23): an element w is rounded to within FP32_EPS * |w|."""
 """Loss difference allowed in fp32, relative to max(1, |loss|)."""
-
-
-@dataclass
-class Check:
-    """One criterion's verdict: the worst value seen (as a fraction of what is allowed: <= 1 passes)."""
-
-    name: str
-    worst: float
-    where: str
-    ok: bool
 
 
 @dataclass
@@ -148,11 +143,15 @@ def _rank_worker(
 ) -> dict[str, object]:
     from dsx3d.engine import build_engine
     from dsx3d.models.weights import StateDictSource
+    from dsx3d.verify.master_weights import master_shards
 
     engine = build_engine(
         case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case)
     )
-    losses, norms, shards = [], [], []
+    masters = case.optimizer == "sgd" and case.dtype != "fp32"  # dsx3d.verify.master_weights
+    losses, norms, shards, master = [], [], [], []
+    if masters:
+        master.append(master_shards(engine))
     for batch in batches:
         micro = iter(
             [
@@ -166,9 +165,11 @@ def _rank_worker(
         norms.append(engine.grad_norm)
         if case.optimizer == "sgd":
             shards.append(engine.hf_shards())
+        if masters:
+            master.append(master_shards(engine))
     if case.optimizer != "sgd":
         shards.append(engine.hf_shards())
-    return {"losses": losses, "norms": norms, "shards": shards}
+    return {"losses": losses, "norms": norms, "shards": shards, "masters": master}
 
 
 def run_parity(
@@ -220,6 +221,11 @@ def run_parity(
         after = [*merged]  # parameters after step t, t = 1..steps
         before = [initial, *after[:-1]]
         checks.append(_gradient_check(ref.snapshots, before, after, criteria, ref.update_slack))
+        if results[0]["masters"]:  # bf16: the fp32 masters (dsx3d.verify.master_weights)
+            steps = [merge_shards([r["masters"][i] for r in results], sizes) for i in range(len(results[0]["masters"]))]
+            before, after = steps[:-1], steps[1:]
+        if case.grad_clip > 0:
+            checks.append(applied_norm_check(before, after, norms_3d, case.lr, case.grad_clip, params))
     else:
         checks.append(_adam_weight_check(ref.snapshots[-1], merged[-1], ref.adam_slack, criteria))
     worst, worst_name = 0.0, ""
@@ -324,8 +330,6 @@ def run_verify(
     case: ParityCase, model: torch.nn.Module | None = None, timeout_s: float = 300.0
 ) -> list[ParityResult]:
     """`dsx3d verify`: the gradients through an SGD run, then the optimizer as training runs it (AdamW)."""
-    from dataclasses import replace
-
     state = None if model is None else {k: v.detach().clone() for k, v in model.state_dict().items()}
     results = []
     for optimizer in ("sgd", "adamw"):

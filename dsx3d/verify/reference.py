@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from dsx3d.verify.bf16_roundoff import (
 )
 from dsx3d.verify.case import CRITERIA, ParityCase, micro_batch
 from dsx3d.verify.reference_clip import clip_by_exact_norm
+from dsx3d.verify.topk_ties import flip_change, recording, score_spreads
 
 
 def build_reference(case: ParityCase) -> torch.nn.Module:
@@ -52,10 +54,12 @@ class Reference:
     """AdamW: per element, how far round-off amplified by Adam can move a weight (module docstring)."""
     loss_slack: list[float] = field(default_factory=list)
     norm_slack: list[float] = field(default_factory=list)
+    """Per step: how much the weight differences admitted so far (AdamW, `_propagated_change`) and bf16
+    (dsx3d.verify.bf16_roundoff, dsx3d.verify.topk_ties) can change the loss and the gradient norm."""
     update_slack: list[dict[str, float]] = field(default_factory=list)
     """SGD in bf16, per step and tensor: how far bf16 round-off moves the weight change (dsx3d.verify.bf16_roundoff)."""
-    """AdamW, per step: how much the weight differences admitted so far can change the loss and the gradient
-    norm (0 at the first step), measured like the gradients' (`_propagated_change`)."""
+    undecided: list[int] = field(default_factory=list)
+    """bf16, per step with top-k choices: how many were within bf16's round-off (dsx3d.verify.topk_ties)."""
 
 
 def _optimizer(case: ParityCase, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -157,15 +161,21 @@ def run_reference(
             ref.snapshots.append({n: p.detach().clone() for n, p in named})
         opt.zero_grad(set_to_none=True)
         rng = torch.get_rng_state()
-        total = accumulate(case, model, batch)
+        # bf16: the inputs of every top-k choice, in this step and in the runs bf16 moves (dsx3d.verify.topk_ties)
+        ref_calls: list[torch.Tensor] = []
+        probe_calls: list[torch.Tensor] = []
+        shadow_calls: list[torch.Tensor] = []
+        with recording(ref_calls) if case.dtype == "bf16" else contextlib.nullcontext():
+            total = accumulate(case, model, batch)
         after = torch.get_rng_state()
         propagated: dict[str, torch.Tensor] = {}
         moved_loss, moved_norm = total, None
         if case.optimizer != "sgd" and ref.adam_slack:
             torch.set_rng_state(rng)
-            propagated, moved_loss, moved_norm = _propagated_change(
-                case, model, named, batch, ref.adam_slack, t, total, accumulate
-            )
+            with recording(probe_calls) if case.dtype == "bf16" else contextlib.nullcontext():
+                propagated, moved_loss, moved_norm = _propagated_change(
+                    case, model, named, batch, ref.adam_slack, t, total, accumulate
+                )
             torch.set_rng_state(after)
         max_norm = case.grad_clip if case.grad_clip > 0 else float("inf")
         unclipped = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
@@ -176,16 +186,32 @@ def run_reference(
         bf16_grad: dict[str, torch.Tensor] = {}
         if case.dtype == "bf16":
             torch.set_rng_state(rng)
-            shadow_loss, shadow_grads = bf16_shadow(
-                model, lambda m: _accumulate_grads(case, m, batch), shadow_weights  # noqa: B023
-            )
-            torch.set_rng_state(after)
+            with recording(shadow_calls):
+                shadow_loss, shadow_grads = bf16_shadow(
+                    model, lambda m: _accumulate_grads(case, m, batch), shadow_weights  # noqa: B023
+                )
             rf = Bf16Roundoff()
             record_step(rf, total, norm, unclipped, shadow_loss, shadow_grads, case.lr, max_norm)
             ref.loss_slack[-1] += BF16_DRAWS * rf.loss[0]
             ref.norm_slack[-1] += BF16_DRAWS * rf.norm[0]
             ref.update_slack.append({n: BF16_DRAWS * d for n, d in rf.update[0].items()})
             bf16_grad = rf.grad[0]
+            n_ref = len(ref_calls)
+            runs = [probe_calls[i : i + n_ref] for i in range(0, len(probe_calls), n_ref or 1)]
+            spreads = score_spreads(ref_calls, [shadow_calls, *runs])
+            if any(spreads):
+                torch.set_rng_state(rng)
+                flips, flip_loss, flip_norm, undecided = flip_change(
+                    spreads, lambda: accumulate(case, model, batch), named, unclipped, total, case.seed * 1000 + t  # noqa: B023
+                )
+                ref.undecided.append(undecided)
+                if undecided:
+                    ref.loss_slack[-1] += 2 * flip_loss
+                    ref.norm_slack[-1] += 2 * flip_norm
+                    for n, d in flips.items():
+                        ref.update_slack[-1][n] = ref.update_slack[-1].get(n, 0.0) + 2 * case.lr * clip * float(d.double().norm())
+                        propagated[n] = propagated[n] + d if n in propagated else d
+            torch.set_rng_state(after)
             if shadow_weights is not None:
                 shadow_norm = sum(float(g.double().pow(2).sum()) for g in shadow_grads.values()) ** 0.5
                 clip_norm = uncancelled_norm(float(norm), shadow_norm, rf.norm[0])

@@ -91,7 +91,7 @@ def run(count: int, seed: int, steps: int, faults: bool, skip: int = 0) -> dict[
                 key = f"{name} ({dtype})"
                 with fault.patch():
                     try:
-                        parity = ParityCase(fault.config(), dp=dp, tp=tp, pp=pp, ep=fault.ep, steps=steps, dtype=dtype)
+                        parity = ParityCase(fault.config_for(dtype), dp=dp, tp=tp, pp=pp, ep=fault.ep, steps=steps, dtype=dtype)
                         results = run_verify(parity)
                         detected[key] = not all(r.ok for r in results)
                     except RankFailure:

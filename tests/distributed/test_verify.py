@@ -37,12 +37,13 @@ def test_verify_passes_generated_configs(case, tmp_path: Path) -> None:
         assert r.ok, r.to_dict()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(FAULTS))
-def test_verify_fails_every_injected_fault(name: str) -> None:
+def test_verify_fails_every_injected_fault(name: str, dtype: str) -> None:
     fault = FAULTS[name]
     dp, tp, pp = fault.layout
     with fault.patch():
-        results = run_verify(ParityCase(fault.config(), dp=dp, tp=tp, pp=pp, ep=fault.ep, steps=2))
+        results = run_verify(ParityCase(fault.config_for(dtype), dp=dp, tp=tp, pp=pp, ep=fault.ep, steps=2, dtype=dtype))
     assert not all(r.ok for r in results), [r.to_dict() for r in results]
 
 

@@ -1,0 +1,52 @@
+"""Does the 3D side clip with the norm of the gradient it applies? A check of the SGD run that needs no
+reference and so no allowance for bf16.
+
+With plain SGD a step moves the weights by dW = -lr c g, c = min(1, max_norm / (N + 1e-6)), where g is the
+gradient the engine applied and N the global norm it clipped with. So ||dW|| / lr = c ||g||, and if N is
+the norm of g, that is c N: the norm the engine reports fixes the length of the whole update. Both sides
+of the comparison come from the 3D run (its fp32 weights, or in bf16 its fp32 master weights), so bf16's
+round-off of the gradient itself cancels; what is left is fp32's rounding of W - lr c g (one spacing per
+element) and of the norm's sum. A norm that counts some gradients twice, or misses some, changes N but not
+g: the update's length then disagrees with the reported norm by the share of the squared norm that was
+miscounted, which in bf16 lies far below the round-off of the gradients (and so of the norm compared with
+the reference's) but far above fp32's spacing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsx3d.verify.case import FP32_EPS, Check
+
+
+def applied_norm_check(
+    before: list[dict[str, torch.Tensor]],
+    after: list[dict[str, torch.Tensor]],
+    norms: list[float],
+    lr: float,
+    max_norm: float,
+    params: set[str],
+    rtol: float = 1e-5,
+) -> Check:
+    """Every step: | ||W_t+1 - W_t|| / lr - c N | <= rtol max(1, c N) + the weights' fp32 spacing / lr."""
+    worst, where, ok = 0.0, "", True
+    for t, norm in enumerate(norms):
+        moved, spacing, summation = 0.0, 0.0, 0.0
+        for name in params:
+            w0, w1 = before[t][name].double(), after[t][name].double()
+            square = float((w1 - w0).pow(2).sum())
+            moved += square
+            summation += square * w0.numel() ** 0.5
+            spacing += float((FP32_EPS * torch.maximum(w0.abs(), w1.abs())).pow(2).sum())
+        applied = moved**0.5 / lr
+        expected = min(1.0, max_norm / (norm + 1e-6)) * norm
+        # the engine's own norm sums a tensor's squares in fp32 (bf16 ZeRO and BF16_Optimizer): off by about
+        # sqrt(n) u of that tensor's share, measured 3e-5 to 9e-5 of the norm on a 32000 x 64 tied embedding
+        summed = FP32_EPS / 2 * summation / moved if moved > 0 else 0.0
+        allowed = (rtol + summed) * max(1.0, expected) + spacing**0.5 / lr
+        ratio = abs(applied - expected) / allowed
+        ok = ok and ratio <= 1.0  # NaN never passes
+        if not ratio <= worst:
+            worst = ratio
+            where = f"step {t + 1}: update length / lr {applied:.7g}, clipped norm {expected:.7g} (norm {norm:.7g})"
+    return Check("applied_norm", worst, where, ok)
