@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +49,9 @@ from dsx3d.verify.case import (  # noqa: F401
     micro_batch,
 )
 from dsx3d.verify.clip_check import applied_norm_check
+
+if TYPE_CHECKING:
+    from dsx3d.engine import Engine3D
 from dsx3d.verify.reference import (  # noqa: F401
     Reference,
     _accumulate_grads,
@@ -138,16 +142,22 @@ def case_ds_overrides(case: ParityCase) -> dict[str, object]:
     }
 
 
+def build_case_engine(case: ParityCase, state: dict[str, torch.Tensor] | None = None) -> Engine3D:
+    """This rank's engine for `case`: its recipe with verify's own overrides (the SGD run), which must travel
+    together; from the weights in `state` (HF names), else the recipe's fresh initialisation."""
+    from dsx3d.engine import build_engine
+    from dsx3d.models.weights import StateDictSource
+
+    source = StateDictSource(state) if state is not None else None
+    return build_engine(case_recipe(case), hf_config=case.config, source=source, ds_overrides=case_ds_overrides(case))
+
+
 def _rank_worker(
     rank: int, case: ParityCase, state: dict[str, torch.Tensor], batches: torch.Tensor
 ) -> dict[str, object]:
-    from dsx3d.engine import build_engine
-    from dsx3d.models.weights import StateDictSource
     from dsx3d.verify.master_weights import master_shards
 
-    engine = build_engine(
-        case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case)
-    )
+    engine = build_case_engine(case, state)
     masters = case.optimizer == "sgd" and case.dtype != "fp32"  # dsx3d.verify.master_weights
     losses, norms, shards, master = [], [], [], []
     if masters:

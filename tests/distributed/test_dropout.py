@@ -23,7 +23,13 @@ import torch.nn.functional as F
 
 from dsx3d.models.known_families import tiny_config
 from dsx3d.verify.harness import run_ranks
-from dsx3d.verify.parity import ParityCase, case_ds_overrides, case_recipe, make_batches, micro_batch
+from dsx3d.verify.parity import (
+    ParityCase,
+    build_case_engine,
+    case_recipe,
+    make_batches,
+    micro_batch,
+)
 
 pytestmark = pytest.mark.usefixtures("warm")
 
@@ -40,10 +46,9 @@ def _micro(case: ParityCase, batch: torch.Tensor, dp_rank: int) -> Any:
 
 
 def _masks_worker(rank: int, case: ParityCase, batches: torch.Tensor) -> dict[str, Any]:
-    from dsx3d.engine import build_engine
     from dsx3d.models.pipe_layers import DecoderLayerPipe
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case)
     tp_random = engine.module.dsx3d_builder.tp.random
     assert tp_random.active
     masks: list[tuple[bool, torch.Tensor, torch.Tensor]] = []  # (in a TP region, dropped, inputs != 0)
@@ -106,9 +111,8 @@ def test_sequence_parallel_masks_are_per_rank() -> None:
 
 def _train_worker(rank: int, case: ParityCase, batches: torch.Tensor, ckpt_dir: str | None) -> dict[str, Any]:
     from dsx3d.checkpoint.training.checkpointer import Checkpointer
-    from dsx3d.engine import build_engine
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case)
     losses, norms = [], []
     for step, batch in enumerate(batches):
         if ckpt_dir is not None and step == 1:
@@ -121,9 +125,8 @@ def _train_worker(rank: int, case: ParityCase, batches: torch.Tensor, ckpt_dir: 
 
 def _resume_worker(rank: int, case: ParityCase, batches: torch.Tensor, ckpt_dir: str) -> list[float]:
     from dsx3d.checkpoint.training.checkpointer import Checkpointer
-    from dsx3d.engine import build_engine
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case)
     torch.manual_seed(12345)  # a fresh process's stream: the resume must replace it
     assert Checkpointer(engine, Path(ckpt_dir), case_recipe(case), keep=1).load_latest() is not None
     return [engine.train_step(_micro(case, batch, engine.placement.dp)) for batch in batches[1:]]

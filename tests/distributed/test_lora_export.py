@@ -21,9 +21,8 @@ from dsx3d.models.lora import is_adapter_name
 from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import (
     ParityCase,
+    build_case_engine,
     build_reference,
-    case_ds_overrides,
-    case_recipe,
     hf_name,
     make_batches,
     micro_batch,
@@ -38,10 +37,8 @@ LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "o_proj", "ga
 def _rank(rank: int, case: ParityCase, state: dict, batches: torch.Tensor, adapter: Path, merged: Path) -> None:
     from dsx3d.checkpoint.hf.export import export_hf
     from dsx3d.checkpoint.hf.lora_export import export_adapter
-    from dsx3d.engine import build_engine
-    from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case, state)
     for batch in batches:
         engine.train_step(iter([(ids, ids) for ids in (micro_batch(case, batch, k, engine.placement.dp) for k in range(case.micro_batches))]))
     export_adapter(engine, adapter)

@@ -33,7 +33,7 @@ from dsx3d.recipe.schema import ModelSection, Recipe, dump_recipe, recipe_from_d
 from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import (
     ParityCase,
-    case_ds_overrides,
+    build_case_engine,
     case_recipe,
     make_batches,
     micro_batch,
@@ -58,10 +58,9 @@ def _structure_rank(rank: int, case: ParityCase) -> dict[str, Any]:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from dsx3d.engine import build_engine
     from dsx3d.models.shards import local_shape
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case)
     params = dict(engine.module.named_parameters())
     q = params["1.layer.self_attn.q_proj.weight"]
     assert engine.mpu is not None

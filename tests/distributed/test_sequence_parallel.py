@@ -30,7 +30,7 @@ from dsx3d.recipe.checks import check_recipe
 from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import (
     ParityCase,
-    case_ds_overrides,
+    build_case_engine,
     case_recipe,
     make_batches,
     micro_batch,
@@ -142,10 +142,9 @@ def test_projections_on_one_input_share_one_collective(sequence: bool) -> None:
 
 
 def _count_worker(rank: int, case: ParityCase, batches: torch.Tensor, shared: bool) -> dict[str, Any]:
-    from dsx3d.engine import build_engine
     from scripts.bench.counting import CommCounter
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case)
     tp = engine.module.dsx3d_builder.tp
     tp.shared_entries = shared
     with CommCounter() as counter:

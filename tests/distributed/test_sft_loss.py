@@ -14,7 +14,7 @@ from dsx3d.data.chat import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, encode_conversa
 from dsx3d.data.stream import counted_tokens, with_norm
 from dsx3d.data.tokenizer import train_bpe_tokenizer
 from dsx3d.models.known_families import tiny_config
-from dsx3d.verify.parity import ParityCase, build_reference, case_ds_overrides, case_recipe
+from dsx3d.verify.parity import ParityCase, build_case_engine, build_reference
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -84,10 +84,8 @@ def _micro(case: ParityCase, t: torch.Tensor, k: int, d: int) -> torch.Tensor:
 
 
 def _worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor) -> Any:
-    from dsx3d.engine import build_engine
-    from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case, state)
     parts = case.micro_batches * case.dp
     losses, norms = [], []
     for s in range(STEPS):

@@ -16,7 +16,7 @@ from dsx3d.data.chat import IGNORE_INDEX
 from dsx3d.data.sft_packing import pack_examples
 from dsx3d.data.stream import MicroBatchStream, counted_tokens
 from dsx3d.models.known_families import tiny_config
-from dsx3d.verify.parity import ParityCase, build_reference, case_ds_overrides, case_recipe
+from dsx3d.verify.parity import ParityCase, build_case_engine, build_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -108,10 +108,8 @@ def test_packing_is_refused_for_text_and_accepted_for_chat() -> None:
 
 
 def _worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], rows: Any) -> Any:
-    from dsx3d.engine import build_engine
-    from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case, state)
     stream = MicroBatchStream(
         rows.input_ids, case.micro_batch_size, case.micro_batches, case.dp, engine.placement.dp, seed=7,
         labels=rows.labels, positions=rows.positions, lengths=rows.lengths,

@@ -12,7 +12,12 @@ import torch
 from dsx3d.models import zb_auto
 from dsx3d.models.known_families import tiny_config
 from dsx3d.verify.harness import run_ranks
-from dsx3d.verify.parity import ParityCase, case_ds_overrides, case_recipe, make_batches, micro_batch
+from dsx3d.verify.parity import (
+    ParityCase,
+    build_case_engine,
+    make_batches,
+    micro_batch,
+)
 
 pytestmark = pytest.mark.usefixtures("warm")
 
@@ -23,10 +28,8 @@ def _case(fam: str = "llama", tp: int = 1, pp: int = 2, m: int = 4) -> ParityCas
 
 
 def _worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], batches: torch.Tensor) -> dict[str, Any]:
-    from dsx3d.engine import build_engine
-    from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case, state)
     costs = []
     for batch in batches:
         dp = engine.placement.dp

@@ -25,9 +25,8 @@ from dsx3d.verify.parity import (
     ParityCase,
     _gradient_check,
     _relative_check,
+    build_case_engine,
     build_reference,
-    case_ds_overrides,
-    case_recipe,
     hf_name,
     run_reference,
 )
@@ -123,10 +122,8 @@ def _micro_rows(case: ParityCase, step: PackedStep, k: int, dp_rank: int) -> lis
 
 def _rank_worker(rank: int, case: ParityCase, state: dict[str, torch.Tensor], steps: list[PackedStep]) -> dict[str, Any]:
     from dsx3d.data.stream import with_norm
-    from dsx3d.engine import build_engine
-    from dsx3d.models.weights import StateDictSource
 
-    engine = build_engine(case_recipe(case), hf_config=case.config, source=StateDictSource(state), ds_overrides=case_ds_overrides(case))
+    engine = build_case_engine(case, state)
     losses, norms, shards = [], [], []
     parts = case.micro_batches * case.dp
     for step in steps:
