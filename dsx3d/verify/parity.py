@@ -48,10 +48,7 @@ from dsx3d.verify.case import (  # noqa: F401
     make_batches,
     micro_batch,
 )
-from dsx3d.verify.clip_check import applied_norm_check
-
-if TYPE_CHECKING:
-    from dsx3d.engine import Engine3D
+from dsx3d.verify.clip_check import applied_norm_check, clipped_gradient_rounding
 from dsx3d.verify.reference import (  # noqa: F401
     Reference,
     _accumulate_grads,
@@ -61,6 +58,9 @@ from dsx3d.verify.reference import (  # noqa: F401
     hf_name,
     run_reference,
 )
+
+if TYPE_CHECKING:
+    from dsx3d.engine import Engine3D
 
 """Spacing of fp32 numbers at 1.0 (2^-23): an element w is rounded to within FP32_EPS * |w|."""
 """Loss difference allowed in fp32, relative to max(1, |loss|)."""
@@ -235,7 +235,8 @@ def run_parity(
             steps = [merge_shards([r["masters"][i] for r in results], sizes) for i in range(len(results[0]["masters"]))]
             before, after = steps[:-1], steps[1:]
         if case.grad_clip > 0:
-            checks.append(applied_norm_check(before, after, norms_3d, case.lr, case.grad_clip, params))
+            rounding = clipped_gradient_rounding(case.dtype, case.zero_stage, pipeline=case.pp > 1)
+            checks.append(applied_norm_check(before, after, norms_3d, case.lr, case.grad_clip, params, rounding=rounding))
     else:
         checks.append(_adam_weight_check(ref.snapshots[-1], merged[-1], ref.adam_slack, criteria))
     worst, worst_name = 0.0, ""
