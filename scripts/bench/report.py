@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench.report_bubble import bubble
+from scripts.bench.report_cp import context_parallel
 from scripts.bench.report_packing import packing
 from scripts.bench.report_tiled import tiled_loss
 from scripts.bench.report_verify import verify_sweep
@@ -415,6 +416,7 @@ COMMANDS = """## Reproducing
     python -m scripts.bench.lora            # LoRA vs full fine-tuning: optimizer and gradient bytes per rank
     python -m scripts.bench.packing         # packed SFT rows vs padded examples: non-padding tokens/s
     python -m scripts.bench.tiled_loss      # last-stage peak memory, tiled logits and loss vs full logits
+    python -m scripts.bench.context_parallel  # cp: activation memory, seq_len within a budget, step time (about 6 min)
     python -m scripts.bench.comm --family mixtral --ep 2    # MoE TP and all-to-all bytes
     python -m scripts.bench.report          # this section, from scripts/bench/results.json
     bash scripts/bench/gpu.sh               # on a CUDA machine
@@ -470,6 +472,7 @@ def render(results: dict[str, Any]) -> str:
         "lora_memory": lora,
         "packing": packing,
         "tiled_loss": tiled_loss,
+        "context_parallel": context_parallel,
         "gpu": gpu,
         "verify_sweep": verify_sweep,
     }
@@ -484,6 +487,7 @@ def render(results: dict[str, Any]) -> str:
         "lora_memory",
         "packing",
         "tiled_loss",
+        "context_parallel",
         "gpu",
         "verify_sweep",
     ]
