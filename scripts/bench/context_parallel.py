@@ -20,7 +20,7 @@ GQA, ranks forked by dsx3d.verify.harness (one thread each), large allocations m
 4. estimator: `dsx3d.estimate` on the shapes of 1. (cp 1 and cp 2; sdpa as unfused and as flash attention)
    against the measured activation peak.
 
-    python -m scripts.bench.context_parallel [--quick] [--seq-len 2048] [--rounds 2] [--pairs 6] [--no-write]
+    python -m scripts.bench.context_parallel [--quick] [--seq-len 2048] [--rounds 2] [--pairs 12] [--no-write]
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, not a measurement")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence for 1, 3 and 4")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each cp for the memory ratio")
-    parser.add_argument("--pairs", type=int, default=6, help="timed rounds (each steps both layouts)")
+    parser.add_argument("--pairs", type=int, default=12, help="timed rounds (each steps both layouts)")
     parser.add_argument("--budget-mib", type=float, default=128.0, help="per-rank budget above the RSS at the fork")
     parser.add_argument("--budget-start", type=int, default=1024)
     parser.add_argument("--budget-cap", type=int, default=65536)
