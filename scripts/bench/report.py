@@ -396,6 +396,10 @@ METHODS = """## How the figures are measured
   sequence-parallel memory and pipeline-message figures in fresh ranks, SP off then on.
 - **MoE** (`scripts/bench/moe.py`): expert bytes per rank as built by the engine (no training), and the
   memory census above on an MoE model with and without expert parallelism.
+- **Context parallelism** (`scripts/bench/context_parallel.py`): memory as each rank's peak RSS over a step
+  above its RSS before it, cp 1 and cp 2 runs alternated in fresh ranks; the budget search in fresh process
+  groups, a rank ended by a watchdog once over budget; step time with both layouts' engines in the same 2 ranks,
+  alternated, `deepspeed.comm.all_to_all_single` wrapped with a timer (the all-to-all share).
 - **GPU** (`bash scripts/bench/gpu.sh`): bf16 tokens/s and MFU of a 1.1B Llama (Llama-3.2-1B's shape,
   32k vocabulary, untied) through dsx3d at tp=1 pp=1 against `deepspeed.initialize` on the plain HF model
   with the same JSON and against the plain HF model with torch AdamW in bf16, alternated in one process;
