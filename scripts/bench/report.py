@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench.report_bubble import bubble
+from scripts.bench.report_cp import context_parallel
 from scripts.bench.report_packing import packing
 from scripts.bench.report_tiled import tiled_loss
 from scripts.bench.report_verify import verify_sweep
@@ -395,6 +396,10 @@ METHODS = """## How the figures are measured
   sequence-parallel memory and pipeline-message figures in fresh ranks, SP off then on.
 - **MoE** (`scripts/bench/moe.py`): expert bytes per rank as built by the engine (no training), and the
   memory census above on an MoE model with and without expert parallelism.
+- **Context parallelism** (`scripts/bench/context_parallel.py`): memory as each rank's peak RSS over a step
+  above its RSS before it, cp 1 and cp 2 runs alternated in fresh ranks; the budget search in fresh process
+  groups, a rank ended by a watchdog once over budget; step time with both layouts' engines in the same 2 ranks,
+  alternated, `deepspeed.comm.all_to_all_single` wrapped with a timer (the all-to-all share).
 - **GPU** (`bash scripts/bench/gpu.sh`): bf16 tokens/s and MFU of a 1.1B Llama (Llama-3.2-1B's shape,
   32k vocabulary, untied) through dsx3d at tp=1 pp=1 against `deepspeed.initialize` on the plain HF model
   with the same JSON and against the plain HF model with torch AdamW in bf16, alternated in one process;
@@ -415,6 +420,7 @@ COMMANDS = """## Reproducing
     python -m scripts.bench.lora            # LoRA vs full fine-tuning: optimizer and gradient bytes per rank
     python -m scripts.bench.packing         # packed SFT rows vs padded examples: non-padding tokens/s
     python -m scripts.bench.tiled_loss      # last-stage peak memory, tiled logits and loss vs full logits
+    python -m scripts.bench.context_parallel  # cp: activation memory, seq_len within a budget, step time (about 6 min)
     python -m scripts.bench.comm --family mixtral --ep 2    # MoE TP and all-to-all bytes
     python -m scripts.bench.report          # this section, from scripts/bench/results.json
     bash scripts/bench/gpu.sh               # on a CUDA machine
@@ -470,6 +476,7 @@ def render(results: dict[str, Any]) -> str:
         "lora_memory": lora,
         "packing": packing,
         "tiled_loss": tiled_loss,
+        "context_parallel": context_parallel,
         "gpu": gpu,
         "verify_sweep": verify_sweep,
     }
@@ -484,6 +491,7 @@ def render(results: dict[str, Any]) -> str:
         "lora_memory",
         "packing",
         "tiled_loss",
+        "context_parallel",
         "gpu",
         "verify_sweep",
     ]
