@@ -9,7 +9,8 @@ verify sweep (scripts/bench/verify_sweep.py) and its CI sample (tests/distribute
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig
 
@@ -100,29 +101,43 @@ def _runs_in_transformers(config: PretrainedConfig) -> None:
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
-def sweep_cases(count: int, seed: int = 0, layouts: list[tuple[tuple[int, int, int], int]] | None = None) -> list[SweepCase]:
-    """`count` buildable cases, round-robin over the families supported at tp 2, each with random awkward
-    sizes and a layout from `layouts`. A family whose config rejects the sizes is tried with new sizes
-    (dimension keys it lacks are dropped)."""
-    rng = random.Random(seed)
-    layouts = layouts or LAYOUTS
-    families = [f for f in families_with_plans() if refusal(f, 2) is None]
+def _draw_cases(
+    count: int, families: list[str], draw: Callable[[str], SweepCase], accept: Callable[[SweepCase, PretrainedConfig], bool] | None = None
+) -> list[SweepCase]:
+    """`count` cases from `draw(family)`, round-robin over `families`; a draw whose sizes the family's config
+    or model refuses (or that `accept(case, config)` rejects) is drawn again, and dimension keys the config
+    does not keep are dropped."""
     cases: list[SweepCase] = []
     misses = 0
     while len(cases) < count and misses < 50 * count:
-        family = families[(len(cases) + misses) % len(families)]
-        layout, zero = layouts[rng.randrange(len(layouts))]
-        dtype = rng.choice(DTYPES)
-        case = SweepCase(family, _dims(rng), layout, zero, dtype, checkpoint=rng.random() < 0.25)
+        case = draw(families[(len(cases) + misses) % len(families)])
         try:
             config = case.config()
             _runs_in_transformers(config)
         except Exception:  # sizes the family's own config or model refuses: draw new ones
             misses += 1
             continue
+        if accept is not None and not accept(case, config):
+            misses += 1
+            continue
         kept = {k: v for k, v in case.dims.items() if getattr(config, k, None) == v}
-        cases.append(SweepCase(family, kept, layout, zero, case.dtype, case.checkpoint))
+        cases.append(replace(case, dims=kept))
     return cases
+
+
+def sweep_cases(count: int, seed: int = 0, layouts: list[tuple[tuple[int, int, int], int]] | None = None) -> list[SweepCase]:
+    """`count` buildable cases, round-robin over the families supported at tp 2, each with random awkward
+    sizes and a layout from `layouts`. A family whose config rejects the sizes is tried with new sizes
+    (dimension keys it lacks are dropped)."""
+    rng = random.Random(seed)
+    layouts = layouts or LAYOUTS
+
+    def draw(family: str) -> SweepCase:
+        layout, zero = layouts[rng.randrange(len(layouts))]
+        dtype = rng.choice(DTYPES)
+        return SweepCase(family, _dims(rng), layout, zero, dtype, checkpoint=rng.random() < 0.25)
+
+    return _draw_cases(count, [f for f in families_with_plans() if refusal(f, 2) is None], draw)
 
 
 CP_LAYOUTS: list[tuple[tuple[int, int, int, int], int]] = [
@@ -162,23 +177,15 @@ def cp_sweep_cases(
 
     rng = random.Random(seed)
     layouts = layouts or CP_LAYOUTS
-    families = [f for f in families_with_plans() if refusal(f, 2) is None]
-    cases: list[SweepCase] = []
-    misses = 0
-    while len(cases) < count and misses < 50 * count:
-        family = families[(len(cases) + misses) % len(families)]
+
+    def draw(family: str) -> SweepCase:
         (dp, cp, tp, pp), zero = layouts[rng.randrange(len(layouts))]
-        case = SweepCase(family, _cp_dims(rng), (dp, tp, pp), zero, rng.choice(DTYPES), cp=cp)
-        try:
-            config = case.config()
-            _runs_in_transformers(config)
-        except Exception:  # sizes the family's own config or model refuses: draw new ones
-            misses += 1
-            continue
-        parity = ParityCase(config, dp=dp, cp=cp, tp=tp, pp=pp, zero_stage=zero)
-        if any(p.severity == "error" for p in check_recipe(case_recipe(parity), parity.world_size, config, data=False)):
-            misses += 1
-            continue
-        kept = {k: v for k, v in case.dims.items() if getattr(config, k, None) == v}
-        cases.append(SweepCase(family, kept, (dp, tp, pp), zero, case.dtype, cp=cp))
-    return cases
+        return SweepCase(family, _cp_dims(rng), (dp, tp, pp), zero, rng.choice(DTYPES), cp=cp)
+
+    def accept(case: SweepCase, config: PretrainedConfig) -> bool:
+        dp, tp, pp = case.layout
+        parity = ParityCase(config, dp=dp, cp=case.cp, tp=tp, pp=pp, zero_stage=case.zero_stage)
+        problems = check_recipe(case_recipe(parity), parity.world_size, config, data=False)
+        return not any(p.severity == "error" for p in problems)
+
+    return _draw_cases(count, [f for f in families_with_plans() if refusal(f, 2) is None], draw, accept)
