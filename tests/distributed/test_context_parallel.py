@@ -47,12 +47,12 @@ CI_CASES = [
     ),
     pytest.param("qwen3", {"tie_word_embeddings": True, "vocab_size": 257}, (1, 2, 1, 2), {}, id="qwen3-tied-cp2-pp2"),
     pytest.param("mistral", {"num_key_value_heads": 4}, (2, 2, 1, 2), {}, id="mistral-dp2-cp2-pp2"),
+]
+SWEEP_CASES = [
     pytest.param(
         "llama", {"num_key_value_heads": 4}, (1, 4, 1, 1), {"zero_stage": 3, "activation_checkpointing": True},
         id="llama-cp4-zero3-checkpointing",
     ),
-]
-SWEEP_CASES = [
     pytest.param("llama", {}, (2, 2, 2, 2), {}, id="llama-dp2-cp2-tp2-pp2"),
     pytest.param("gemma", {"vocab_size": 301}, (1, 2, 2, 2), {}, id="gemma-cp2-tp2-pp2"),
     pytest.param("cohere2", {}, (2, 2, 1, 1), {"zero_stage": 2}, id="cohere2-sliding-dp2-cp2-zero2"),
@@ -75,7 +75,7 @@ CI_LAYOUTS = [(lay, zero) for lay, zero in CP_LAYOUTS if math.prod(lay) <= 8]
     "case",
     cp_sweep_cases(int(os.environ.get("DSX3D_CP_SWEEP_COUNT", "30")), seed=SEED)
     if SWEEP
-    else cp_sweep_cases(2, seed=SEED, layouts=CI_LAYOUTS),
+    else cp_sweep_cases(1, seed=SEED, layouts=CI_LAYOUTS),
     ids=lambda c: c.label,
 )
 def test_cp_parity_on_generated_configs(case) -> None:  # type: ignore[no-untyped-def]
@@ -87,8 +87,8 @@ def test_cp_parity_on_generated_configs(case) -> None:  # type: ignore[no-untype
     _assert_ok(run_verify(parity))
 
 
-PACKED = [((1, 2, 1, 1), "sdpa", "mixed"), ((1, 2, 2, 2), "eager", "short")]
-PACKED_SWEEP = [((2, 2, 1, 2), "sdpa", "long"), ((1, 2, 2, 1), "eager", "ones"), ((1, 4, 1, 1), "sdpa", "mixed")]
+PACKED = [((1, 2, 1, 1), "sdpa", "mixed")]
+PACKED_SWEEP = [((1, 2, 2, 2), "eager", "short"), ((2, 2, 1, 2), "sdpa", "long"), ((1, 2, 2, 1), "eager", "ones"), ((1, 4, 1, 1), "sdpa", "mixed")]
 
 
 @pytest.mark.parametrize("layout,attention,mix", PACKED + (PACKED_SWEEP if SWEEP else []), ids=str)
@@ -149,7 +149,9 @@ def _train(rank: int, recipe: Recipe) -> list[float]:
     return train(recipe).losses
 
 
-@pytest.mark.parametrize("layout", [(1, 2, 1, 2), (1, 2, 2, 1)], ids=["cp2-pp2", "cp2-tp2"])
+@pytest.mark.parametrize(
+    "layout", [(1, 2, 1, 2)] + ([(1, 2, 2, 1)] if SWEEP else []), ids=["cp2-pp2", "cp2-tp2"][: 2 if SWEEP else 1]
+)
 def test_dsx3d_train_slices_sft_rows(tmp_path: Path, layout: tuple[int, int, int, int]) -> None:
     """`dsx3d train` on chat data (masked labels, the global normaliser) at cp 2: the held-out loss it logs
     (sliced eval batches) equals single-process HF on the model it exported (CP ranks of one DP index write

@@ -37,8 +37,20 @@ def test_verify_passes_generated_configs(case, tmp_path: Path) -> None:
         assert r.ok, r.to_dict()
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", sorted(FAULTS))
+# bf16 in CI: the two defects below bf16's round-off of the reference comparison (caught by the applied-norm
+# check), one MoE defect (the every-expert mixtral) and one TP defect; every fault with DSX3D_SWEEP=1
+BF16_CI_FAULTS = (
+    "replicated gradient counted tp times in the norm",
+    "q/k norm gradient not all-reduced",
+    "routing-weight gradient not summed over TP",
+    "row-parallel output not all-reduced",
+)
+FAULT_RUNS = [(name, "fp32") for name in sorted(FAULTS)] + [
+    (name, "bf16") for name in sorted(FAULTS) if os.environ.get("DSX3D_SWEEP") or name in BF16_CI_FAULTS
+]
+
+
+@pytest.mark.parametrize(("name", "dtype"), FAULT_RUNS)
 def test_verify_fails_every_injected_fault(name: str, dtype: str) -> None:
     fault = FAULTS[name]
     dp, tp, pp = fault.layout

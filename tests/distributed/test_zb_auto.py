@@ -4,6 +4,7 @@ single-process HF. Without the agreement (an all-reduce dropped) the ranks canno
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -64,7 +65,9 @@ def test_without_the_agreement_the_ranks_refuse(monkeypatch: pytest.MonkeyPatch)
         run_ranks(_worker, case.world_size, case, _state(case), make_batches(case))
 
 
-@pytest.mark.parametrize("fam,tp,pp,m", [("llama", 1, 2, 4), ("qwen3", 2, 2, 5), ("llama", 1, 4, 8)])
+@pytest.mark.parametrize(
+    "fam,tp,pp,m", [("llama", 1, 2, 4)] + ([("qwen3", 2, 2, 5), ("llama", 1, 4, 8)] if os.environ.get("DSX3D_SWEEP") else [])
+)
 def test_parity_with_the_measured_order(fam: str, tp: int, pp: int, m: int) -> None:
     from test_zero_bubble import _ok
 
