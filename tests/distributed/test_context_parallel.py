@@ -112,8 +112,8 @@ def test_verify_catches_every_cp_fault(name: str) -> None:
     assert not any(r.ok for r in results), [r.checks for r in results]
 
 
-FAMILY_SAMPLE = ["gpt_neox", "gemma2", "granite_swa", "qwen3_5_text"]
-"""fused qkv with head_size; sliding window and soft-capping; sinks (refused); linear attention (refused)."""
+FAMILY_SAMPLE = ["gemma2", "qwen3_5_text"]
+"""sliding window and soft-capping; linear attention (refused). DSX3D_CP_SWEEP=1: every family."""
 
 
 @pytest.mark.parametrize(

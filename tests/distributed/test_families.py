@@ -1,12 +1,15 @@
 """Every causal-LM family whose config ships pp and tp plans either passes a one-step parity check at
 (dp, tp, pp) = (1, 2, 2) on a tiny config, or is on dsx3d.models.known_families.REFUSED with its reason and is refused
-by the checker before launch. Families refused only at tp > 1 must pass at (1, 1, 2).
+by the checker before launch. Families refused only at tp > 1 must pass at (1, 1, 2). CI runs a fixed
+sample (every refused family, every third running one); DSX3D_SWEEP=1 runs every family.
 
 The comparison is dsx3d.verify.parity's: losses, gradient norms and the weights after one AdamW step (eps 1e-8)
 within what Adam's amplification of gradient round-off explains, element by element.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -17,13 +20,17 @@ from dsx3d.verify.parity import ParityCase, case_recipe, run_parity
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
 FAMILIES = families_with_plans()
+_PASSING = [f for f in FAMILIES if refusal(f, tp=2) is None]
+CI_FAMILIES = [f for f in FAMILIES if f not in _PASSING or _PASSING.index(f) % 3 == 0]
+"""CI checks every refused family (cheap: the checker only) and every third family that runs (in name order);
+DSX3D_SWEEP=1 runs them all."""
 
 
 def test_refused_list_names_real_families() -> None:
     assert set(REFUSED) <= set(FAMILIES)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES if os.environ.get("DSX3D_SWEEP") else CI_FAMILIES)
 def test_family(family: str) -> None:
     reason = refusal(family, tp=2)
     if reason is not None:

@@ -41,13 +41,13 @@ MODELS: dict[str, Callable[[], object]] = {
 CI_CASES = [
     ("qwen3-tied-oddvocab", 1, 2, 2, "fp32", 1, 7, {}),
     ("llama-untied", 2, 2, 1, "fp32", 2, 1, {}),
-    ("gemma2", 1, 1, 2, "fp32", 1, 100, {}),
     ("llama-untied", 1, 2, 2, "bf16", 1, 5, {}),
-    ("mixtral-aux", 1, 2, 2, "fp32", 1, 11, {}),
     ("qwen3-tied-oddvocab", 1, 2, 2, "fp32", 1, 5, {"schedule": "zb-h1", "micro_batches": 3}),
 ]
 # more of the same kinds (run with the sweep): ZeRO-0, bf16 at pp 1, LoRA, zb-h1 at tp 1, no sequence parallelism
 EXTRA_CASES = [
+    ("gemma2", 1, 1, 2, "fp32", 1, 100, {}),
+    ("mixtral-aux", 1, 2, 2, "fp32", 1, 11, {}),
     ("qwen3-tied-oddvocab", 2, 1, 1, "fp32", 0, 9, {}),
     ("gemma2", 2, 1, 1, "bf16", 1, 6, {}),
     ("llama-untied", 1, 2, 2, "fp32", 1, 6, {"lora": LORA}),
@@ -83,6 +83,7 @@ def test_tiled_loss_parity(case: tuple) -> None:  # type: ignore[type-arg]
     assert results[0].losses_ref[0] != results[0].losses_ref[-1]  # it trained
 
 
+@pytest.mark.skipif(not SWEEP, reason="opt-in (DSX3D_TILED_SWEEP=1): the parity cases compare both with HF")
 def test_tiled_equals_untiled() -> None:
     """The same run with N = 0 and N = 7: the same losses and gradient norms (only the order of sums differs)."""
     base = _case("qwen3-tied-oddvocab", 1, 2, 2, "fp32", 1, 0, {})
