@@ -83,7 +83,7 @@ def test_qwen2_large_tied_vocab_bf16_recipe_trains(tmp_path: Path, cache: Path) 
 
 
 CASES = list(itertools.product([[4, 0], [0, 4]], ["fp32", "bf16"], [0, 1]))
-CI_CASES = [([4, 0], "bf16", 1), ([0, 4], "fp32", 0)]  # bf16 ZeRO-0 resume in CI: test_bf16_zero0_resume.py
+CI_CASES = [([4, 0], "bf16", 1)]  # bf16 ZeRO-0 resume in CI: test_bf16_zero0_resume.py
 
 
 def _case(c: tuple[list[int], str, int]) -> Any:

@@ -18,7 +18,7 @@ from dsx3d.verify.sweep import sweep_cases
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
-SAMPLE = int(os.environ.get("DSX3D_SWEEP_COUNT", "100" if os.environ.get("DSX3D_SWEEP") else "3"))
+SAMPLE = int(os.environ.get("DSX3D_SWEEP_COUNT", "100" if os.environ.get("DSX3D_SWEEP") else "2"))
 SEED = int(os.environ.get("DSX3D_SWEEP_SEED", "20261130"))
 
 
