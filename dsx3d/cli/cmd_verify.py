@@ -28,8 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=summary("verify"),
         description="Runs N optimizer steps with plain HF on one process and with the dsx3d engine (DeepSpeed, "
         "ZeRO, TP, pipeline) on forked gloo ranks from the same weights and data, twice: with SGD, comparing "
-        "every step's gradients tensor by tensor, and with AdamW, comparing the final weights within what Adam's "
-        "amplification of round-off explains; both compare per-step losses and gradient norms. Dropout is set "
+        "every step's gradients tensor by tensor, and with AdamW, comparing every step's weights (each step taken "
+        "by the reference from the parallel run's weights) within what Adam's amplification of round-off "
+        "explains; both compare per-step losses and gradient norms. Dropout is set "
         "to 0. Exit 0 within tolerance, 1 otherwise, 2 on bad input.",
     )
     src = p.add_mutually_exclusive_group()

@@ -117,6 +117,16 @@ class CPContext:
         dist.all_gather(parts, positions.contiguous(), group=self.group)
         return torch.cat(parts, dim=1)
 
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., tokens of this rank, h) -> (..., tokens of every CP rank, h), in CP-rank order; backward sums
+        the (identical) gradients of the whole over the group and keeps this rank's rows. An MoE router's
+        load-balancing loss is a product of means over all tokens of the micro-batch: each CP rank computes
+        it from every rank's router logits, and DeepSpeed's mean over the CP ranks of the summed gradient
+        is the gradient of that one loss."""
+        from dsx3d.distributed.tensor_parallel.mappings import gather_from_sequence
+
+        return gather_from_sequence(x, self.group)
+
     def local_call(self, kwargs: dict[str, object], s: int) -> dict[str, object]:
         """A decoder layer's recorded keyword arguments for the whole sequence -> this rank's: rotary tables
         and position ids (and cache positions) cut to its rows; masks stay whole (module docstring)."""

@@ -48,6 +48,20 @@ def _meta_layers(config: HFConfig) -> tuple[Any, list[Any]]:
     return spec, list(getattr(getattr(lm, spec.base_prefix), spec.layers_name))
 
 
+def attention_sinks(config: HFConfig) -> str | None:
+    """The class of a decoder-layer module holding learned per-head attention sinks (a `sinks` or `s_aux`
+    parameter that the attention function reads per head), or None: found on the meta model, whether or not
+    the family's TP plan names it."""
+    import torch
+
+    _, layers = _meta_layers(config)
+    for layer in layers:
+        for module in layer.modules():
+            if any(isinstance(getattr(module, key, None), torch.Tensor) for key in ("sinks", "s_aux")):
+                return type(module).__name__
+    return None
+
+
 def sequence_parallel_blocker(config: HFConfig) -> str | None:
     """Why the engine runs this model without sequence parallelism even when the recipe asks for it
     (`dsx3d.models.tp_plan.sequence_parallel_blocker`, what the engine's builder checks), or None."""

@@ -234,7 +234,9 @@ class LayerBuilder:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, HeadInputs]:
         """The last stage's logits (and, given router logits, the family's auxiliary loss terms); with
         `loss_tile_tokens`, the hidden states the loss computes them from, tile by tile (a tensor first: the
-        engine hooks the item's output tensors)."""
+        engine hooks the item's output tensors). With cp > 1 the auxiliary loss sees every CP rank's tokens."""
+        if router_logits is not None and self.cp.on:
+            router_logits = self.cp.gather_tokens(router_logits)
         if self.loss_tile_tokens > 0:
             inputs = head_inputs(self, hidden, input_ids, router_logits, training)
             return inputs.hidden, inputs

@@ -52,6 +52,14 @@ def positions_of_the_first_slice() -> contextlib.AbstractContextManager[None]:
     return _patched(CPContext, "rows", rows)
 
 
+def aux_loss_from_own_tokens() -> contextlib.AbstractContextManager[None]:
+    """An MoE router's load-balancing loss computed by each CP rank from its own slice's router logits (a
+    product of means over half the tokens), not from every rank's."""
+    from dsx3d.distributed.context_parallel import CPContext
+
+    return _patched(CPContext, "gather_tokens", lambda self, x: x)
+
+
 @dataclass(frozen=True)
 class CPFault:
     description: str
@@ -65,11 +73,19 @@ def _llama() -> PretrainedConfig:
     return tiny_config("llama", tie_word_embeddings=False)
 
 
+def _mixtral() -> PretrainedConfig:
+    """Top-2 of 4 experts with the load-balancing loss weighted up (0.5), so that it moves every gradient."""
+    return tiny_config("mixtral", num_local_experts=4, output_router_logits=True, router_aux_loss_coef=0.5)
+
+
 CP_FAULTS: dict[str, CPFault] = {
     "attention without the all-to-all": CPFault(
         "each CP rank attends over its own slice only", (1, 2, 1, 1), _llama, attention_without_all_to_all
     ),
     "rotary positions of the wrong slice": CPFault(
         "every CP rank rotates q and k by the first slice's positions", (1, 2, 1, 1), _llama, positions_of_the_first_slice
+    ),
+    "load-balancing loss from one slice": CPFault(
+        "each CP rank's router loss sees only its own tokens", (1, 2, 1, 1), _mixtral, aux_loss_from_own_tokens
     ),
 }

@@ -8,23 +8,24 @@ gloo ranks.
 What is compared, and why it is round-off-proof yet sharp (`Criteria`):
 
 - the loss of every step, relative to max(1, |loss|), and the global gradient norm of every step: plain
-  sums of round-off, no amplification (in the AdamW run from the second step on, plus the change that the
-  weight differences admitted so far cause, measured as for the gradients below);
+  sums of round-off, no amplification (in the AdamW run both sides compute them from the same weights, below);
 - with SGD (`optimizer="sgd"`): every step's weight change, tensor by tensor. W_{t+1} - W_t = -lr c_t g_t,
   so this compares every parameter's gradient before the optimizer, relative to its own norm, with a small
   floor relative to the whole model's update for tensors whose gradient is (nearly) zero;
 - with SGD and clipping: that every step's update is as long as lr x the clipped norm the engine reports
   (`dsx3d.verify.clip_check`: a check within the 3D run, free of bf16's round-off; in bf16 on the engine's
   fp32 master weights, `dsx3d.verify.master_weights`);
-- with AdamW: the final weights element by element, within the move Adam's amplification of gradient
-  round-off can explain. Adam's update u = lr m/(sqrt(v) + eps) changes with a gradient perturbation delta
-  by about lr delta / (sqrt(v) + eps): an element whose gradient is near zero (|g| ~ eps) turns a round-off
-  difference into a sizeable fraction of lr, while an element with a real gradient moves by lr delta/|g|,
-  tiny. The reference tracks v per element and sums that bound over the steps (delta = `roundoff` times
-  the tensor's largest gradient, plus, from the second step on, twice the gradient change that the weight
-  differences admitted so far cause when fed through this step's forward, measured on the reference with
-  those differences applied at random signs and, coherently, all +1 and all -1: the largest change of the
-  three); anything beyond it is a real difference.
+- with AdamW: every step's weights element by element, the reference taking step t from the weights the 3D
+  run had after step t - 1 (in bf16 its fp32 masters; the reference's own optimizer state carries on, and
+  holds the gradients of the same points), so that no step inherits the difference an earlier step was
+  allowed: Adam amplifies such a difference without bound over steps (a near-zero gradient turns round-off
+  into a sizeable fraction of lr, and that weight moves every later gradient). Within a step, Adam's update
+  u = lr m/(sqrt(v) + eps) changes with a gradient perturbation delta by about lr delta / (sqrt(v) + eps):
+  an element whose gradient is near zero (|g| ~ eps) turns a round-off difference into a sizeable fraction
+  of lr, while an element with a real gradient moves by lr delta/|g|, tiny. The reference tracks v per
+  element and allows at step t the sum of that bound over steps s <= t (the moments keep earlier steps'
+  round-off), delta = `roundoff` times the tensor's largest gradient; anything beyond it is a real
+  difference.
 
 `dsx3d verify` runs both: SGD for the gradients, AdamW for the optimizer as training uses it.
 """
@@ -53,7 +54,6 @@ from dsx3d.verify.reference import (  # noqa: F401
     Reference,
     _accumulate_grads,
     _optimizer,
-    _propagated_change,
     build_reference,
     hf_name,
     run_reference,
@@ -158,7 +158,7 @@ def _rank_worker(
     from dsx3d.verify.master_weights import master_shards
 
     engine = build_case_engine(case, state)
-    masters = case.optimizer == "sgd" and case.dtype != "fp32"  # dsx3d.verify.master_weights
+    masters = case.dtype != "fp32"  # dsx3d.verify.master_weights
     losses, norms, shards, master = [], [], [], []
     if masters:
         master.append(master_shards(engine))
@@ -173,13 +173,28 @@ def _rank_worker(
         )
         losses.append(engine.train_step(micro))
         norms.append(engine.grad_norm)
-        if case.optimizer == "sgd":
-            shards.append(engine.hf_shards())
+        shards.append(engine.hf_shards())
         if masters:
             master.append(master_shards(engine))
-    if case.optimizer != "sgd":
-        shards.append(engine.hf_shards())
     return {"losses": losses, "norms": norms, "shards": shards, "masters": master}
+
+
+def _reference(
+    case: ParityCase, model: torch.nn.Module, batches: torch.Tensor, replay: list[dict[str, torch.Tensor]] | None = None
+) -> Reference:
+    """`run_reference`, with a config that plain transformers cannot train refused as the user's input."""
+    try:
+        return run_reference(case, model, batches, replay=replay)
+    except (RuntimeError, ValueError, IndexError) as err:  # plain transformers on one process, no dsx3d code
+        from dsx3d.errors import UserError
+
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise UserError.single(
+            "model config",
+            case.config.model_type,
+            f"transformers itself cannot train this config on one process ({type(err).__name__}: {first})",
+            "fix the config so that the plain HF model runs (head counts, sizes), then verify it",
+        ) from None
 
 
 def run_parity(
@@ -193,32 +208,39 @@ def run_parity(
     state = {hf_name(k): v.detach().clone() for k, v in model.state_dict().items()}
     initial = {hf_name(n): p.detach().clone() for n, p in model.named_parameters()}
     batches = make_batches(case)
-    t0 = time.perf_counter()
-    try:
-        ref = run_reference(case, model, batches)
-    except (RuntimeError, ValueError, IndexError) as err:  # plain transformers on one process, no dsx3d code
-        from dsx3d.errors import UserError
-
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        raise UserError.single(
-            "model config",
-            case.config.model_type,
-            f"transformers itself cannot train this config on one process ({type(err).__name__}: {first})",
-            "fix the config so that the plain HF model runs (head counts, sizes), then verify it",
-        ) from None
-    ref.snapshots = [{hf_name(n): t for n, t in snap.items()} for snap in ref.snapshots]
-    ref.adam_slack = {hf_name(n): t for n, t in ref.adam_slack.items()}
-    ref.update_slack = [{hf_name(n): d for n, d in step.items()} for step in ref.update_slack]
-    t1 = time.perf_counter()
-    results = run_ranks(_rank_worker, case.world_size, case, state, batches, timeout_s=timeout_s)
-    t2 = time.perf_counter()
     vocab = case.config.get_text_config().vocab_size
     sizes = {name: vocab for name, t in initial.items() if t.dim() >= 1 and t.shape[0] == vocab}
-    merged = [
-        merge_shards([r["shards"][i] for r in results], sizes) for i in range(len(results[0]["shards"]))
-    ]
+
+    def parallel_run() -> tuple[list[float], list[float], list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+        """The losses and norms of the 3D run, its merged weights after every step and (bf16) its fp32
+        masters before the first step and after every step."""
+        results = run_ranks(_rank_worker, case.world_size, case, state, batches, timeout_s=timeout_s)
+        merged = [merge_shards([r["shards"][i] for r in results], sizes) for i in range(len(results[0]["shards"]))]
+        masters = [merge_shards([r["masters"][i] for r in results], sizes) for i in range(len(results[0]["masters"]))]
+        return results[0]["losses"], results[0]["norms"], merged, masters
+
+    if case.optimizer == "sgd":
+        t0 = time.perf_counter()
+        ref = _reference(case, model, batches)
+        t1 = time.perf_counter()
+        losses_3d, norms_3d, merged, masters = parallel_run()
+        t2 = time.perf_counter()
+        seconds_ref, seconds_3d = t1 - t0, t2 - t1
+    else:
+        # AdamW: the parallel run first; the reference takes each step from the weights the parallel run had
+        # before it (masters in bf16), so that no step inherits an earlier step's admitted difference
+        t0 = time.perf_counter()
+        losses_3d, norms_3d, merged, masters = parallel_run()
+        t1 = time.perf_counter()
+        names = {n: hf_name(n) for n, p in model.named_parameters() if p.requires_grad}
+        held = masters[1:] if masters else merged
+        replay = [{n: step[h] for n, h in names.items()} for step in held[:-1]]
+        ref = _reference(case, model, batches, replay)
+        seconds_ref, seconds_3d = time.perf_counter() - t1, t1 - t0
+    ref.snapshots = [{hf_name(n): t for n, t in snap.items()} for snap in ref.snapshots]
+    ref.adam_slack = [{hf_name(n): t for n, t in step.items()} for step in ref.adam_slack]
+    ref.update_slack = [{hf_name(n): d for n, d in step.items()} for step in ref.update_slack]
     criteria = CRITERIA[case.dtype]
-    losses_3d, norms_3d = results[0]["losses"], results[0]["norms"]
     checks = [
         _relative_check("loss", ref.losses, losses_3d, criteria.loss_rtol, ref.loss_slack),
         _relative_check("grad_norm", ref.norms, norms_3d, criteria.norm_rtol, ref.norm_slack),
@@ -231,14 +253,20 @@ def run_parity(
         after = [*merged]  # parameters after step t, t = 1..steps
         before = [initial, *after[:-1]]
         checks.append(_gradient_check(ref.snapshots, before, after, criteria, ref.update_slack))
-        if results[0]["masters"]:  # bf16: the fp32 masters (dsx3d.verify.master_weights)
-            steps = [merge_shards([r["masters"][i] for r in results], sizes) for i in range(len(results[0]["masters"]))]
-            before, after = steps[:-1], steps[1:]
+        if masters:  # bf16: the fp32 masters (dsx3d.verify.master_weights)
+            before, after = masters[:-1], masters[1:]
         if case.grad_clip > 0:
             rounding = clipped_gradient_rounding(case.dtype, case.zero_stage, pipeline=case.pp > 1)
             checks.append(applied_norm_check(before, after, norms_3d, case.lr, case.grad_clip, params, rounding=rounding))
     else:
-        checks.append(_adam_weight_check(ref.snapshots[-1], merged[-1], ref.adam_slack, criteria))
+        # every step from the same weights; in bf16 the masters, and the stored model after the last step
+        got = masters[1:] if masters else merged
+        pairs = list(zip(ref.snapshots, got, ref.adam_slack, strict=True))
+        labels = [f"step {t + 1}" for t in range(len(pairs))]
+        if masters:
+            pairs.append((ref.snapshots[-1], merged[-1], ref.adam_slack[-1]))
+            labels.append(f"step {len(labels)} (stored bf16)")
+        checks.append(_adam_weight_check(pairs, criteria, labels))
     worst, worst_name = 0.0, ""
     for name, tensor in merged[-1].items():
         if name in ref.snapshots[-1]:
@@ -256,8 +284,8 @@ def run_parity(
         max_abs_grad_norm_diff=max(abs(a - b) for a, b in zip(ref.norms, norms_3d, strict=True)),
         max_abs_param_diff=worst,
         worst_param=worst_name,
-        seconds_ref=t1 - t0,
-        seconds_3d=t2 - t1,
+        seconds_ref=seconds_ref,
+        seconds_3d=seconds_3d,
         checks=checks,
         ok=all(c.ok for c in checks),
     )
@@ -309,25 +337,27 @@ def _gradient_check(
 
 
 def _adam_weight_check(
-    ref: dict[str, torch.Tensor],
-    got: dict[str, torch.Tensor],
-    slack: dict[str, torch.Tensor],
+    steps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]],
     criteria: Criteria,
+    labels: list[str] | None = None,
 ) -> Check:
-    """AdamW: final weights element by element within Adam's amplification of round-off."""
+    """AdamW: per step (reference weights, 3D weights, allowed move), every element within Adam's
+    amplification of that step's round-off."""
+    labels = labels or [f"step {t + 1}" for t in range(len(steps))]
     worst, where, ok = 0.0, "", True
-    for name, w_ref in ref.items():
-        w_ref = w_ref.float()
-        diff = (got[name].float() - w_ref).abs()
-        allowed = slack.get(name, torch.zeros_like(w_ref)) + criteria.weight_atol * w_ref.abs().clamp(min=1.0)
-        allowed = allowed + criteria.stored_u * w_ref.abs()  # the 3D side's stored copy rounds it
-        ratio = diff / allowed
-        i = int(torch.nan_to_num(ratio, nan=float("inf")).argmax()) if ratio.numel() else 0
-        value = float(ratio.flatten()[i]) if ratio.numel() else 0.0
-        ok = ok and bool((diff <= allowed).all())
-        if not value <= worst:
-            worst = value
-            where = f"{name}[{i}]: |w_3d - w_ref| = {float(diff.flatten()[i]):.3g}, allowed {float(allowed.flatten()[i]):.3g}"
+    for t, (ref, got, slack) in enumerate(steps):
+        for name, w_ref in ref.items():
+            w_ref = w_ref.float()
+            diff = (got[name].float() - w_ref).abs()
+            allowed = slack.get(name, torch.zeros_like(w_ref)) + criteria.weight_atol * w_ref.abs().clamp(min=1.0)
+            allowed = allowed + criteria.stored_u * w_ref.abs()  # the 3D side's stored copy rounds it
+            ratio = diff / allowed
+            i = int(torch.nan_to_num(ratio, nan=float("inf")).argmax()) if ratio.numel() else 0
+            value = float(ratio.flatten()[i]) if ratio.numel() else 0.0
+            ok = ok and bool((diff <= allowed).all())
+            if not value <= worst:
+                worst = value
+                where = f"{labels[t]}, {name}[{i}]: |w_3d - w_ref| = {float(diff.flatten()[i]):.3g}, allowed {float(allowed.flatten()[i]):.3g}"
     return Check("weights", worst, where, ok)
 
 

@@ -49,13 +49,14 @@ class Reference:
     losses: list[float]
     norms: list[float]
     snapshots: list[dict[str, torch.Tensor]]
-    """Parameters before each step and after the last (SGD), or only after the last (AdamW)."""
-    adam_slack: dict[str, torch.Tensor] = field(default_factory=dict)
-    """AdamW: per element, how far round-off amplified by Adam can move a weight (module docstring)."""
+    """Parameters before each step and after the last (SGD), or after each step (AdamW)."""
+    adam_slack: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """AdamW, per step: per element, how far round-off amplified by Adam can move a weight in that step
+    (module docstring of dsx3d.verify.parity)."""
     loss_slack: list[float] = field(default_factory=list)
     norm_slack: list[float] = field(default_factory=list)
-    """Per step: how much the weight differences admitted so far (AdamW, `_propagated_change`) and bf16
-    (dsx3d.verify.bf16_roundoff, dsx3d.verify.topk_ties) can change the loss and the gradient norm."""
+    """Per step: how much bf16 (dsx3d.verify.bf16_roundoff, dsx3d.verify.topk_ties) can change the loss and
+    the gradient norm."""
     update_slack: list[dict[str, float]] = field(default_factory=list)
     """SGD in bf16, per step and tensor: how far bf16 round-off moves the weight change (dsx3d.verify.bf16_roundoff)."""
     undecided: list[int] = field(default_factory=list)
@@ -83,107 +84,54 @@ def _accumulate_grads(case: ParityCase, model: torch.nn.Module, batch: torch.Ten
     return total
 
 
-def _propagated_change(
+def run_reference(
     case: ParityCase,
     model: torch.nn.Module,
-    named: list,
-    batch: torch.Tensor,
-    slack: dict[str, torch.Tensor],
-    t: int,
-    base_loss: float,
+    batches: Any,
     accumulate: Callable[..., float] = _accumulate_grads,
-) -> tuple[dict[str, torch.Tensor], float, float]:
-    """max over probes of |g(W + p) - g(W)| per element, p = the slack so far with random signs, then with
-    every sign +1, then -1: how much the earlier steps' admissible weight differences change this step's
-    gradient (they feed into this step's forward). Round-off differences of one summation order are not
-    independent per element (they can shift a whole tensor one way), so the coherent probes bound what random
-    signs average away. Also the loss and the (unclipped) gradient norm at the probe that moves them most."""
-    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in named}
-    with torch.no_grad():
-        base_norm = sum(float((g.double() ** 2).sum()) for g in grads.values()) ** 0.5
-    gen = torch.Generator().manual_seed(case.seed * 1000 + t)
-    kept = {n: p.detach().clone() for n, p in named}
-    change: dict[str, torch.Tensor] = {}
-    loss_out, norm_out = None, None
-    for probe in ("random", "plus", "minus"):
-        with torch.no_grad():
-            for n, p in named:
-                if n in slack:
-                    if probe == "random":
-                        signs = torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1
-                        p.add_(slack[n] * signs)
-                    else:
-                        p.add_(slack[n] if probe == "plus" else -slack[n])
-        for _, p in named:
-            p.grad = None
-        rng = torch.get_rng_state()
-        loss = accumulate(case, model, batch)
-        torch.set_rng_state(rng)
-        square = 0.0
-        with torch.no_grad():
-            for n, p in named:
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                square += float((g.double() ** 2).sum())
-                diff = (g - grads[n]).abs()
-                change[n] = diff if n not in change else torch.maximum(change[n], diff)
-                p.copy_(kept[n])
-        norm = square**0.5
-        if loss_out is None or abs(loss - base_loss) > abs(loss_out - base_loss):
-            loss_out = loss
-        if norm_out is None or abs(norm - base_norm) > abs(norm_out - base_norm):
-            norm_out = norm
-    for n, p in named:
-        p.grad = grads[n]
-    assert loss_out is not None and norm_out is not None
-    return change, loss_out, norm_out
-
-
-def run_reference(
-    case: ParityCase, model: torch.nn.Module, batches: Any, accumulate: Callable[..., float] = _accumulate_grads
+    replay: list[dict[str, torch.Tensor]] | None = None,
 ) -> Reference:
     """Plain HF on one process: mean loss over the global batch, global-norm clipping, the optimizer.
     `accumulate(case, model, batch)` backpropagates one step's loss and returns it (default: `batches` of
-    token ids, each sequence its own example)."""
+    token ids, each sequence its own example). `replay[t - 1]` (AdamW; parameter names as in `model`): the
+    weights the parallel run had after step t, from which this run takes step t + 1 (its optimizer state
+    carries on), so that every step is compared from the same weights (module docstring of parity)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = _optimizer(case, [p for _, p in named])
     criteria = CRITERIA[case.dtype]
     ref = Reference([], [], [])
     v = {n: torch.zeros_like(p) for n, p in named}
+    slack = {n: torch.zeros_like(p) for n, p in named}
     beta2 = case.betas[1]
     model.train()
-    # SGD in bf16: the shadow follows its own trajectory (dsx3d.verify.bf16_roundoff.sgd_step); AdamW measures the
-    # effect of earlier differences with its probes (_propagated_change) and runs the shadow from the reference
+    # SGD in bf16: the shadow follows its own trajectory (dsx3d.verify.bf16_roundoff.sgd_step); AdamW runs the
+    # shadow from the reference's weights, which are the parallel run's (replay)
     shadow_weights = None
     if case.dtype == "bf16" and case.optimizer == "sgd":
         shadow_weights = {n: p.detach().clone() for n, p in named}
     for t, batch in enumerate(batches, start=1):
+        if replay is not None and t > 1:
+            with torch.no_grad():
+                for n, p in named:
+                    p.copy_(replay[t - 2][n])
         if case.optimizer == "sgd":
             ref.snapshots.append({n: p.detach().clone() for n, p in named})
         opt.zero_grad(set_to_none=True)
         rng = torch.get_rng_state()
-        # bf16: the inputs of every top-k choice, in this step and in the runs bf16 moves (dsx3d.verify.topk_ties)
+        # bf16: the inputs of every top-k choice, in this step and in the shadow (dsx3d.verify.topk_ties)
         ref_calls: list[torch.Tensor] = []
-        probe_calls: list[torch.Tensor] = []
         shadow_calls: list[torch.Tensor] = []
         with recording(ref_calls) if case.dtype == "bf16" else contextlib.nullcontext():
             total = accumulate(case, model, batch)
         after = torch.get_rng_state()
-        propagated: dict[str, torch.Tensor] = {}
-        moved_loss, moved_norm = total, None
-        if case.optimizer != "sgd" and ref.adam_slack:
-            torch.set_rng_state(rng)
-            with recording(probe_calls) if case.dtype == "bf16" else contextlib.nullcontext():
-                propagated, moved_loss, moved_norm = _propagated_change(
-                    case, model, named, batch, ref.adam_slack, t, total, accumulate
-                )
-            torch.set_rng_state(after)
         max_norm = case.grad_clip if case.grad_clip > 0 else float("inf")
         unclipped = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
         norm = clip_by_exact_norm([p for _, p in named], max_norm)
-        ref.loss_slack.append(2 * abs(moved_loss - total))
-        ref.norm_slack.append(0.0 if moved_norm is None else 2 * abs(moved_norm - float(norm)))
+        ref.loss_slack.append(0.0)
+        ref.norm_slack.append(0.0)
         clip = min(1.0, max_norm / (float(norm) + 1e-6))
         bf16_grad: dict[str, torch.Tensor] = {}
+        flipped: dict[str, torch.Tensor] = {}
         if case.dtype == "bf16":
             torch.set_rng_state(rng)
             with recording(shadow_calls):
@@ -196,21 +144,18 @@ def run_reference(
             ref.norm_slack[-1] += BF16_DRAWS * rf.norm[0]
             ref.update_slack.append({n: BF16_DRAWS * d for n, d in rf.update[0].items()})
             bf16_grad = rf.grad[0]
-            n_ref = len(ref_calls)
-            runs = [probe_calls[i : i + n_ref] for i in range(0, len(probe_calls), n_ref or 1)]
-            spreads = score_spreads(ref_calls, [shadow_calls, *runs])
+            spreads = score_spreads(ref_calls, [shadow_calls])
             if any(spreads):
                 torch.set_rng_state(rng)
-                flips, flip_loss, flip_norm, undecided = flip_change(
+                flipped, flip_loss, flip_norm, undecided = flip_change(
                     spreads, lambda: accumulate(case, model, batch), named, unclipped, total, case.seed * 1000 + t  # noqa: B023
                 )
                 ref.undecided.append(undecided)
                 if undecided:
                     ref.loss_slack[-1] += 2 * flip_loss
                     ref.norm_slack[-1] += 2 * flip_norm
-                    for n, d in flips.items():
+                    for n, d in flipped.items():
                         ref.update_slack[-1][n] = ref.update_slack[-1].get(n, 0.0) + 2 * case.lr * clip * float(d.double().norm())
-                        propagated[n] = propagated[n] + d if n in propagated else d
             torch.set_rng_state(after)
             if shadow_weights is not None:
                 shadow_norm = sum(float(g.double().pow(2).sum()) for g in shadow_grads.values()) ** 0.5
@@ -222,16 +167,20 @@ def run_reference(
                 v[n].mul_(beta2).add_(g * g, alpha=1 - beta2)
                 v_hat = v[n] / (1 - beta2**t)
                 delta = torch.full_like(p, criteria.roundoff * float(g.abs().max()) if g.numel() else 0.0)
-                if n in propagated:
-                    delta += 2 * clip * propagated[n]
+                if n in flipped:
+                    delta += 2 * clip * flipped[n]
                 if n in bf16_grad and bf16_grad[n].numel():
                     # one draw of an element's round-off can be near zero by chance: the tensor's largest
                     delta += BF16_DRAWS * clip * float(bf16_grad[n].max())
-                step = 2 * case.lr * delta / (v_hat.sqrt() + case.adam_eps)
-                # Adam moves an element by at most a few lr per step, whatever its gradient
-                ref.adam_slack[n] = ref.adam_slack.get(n, torch.zeros_like(p)) + step.clamp(max=4 * case.lr)
+                # this step's round-off, and the earlier steps' still held in Adam's moments; Adam moves an
+                # element by at most a few lr per step, whatever its gradient
+                slack[n] += (2 * case.lr * delta / (v_hat.sqrt() + case.adam_eps)).clamp(max=4 * case.lr)
+            ref.adam_slack.append({n: s.clone() for n, s in slack.items()})
         opt.step()
+        if case.optimizer != "sgd":
+            ref.snapshots.append({n: p.detach().clone() for n, p in named})
         ref.losses.append(total)
         ref.norms.append(float(norm))
-    ref.snapshots.append({n: p.detach().clone() for n, p in named})
+    if case.optimizer == "sgd":
+        ref.snapshots.append({n: p.detach().clone() for n, p in named})
     return ref

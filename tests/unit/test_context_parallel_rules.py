@@ -97,11 +97,8 @@ CASES = [
         id="kv-heads-neither-split-nor-repeat",
     ),
     pytest.param(
-        {"model": {"config": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}}},
-        None,
-        "parallel.cp",
-        "mixture of experts",
-        id="moe",
+        {"model": {"config": {"model_type": "flint", "num_local_experts": 4}}}, None, "parallel.cp", "per-head sinks",
+        id="sinks-the-tp-plan-does-not-name",
     ),
     pytest.param({"parallel": {"schedule": "zb-h1"}}, None, "parallel.cp", "zero bubble", id="zb-h1"),
     pytest.param(
@@ -109,6 +106,15 @@ CASES = [
     ),
     pytest.param({"parallel": {"dp": 2}}, None, "parallel.dp x parallel.cp x parallel.tp x parallel.pp", "world size 8", id="world"),
 ]
+
+
+def test_mixture_of_experts_runs_at_cp() -> None:
+    """MoE families split like dense ones (the router's auxiliary loss gathers every CP rank's logits);
+    expert parallelism stays refused."""
+    moe = {"model": {"config": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}}}
+    assert not [str(p) for p in _check(moe, None) if p.key == "parallel.cp"]
+    with_ep = deep_merge(copy.deepcopy(moe), {"parallel": {"ep": 2, "dp": 2}})
+    assert any(p.key == "parallel.cp" and "expert parallelism" in str(p) for p in _check(with_ep, None))
 
 
 @pytest.mark.parametrize("patch,world,key,words", CASES)

@@ -19,8 +19,6 @@ CP_REFUSED: dict[str, str] = {}
 """model_type -> why its attention does not split by heads over CP ranks (filled from measured parity runs:
 tests/distributed/test_context_parallel.py)."""
 
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
 
 def _cp(c: _Context) -> int:
     return c.recipe.parallel.cp
@@ -74,8 +72,19 @@ def _heads(c: _Context) -> Iterator[Problem]:
         )
 
 
+def _sinks(config: object) -> bool:
+    """Whether the meta model's layers hold per-head attention sinks (a family whose TP plan replicates
+    attention does not name them)."""
+    from dsx3d.models.meta_build import attention_sinks
+
+    try:
+        return attention_sinks(config) is not None  # type: ignore[arg-type]
+    except Exception:  # a config the meta build rejects is reported by the model checks
+        return False
+
+
 def _family(c: _Context) -> Iterator[Problem]:
-    """Families whose attention does not split by heads, and MoE families."""
+    """Families whose attention does not split by heads."""
     cp, config = _cp(c), c.hf_config
     if cp == 1 or config is None:
         return
@@ -90,7 +99,7 @@ def _family(c: _Context) -> Iterator[Problem]:
             "cannot run on a slice and has no attention heads to exchange; only full and sliding-window "
             "attention layers split over CP ranks"
         )
-    if reason is None and any(k.endswith((".sinks", ".s_aux")) for k in plan):
+    if reason is None and (any(k.endswith((".sinks", ".s_aux")) for k in plan) or _sinks(config)):
         reason = (
             "its attention has learned per-head sinks, a parameter the attention function itself reads for the "
             "heads this TP rank holds; after the Ulysses exchange a CP rank holds a different subset of heads"
@@ -100,15 +109,6 @@ def _family(c: _Context) -> Iterator[Problem]:
             "parallel.cp", cp, f"{text.model_type}: {reason}", "set parallel.cp: 1 (use parallel.tp to split this model)"
         )
         return
-    if any(int(getattr(text, k, 0) or 0) > 0 for k in _MOE_KEYS):
-        yield Problem(
-            "parallel.cp",
-            cp,
-            f"{text.model_type} is a mixture of experts: its router's load-balancing loss is a product of "
-            "per-sequence averages, which the CP slices cannot form from their own tokens, and the experts' TP "
-            "region is not shown equal to single-process HF on sequence slices",
-            "set parallel.cp: 1 for MoE models",
-        )
 
 
 def _combinations(c: _Context) -> Iterator[Problem]:
