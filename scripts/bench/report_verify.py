@@ -1,5 +1,6 @@
 """The `verify_sweep` section of the benchmark report (scripts/bench/report.py): what the verify sweep
-(scripts/bench/verify_sweep.py) drew and how each dtype fared, and which injected faults it caught."""
+(scripts/bench/verify_sweep.py) drew and how each dtype fared, its context-parallel cases apart, and which
+injected faults it caught."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ def _overall(r: dict[str, Any]) -> dict[str, Any]:
     """One row from a result recorded without `by_dtype` (crashes were not counted apart then)."""
     refused = len(r.get("refused", []))
     return {
-        "drawn": r["configs"], "trained": r["configs"] - refused, "refused": refused, "crashed": "-",
+        "drawn": r["configs"],
+        "trained": r["configs"] - refused,
+        "refused": refused,
+        "crashed": "-",
         "false_failures": r.get("false_failures", 0),
         "worst_fraction_of_tolerance": r.get("worst_fraction_of_tolerance", {}),
     }
@@ -41,11 +45,23 @@ def verify_sweep(r: dict[str, Any]) -> list[str]:
             f"| {dtype} | {s['drawn']} | {s['trained']} | {passed} | {s['refused']} | {s['crashed']} | "
             f"{s['false_failures']} | {_worst(s.get('worst_fraction_of_tolerance', {}))} |"
         )
+    cp = r.get("cp") or {}
+    if cp.get("drawn"):
+        layouts = ", ".join(f"{k} ({n})" for k, n in sorted(cp["layouts"].items()))
+        lines += [
+            "",
+            f"Context parallelism (in the rows above too): {cp['drawn']} drawn, {cp['trained']} trained, "
+            f"{cp['refused']} refused, {cp['crashed']} crashed, {cp['false_failures']} false failures; "
+            f"layouts {layouts}; worst {_worst(cp.get('worst_fraction_of_tolerance', {}))}.",
+        ]
     faults = r.get("faults_detected") or {}
     if faults:
         missed = sorted(k for k, v in faults.items() if not v)
-        lines += ["", f"Injected faults: {len(faults) - len(missed)} of {len(faults)} detected"
-                  + (f"; missed: {', '.join(missed)}." if missed else ".")]
+        lines += [
+            "",
+            f"Injected faults: {len(faults) - len(missed)} of {len(faults)} detected"
+            + (f"; missed: {', '.join(missed)}." if missed else "."),
+        ]
     for f in r.get("failures", []):
         lines += ["", f"- failed: `{f['case']}`"]
     lines.append("")
