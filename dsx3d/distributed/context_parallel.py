@@ -86,6 +86,14 @@ def attention_modules(layer: nn.Module) -> list[nn.Module]:
     return [m for m in layer.modules() if hasattr(m, "config") and hasattr(m, "scaling") and _head_dim(m)]
 
 
+def _heads_split(attn: nn.Module) -> bool:
+    """Whether TP split this attention module's heads: a column-parallel projection whose output stays
+    sharded (a `colwise` plan entry); not where the plan keeps attention whole or gathers the outputs."""
+    from dsx3d.distributed.tensor_parallel.layers import ColumnParallelLinear
+
+    return any(isinstance(m, ColumnParallelLinear) and not m.gather_output for m in attn.modules())
+
+
 def _head_dim(attn: nn.Module) -> int:
     return int(getattr(attn, "head_dim", None) or getattr(attn, "head_size", None) or 0)
 
@@ -153,14 +161,15 @@ class CPContext:
                 raise RuntimeError(f"context parallelism: {type(attn).__name__} has per-head attention sinks")
             config = cast(PretrainedConfig, attn.config)
             core = _core_attention(attn, config._attn_implementation)
-            heads = config.num_attention_heads // tp
+            split = tp if _heads_split(attn) else 1  # a plan that keeps attention whole: all heads here
+            heads = config.num_attention_heads // split
             kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
             attn.__dict__["_dsx3d_ulysses"] = ulysses(
                 attn=core,
                 batch_size=1,
                 attn_head_count=heads,
                 attn_head_size=_head_dim(attn),
-                kv_head_count=kv // tp,
+                kv_head_count=kv // split,
                 num_hidden_layers=num_layers,
                 process_group=self.group,
                 seq_length_is_variable=True,

@@ -62,6 +62,25 @@ def attention_sinks(config: HFConfig) -> str | None:
     return None
 
 
+def attention_heads_split(config: HFConfig) -> bool:
+    """Whether TP splits the attention heads (a projection of the attention module planned `colwise`), as
+    the engine shards it; False where the plan keeps attention whole or gathers its projections' outputs,
+    so that every TP rank attends over all heads."""
+    from torch import nn
+
+    from dsx3d.distributed.context_parallel import attention_modules
+
+    spec, layers = _meta_layers(config)
+    for name, module in layers[0].named_modules():
+        if module in attention_modules(layers[0]):
+            prefix = f"{spec.layers_name}.0.{name}"
+            return any(
+                isinstance(sub, nn.Linear) and tp_plan.style_for(spec.tp_plan, f"{prefix}.{child}") == "colwise"
+                for child, sub in module.named_modules()
+            )
+    return True
+
+
 def sequence_parallel_blocker(config: HFConfig) -> str | None:
     """Why the engine runs this model without sequence parallelism even when the recipe asks for it
     (`dsx3d.models.tp_plan.sequence_parallel_blocker`, what the engine's builder checks), or None."""

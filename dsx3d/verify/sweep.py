@@ -170,7 +170,7 @@ def cp_sweep_cases(
     count: int, seed: int = 0, layouts: list[tuple[tuple[int, int, int, int], int]] | None = None
 ) -> list[SweepCase]:
     """`count` buildable cases with context parallelism, round-robin over the families the checker lets run
-    at cp > 1 (tp 2 supported, not MoE, not refused), with `_cp_dims` sizes and a layout from `layouts`
+    at cp > 1 (tp 2 supported, MoE included, not refused), with `_cp_dims` sizes and a layout from `layouts`
     (default `CP_LAYOUTS`). A draw the checker refuses (heads that do not split) is drawn again."""
     from dsx3d.recipe.checks import check_recipe
     from dsx3d.verify.parity import ParityCase, case_recipe

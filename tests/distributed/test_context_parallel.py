@@ -51,6 +51,7 @@ CI_CASES = [
         "mixtral", {"num_local_experts": 4, "output_router_logits": True, "router_aux_loss_coef": 0.5}, (1, 2, 2, 1), {},
         id="mixtral-aux-loss-cp2-tp2",
     ),
+    pytest.param("olmo2", {}, (1, 2, 2, 1), {}, id="olmo2-attention-whole-under-tp-cp2-tp2"),
 ]
 SWEEP_CASES = [
     pytest.param(

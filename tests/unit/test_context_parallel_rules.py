@@ -130,3 +130,18 @@ def test_dsx3d_check_exits_2_naming_parallel_cp(tmp_path: Path, capsys: pytest.C
     assert main(["check", str(path)]) == 2
     out = capsys.readouterr().out
     assert "parallel.cp = 2" in out and "Traceback" not in out
+
+
+def test_heads_per_tp_rank_follow_the_plan() -> None:
+    """A plan that keeps attention whole (olmo2 gathers its q/k/v outputs) leaves every TP rank all heads, so
+    cp may split all of them; a plan that splits heads (llama) leaves heads / tp. The engine's Ulysses
+    wrapper takes the same count (`dsx3d.distributed.context_parallel._heads_split`)."""
+    from dsx3d.models.known_families import tiny_config
+    from dsx3d.models.meta_build import attention_heads_split
+
+    assert attention_heads_split(tiny_config("llama")) and not attention_heads_split(tiny_config("olmo2"))
+    heads = {"num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 64}
+    whole = {"model": {"config": {"model_type": "olmo2", **heads}}, "parallel": {"cp": 8, "pp": 1}}
+    split = deep_merge(copy.deepcopy(whole), {"model": {"config": {"model_type": "llama"}}})
+    assert not [p for p in _check(whole, 16) if p.key == "parallel.cp"]
+    assert any(p.key == "parallel.cp" and "do not split into 8" in str(p) for p in _check(split, 16))

@@ -45,31 +45,44 @@ def _heads(c: _Context) -> Iterator[Problem]:
     """Heads per TP rank divisible by cp; kv heads per TP rank divisible by cp, or cp a multiple of them."""
     cp = _cp(c)
     heads, kv = c.dim("num_attention_heads"), c.dim("num_key_value_heads")
-    if cp == 1 or heads is None or heads % c.tp:
+    tp = c.tp if _heads_split(c) else 1  # a plan that keeps attention whole: every TP rank has all heads
+    if cp == 1 or heads is None or heads % tp:
         return  # the TP rules report heads that tp does not divide
-    local = heads // c.tp
+    local = heads // tp
     if local % cp:
         fits = [d for d in range(1, local + 1) if local % d == 0]
         yield Problem(
             "parallel.cp",
             cp,
             f"Ulysses attention gives each CP rank heads / (tp x cp) query heads, and the {local} heads per TP "
-            f"rank (num_attention_heads {heads} / tp {c.tp}) do not split into {cp}",
+            f"rank (num_attention_heads {heads} / tp {tp}) do not split into {cp}",
             f"set parallel.cp to one of {fits}",
         )
         return
     kv = kv or heads
-    if kv % c.tp:
+    if kv % tp:
         return
-    local_kv = kv // c.tp
+    local_kv = kv // tp
     if local_kv % cp and cp % local_kv:
         yield Problem(
             "parallel.cp",
             cp,
-            f"the {local_kv} key/value heads per TP rank (num_key_value_heads {kv} / tp {c.tp}) neither split "
+            f"the {local_kv} key/value heads per TP rank (num_key_value_heads {kv} / tp {tp}) neither split "
             f"into cp = {cp} groups nor repeat evenly over them",
             f"set parallel.cp to a divisor or a multiple of {local_kv} that divides {local}",
         )
+
+
+def _heads_split(c: _Context) -> bool:
+    """Whether TP splits the attention heads of this model (`dsx3d.models.meta_build.attention_heads_split`)."""
+    if c.tp == 1 or c.hf_config is None:
+        return True
+    from dsx3d.models.meta_build import attention_heads_split
+
+    try:
+        return attention_heads_split(c.hf_config)
+    except Exception:  # a config the meta build rejects is reported by the model checks
+        return True
 
 
 def _sinks(config: object) -> bool:
