@@ -26,6 +26,7 @@ from dsx3d.verify.cp_faults import CP_FAULTS
 from dsx3d.verify.harness import RankFailure, run_ranks
 from dsx3d.verify.parity import ParityCase, case_recipe, run_parity, run_verify
 from dsx3d.verify.sweep import CP_LAYOUTS, cp_sweep_cases
+from dsx3d.verify.zb_faults import ZB_FAULTS
 from tests.helpers.packed_parity import run_packed_parity
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
@@ -52,6 +53,7 @@ CI_CASES = [
         id="mixtral-aux-loss-cp2-tp2",
     ),
     pytest.param("olmo2", {}, (1, 2, 2, 1), {}, id="olmo2-attention-whole-under-tp-cp2-tp2"),
+    pytest.param("llama", {}, (1, 2, 1, 2), {"schedule": "zb-h1", "micro_batches": 4}, id="llama-zb-h1-cp2-pp2"),
 ]
 SWEEP_CASES = [
     pytest.param(
@@ -114,6 +116,17 @@ def test_cp_packed_rows_with_masked_labels(layout: tuple[int, int, int, int], at
     case = ParityCase(config, dp=dp, cp=cp, tp=tp, pp=pp, steps=2, micro_batch_size=2, micro_batches=2, seq_len=16)
     checks = run_packed_parity(case, mix)
     assert all(c.ok for c in checks), [f"{c.name}: {c.worst:.3g} ({c.where})" for c in checks if not c.ok]
+
+
+@pytest.mark.skipif(not SWEEP, reason="8 ranks, two faults: opt-in (DSX3D_CP_SWEEP=1)")
+@pytest.mark.parametrize("name", sorted(ZB_FAULTS))
+def test_zero_bubble_faults_fail_at_cp(name: str) -> None:
+    """The W pass skipped or run twice under cp 2 x tp 2 x pp 2: the zero-bubble order really runs at cp."""
+    with ZB_FAULTS[name]():
+        results = run_verify(
+            ParityCase(tiny_config("llama"), cp=2, tp=2, pp=2, dp=1, steps=2, schedule="zb-h1", micro_batches=4)
+        )
+    assert not any(r.ok for r in results), [r.checks for r in results]
 
 
 @pytest.mark.parametrize("name", sorted(CP_FAULTS))

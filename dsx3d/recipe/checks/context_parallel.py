@@ -138,14 +138,6 @@ def _combinations(c: _Context) -> Iterator[Problem]:
             "parallelism also splits",
             "set parallel.cp: 1, or parallel.ep: 1",
         )
-    if parallel.pp > 1 and parallel.schedule == "zb-h1":
-        yield Problem(
-            "parallel.cp",
-            cp,
-            "zero bubble (parallel.schedule: zb-h1) defers weight gradients out of the backward pass, and the "
-            "Ulysses all-to-all's backward is not shown to keep its order under that split",
-            "set parallel.schedule: 1f1b, or parallel.cp: 1",
-        )
     dropout = _dropout(c)
     if dropout:
         yield Problem(
