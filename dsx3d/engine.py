@@ -287,6 +287,7 @@ def build_engine(
     module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go
     if not engine.zero_optimization() and not engine.bfloat16_enabled() and not engine.fp16_enabled():
         install_fp32_clipping(engine, placement.tp)
-    # dropout: the same replicated stream on the ranks of a TP group (a resume restores each rank's state)
-    seed_ranks(recipe.train.seed, pp_rank=placement.pp, dp_rank=placement.dp)
+    # dropout: the same replicated stream on the ranks of a TP group, its own on every DP and CP rank (a
+    # resume restores each rank's state)
+    seed_ranks(recipe.train.seed, pp_rank=placement.pp, dp_rank=placement.dp, cp_rank=placement.cp)
     return Engine3D(engine, module, layout, placement, hf_config, ds_config, mpu)

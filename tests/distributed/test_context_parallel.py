@@ -226,3 +226,24 @@ def test_apertus_adamw_at_dp2_cp2_tp2_pp2() -> None:
     difference of one near-zero-gradient element. verify now compares AdamW step by step from the same
     weights (dsx3d.verify.parity), and the case passes."""
     _assert_ok(run_verify(ParityCase(tiny_config("apertus", **APERTUS), dp=2, cp=2, tp=2, pp=2, steps=2)))
+
+
+def _dropout_rank(rank: int, case: ParityCase) -> tuple[int, int, int, float]:
+    from dsx3d.verify.parity import build_case_engine
+
+    engine = build_case_engine(case)
+    seed, p = torch.initial_seed(), engine.placement
+    batch = torch.randint(0, case.config.vocab_size, (case.micro_batch_size, case.seq_len), generator=torch.Generator().manual_seed(0))
+    loss = engine.train_step(iter([(batch, batch)] * case.micro_batches))
+    return p.cp, p.tp, seed, loss
+
+
+def test_dropout_draws_its_own_masks_on_every_cp_rank() -> None:
+    """With dropout at cp 2 x tp 2 the ranks of a TP group share one stream (replicated masks equal) and the
+    two CP ranks have different ones (their slices and head groups draw independent masks); a step trains."""
+    config = tiny_config("llama", attention_dropout=0.3)
+    case = ParityCase(config, cp=2, tp=2, dp=1, pp=1, micro_batches=1)
+    out = run_ranks(_dropout_rank, case.world_size, case)
+    seeds = {(cp, tp): seed for cp, tp, seed, _ in out}
+    assert seeds[(0, 0)] == seeds[(0, 1)] and seeds[(1, 0)] == seeds[(1, 1)] and seeds[(0, 0)] != seeds[(1, 0)]
+    assert all(math.isfinite(loss) for *_, loss in out)

@@ -100,11 +100,19 @@ CASES = [
         {"model": {"config": {"model_type": "flint", "num_local_experts": 4}}}, None, "parallel.cp", "per-head sinks",
         id="sinks-the-tp-plan-does-not-name",
     ),
-    pytest.param(
-        {"model": {"config": {"attention_dropout": 0.1}}}, None, "parallel.cp", "attention_dropout", id="dropout"
-    ),
     pytest.param({"parallel": {"dp": 2}}, None, "parallel.dp x parallel.cp x parallel.tp x parallel.pp", "world size 8", id="world"),
 ]
+
+
+def test_dropout_runs_at_cp_on_its_own_stream_per_cp_rank() -> None:
+    """Dropout is accepted at cp > 1: each CP rank seeds its own default stream (its slice's masks, and inside
+    attention its head group's), the ranks of a TP group one stream, and cp rank 0 the seed it had before."""
+    from dsx3d.distributed.tensor_parallel.random import default_seed
+
+    assert _check({"model": {"config": {"attention_dropout": 0.1}}}) == []
+    seeds = {(pp, dp, cp): default_seed(7, pp_rank=pp, dp_rank=dp, cp_rank=cp) for pp in range(4) for dp in range(8) for cp in range(8)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert default_seed(7, pp_rank=1, dp_rank=2) == (7 * 1_000_003 + 7_919 + 2 * 104_729 + 0xD5) % 2**63
 
 
 def test_zero_bubble_runs_at_cp() -> None:
@@ -127,12 +135,12 @@ def test_each_cp_rule_names_its_key(patch: dict[str, Any], world: int | None, ke
 
 
 def test_dsx3d_check_exits_2_naming_parallel_cp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    recipe = deep_merge(deep_merge(copy.deepcopy(BASE), copy.deepcopy(CP_BASE)), {"model": {"config": {"attention_dropout": 0.1}}})
+    recipe = deep_merge(deep_merge(copy.deepcopy(BASE), copy.deepcopy(CP_BASE)), {"parallel": {"cp": 4}})
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
     assert main(["check", str(path)]) == 2
     out = capsys.readouterr().out
-    assert "parallel.cp = 2" in out and "Traceback" not in out
+    assert "parallel.cp = 4" in out and "Traceback" not in out
 
 
 def test_heads_per_tp_rank_follow_the_plan() -> None:

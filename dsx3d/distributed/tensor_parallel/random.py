@@ -27,15 +27,16 @@ import torch
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant (2^64 / golden ratio): spreads TP ranks' seeds apart
 
 
-def default_seed(seed: int, *, pp_rank: int, dp_rank: int) -> int:
+def default_seed(seed: int, *, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
     """The default generator's seed of a rank: identical on the ranks of a TP group (replicated masks
-    equal), different across pipeline stages and DP ranks (different layers, different data)."""
-    return (seed * 1_000_003 + pp_rank * 7_919 + dp_rank * 104_729 + 0xD5) % (2**63)
+    equal), different across pipeline stages, DP ranks and CP ranks (different layers, different data,
+    different slices of a sequence and, inside attention, different heads). cp_rank 0 adds nothing."""
+    return (seed * 1_000_003 + pp_rank * 7_919 + dp_rank * 104_729 + cp_rank * 15_485_863 + 0xD5) % (2**63)
 
 
-def seed_ranks(seed: int, *, pp_rank: int, dp_rank: int) -> None:
+def seed_ranks(seed: int, *, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> None:
     """Seed every default generator (CPU and accelerators) of this process for dropout."""
-    torch.manual_seed(default_seed(seed, pp_rank=pp_rank, dp_rank=dp_rank))
+    torch.manual_seed(default_seed(seed, pp_rank=pp_rank, dp_rank=dp_rank, cp_rank=cp_rank))
 
 
 @dataclass

@@ -138,26 +138,6 @@ def _combinations(c: _Context) -> Iterator[Problem]:
             "parallelism also splits",
             "set parallel.cp: 1, or parallel.ep: 1",
         )
-    dropout = _dropout(c)
-    if dropout:
-        yield Problem(
-            "parallel.cp",
-            cp,
-            f"dropout ({dropout}) draws one stream per DP rank, which every CP rank shares: the masks of "
-            "different sequence slices and head groups would repeat one another",
-            f"set {dropout.split(' = ')[0]} to 0, or parallel.cp: 1",
-        )
-
-
-def _dropout(c: _Context) -> str:
-    """The first nonzero dropout of the model config (`key = value`), or ''."""
-    if c.hf_config is None:
-        return ""
-    text = c.hf_config.get_text_config()
-    for key, value in sorted(text.to_dict().items()):
-        if ("dropout" in key or key.endswith("_pdrop")) and isinstance(value, float) and value > 0:
-            return f"model.config.{key} = {value}"
-    return ""
 
 
 def context_parallel_problems(c: _Context) -> Iterator[Problem]:
