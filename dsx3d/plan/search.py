@@ -4,7 +4,7 @@ cluster, drop what the checker refuses or what does not fit, rank the rest by pr
 Pure: every candidate is a `Setup` scored by `dsx3d.estimate.estimate` and a `Recipe` judged by
 `dsx3d.recipe.checks.check_recipe`; nothing starts a process. Search space:
   tp: divisors of gpus_per_node that divide the attention and KV head counts (TP stays inside a node);
-  cp (sequences of at least LONG_SEQ tokens, dense models): divisors of gpus_per_node / tp (the CP ranks sit
+  cp (sequences of at least LONG_SEQ tokens; MoE models with ep 1): divisors of gpus_per_node / tp (the CP ranks sit
      next to the TP ranks inside a node) that split the heads of a TP rank and divide seq_len / tp;
   pp: divisors of world / (cp * tp) that leave at least 2 decoder layers per stage (pp = 1 always);
   dp = world / (cp * tp * pp), which must divide the global batch;
@@ -184,14 +184,12 @@ def _cp_choices(
         for c in sorted(set(cps) - set(wanted)):
             skipped.append(f"cp{c} tp{tp}: cp x tp = {c * tp} does not divide the {cluster.gpus_per_node} GPUs of a node")
         inside = wanted
-    elif seq_len < LONG_SEQ or shape.num_experts:
+    elif seq_len < LONG_SEQ:
         return [1]
     out = []
     for cp in inside:
         if cp == 1:
             out.append(cp)
-        elif shape.num_experts:
-            skipped.append(f"cp{cp}: context parallelism is not planned for MoE models (expert parallelism instead)")
         elif shape.num_heads and shape.num_heads % (tp * cp):
             skipped.append(f"cp{cp} tp{tp}: the {shape.num_heads} attention heads do not split over cp x tp = {cp * tp}")
         elif seq_len % (tp * cp):
