@@ -48,7 +48,31 @@ def _meta_layers(config: HFConfig) -> tuple[Any, list[Any]]:
     return spec, list(getattr(getattr(lm, spec.base_prefix), spec.layers_name))
 
 
+_ATTENTION_FACTS: dict[str, tuple[str | None, bool]] = {}
+"""(attention_sinks, attention_heads_split) by config JSON: the planner checks many layouts of one model."""
+
+
+def _attention_facts(config: HFConfig) -> tuple[str | None, bool]:
+    key = config.to_json_string(use_diff=False)
+    if key not in _ATTENTION_FACTS:
+        if len(_ATTENTION_FACTS) > 64:
+            _ATTENTION_FACTS.clear()
+        _ATTENTION_FACTS[key] = (_attention_sinks(config), _attention_heads_split(config))
+    return _ATTENTION_FACTS[key]
+
+
 def attention_sinks(config: HFConfig) -> str | None:
+    """The class of a decoder-layer module holding learned per-head attention sinks, or None
+    (`_attention_sinks`)."""
+    return _attention_facts(config)[0]
+
+
+def attention_heads_split(config: HFConfig) -> bool:
+    """Whether TP splits the attention heads (`_attention_heads_split`)."""
+    return _attention_facts(config)[1]
+
+
+def _attention_sinks(config: HFConfig) -> str | None:
     """The class of a decoder-layer module holding learned per-head attention sinks (a `sinks` or `s_aux`
     parameter that the attention function reads per head), or None: found on the meta model, whether or not
     the family's TP plan names it."""
@@ -62,7 +86,7 @@ def attention_sinks(config: HFConfig) -> str | None:
     return None
 
 
-def attention_heads_split(config: HFConfig) -> bool:
+def _attention_heads_split(config: HFConfig) -> bool:
     """Whether TP splits the attention heads (a projection of the attention module planned `colwise`), as
     the engine shards it; False where the plan keeps attention whole or gathers its projections' outputs,
     so that every TP rank attends over all heads."""

@@ -45,8 +45,10 @@ def _heads(c: _Context) -> Iterator[Problem]:
     """Heads per TP rank divisible by cp; kv heads per TP rank divisible by cp, or cp a multiple of them."""
     cp = _cp(c)
     heads, kv = c.dim("num_attention_heads"), c.dim("num_key_value_heads")
+    if cp == 1 or heads is None:
+        return
     tp = c.tp if _heads_split(c) else 1  # a plan that keeps attention whole: every TP rank has all heads
-    if cp == 1 or heads is None or heads % tp:
+    if heads % tp:
         return  # the TP rules report heads that tp does not divide
     local = heads // tp
     if local % cp:
