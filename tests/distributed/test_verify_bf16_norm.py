@@ -52,3 +52,15 @@ def test_masters_of_the_fp16_wrapper_driving_bf16_without_zero_are_read() -> Non
     2^-8 rounding and applied_norm failed 7.6 times over on the tiny llama."""
     parity = ParityCase(tiny_config("llama"), zero_stage=0, steps=2, dtype="bf16", optimizer="sgd", lr=SGD_LR)
     assert _applied_norm(parity) < 0.1
+
+
+def test_adamw_at_zero0_counts_its_steps_as_hf_does() -> None:
+    """bf16 at ZeRO-0 on the regular engine: FP16_UnfusedOptimizer's constructor stepped AdamW once on zero
+    gradients, so every element with a solid gradient moved 0.735 lr at the first step instead of lr
+    (the qkv bias of the untied gpt_neox: weights 6.5 times over); dsx3d.integrations.fp16_wrapper_state."""
+    dims = {"attention_bias": True, "head_dim": 8, "hidden_size": 32, "intermediate_size": 136}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 4}
+    config = tiny_config("gpt_neox", tie_word_embeddings=False, vocab_size=32000, **dims, **heads)
+    result = run_parity(ParityCase(config, zero_stage=0, steps=2, dtype="bf16"))
+    assert result.ok, [vars(c) for c in result.checks]
+    assert next(c.worst for c in result.checks if c.name == "weights") < 0.8
