@@ -29,6 +29,7 @@ from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.errors import UserError
 from dsx3d.integrations.bf16_norm import count_empty_as_zero
 from dsx3d.integrations.boundary_types import DSConfig, DSEngine, JSONObject, ParamGroup, PipeEngine
+from dsx3d.integrations.fp16_wrapper_state import undo_initialising_step
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.pipeline import StagedPipelineModule, build_pipeline, release_last_stage_outputs
 from dsx3d.models.sequential import SequentialLM, build_sequential
@@ -275,6 +276,7 @@ def build_engine(
     engine, *_ = deepspeed.initialize(
         model=module, model_parameters=params, config=ds_config, mpu=mpu, lr_scheduler=lr_scheduler
     )
+    undo_initialising_step(engine)  # the fp16 wrappers' zero-gradient step would put AdamW one count ahead
     if layout.pp > 1:
         release_last_stage_outputs(engine)
         count_empty_as_zero(engine)  # a stage without decoder layers may count no gradient in the norm
