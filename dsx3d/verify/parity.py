@@ -180,7 +180,10 @@ def _rank_worker(
 
 
 def _reference(
-    case: ParityCase, model: torch.nn.Module, batches: torch.Tensor, replay: list[dict[str, torch.Tensor]] | None = None
+    case: ParityCase,
+    model: torch.nn.Module,
+    batches: torch.Tensor,
+    replay: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> Reference:
     """`run_reference`, with a config that plain transformers cannot train refused as the user's input."""
     try:
@@ -233,8 +236,10 @@ def run_parity(
         losses_3d, norms_3d, merged, masters = parallel_run()
         t1 = time.perf_counter()
         names = {n: hf_name(n) for n, p in model.named_parameters() if p.requires_grad}
-        held = masters[1:] if masters else merged
-        replay = [{n: step[h] for n, h in names.items()} for step in held[:-1]]
+        # the weights each step starts from: in bf16 the masters (the first are the initial weights rounded
+        # to bf16, which the engine made its masters from); in fp32 the initial weights, then each step's
+        held: list[dict[str, torch.Tensor] | None] = [*masters[:-1]] if masters else [None, *merged[:-1]]
+        replay = [None if step is None else {n: step[h] for n, h in names.items()} for step in held]
         ref = _reference(case, model, batches, replay)
         seconds_ref, seconds_3d = time.perf_counter() - t1, t1 - t0
     ref.snapshots = [{hf_name(n): t for n, t in snap.items()} for snap in ref.snapshots]
@@ -261,10 +266,11 @@ def run_parity(
     else:
         # every step from the same weights; in bf16 the masters, and the stored model after the last step
         got = masters[1:] if masters else merged
-        pairs = list(zip(ref.snapshots, got, ref.adam_slack, strict=True))
+        fp32 = CRITERIA["fp32"].stored_u  # the masters are fp32 copies, from the same start as the reference
+        pairs = [(r, g, a, fp32) for r, g, a in zip(ref.snapshots, got, ref.adam_slack, strict=True)]
         labels = [f"step {t + 1}" for t in range(len(pairs))]
-        if masters:
-            pairs.append((ref.snapshots[-1], merged[-1], ref.adam_slack[-1]))
+        if masters:  # the stored model: its bf16 rounding of the last masters too
+            pairs.append((ref.snapshots[-1], merged[-1], ref.adam_slack[-1], criteria.stored_u))
             labels.append(f"step {len(labels)} (stored bf16)")
         checks.append(_adam_weight_check(pairs, criteria, labels))
     worst, worst_name = 0.0, ""
@@ -337,20 +343,22 @@ def _gradient_check(
 
 
 def _adam_weight_check(
-    steps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+    steps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], float]],
     criteria: Criteria,
     labels: list[str] | None = None,
 ) -> Check:
-    """AdamW: per step (reference weights, 3D weights, allowed move), every element within Adam's
-    amplification of that step's round-off."""
+    """AdamW: per step (reference weights, 3D weights, allowed move, unit round-off of the 3D copy compared),
+    every element within Adam's amplification of that step's round-off. A copy rounded to u (the stored bf16
+    model) is within u |w_3d| of what it rounds: round to nearest moves w by at most half a spacing, which is
+    at most u times the smaller of |w| and its rounded value."""
     labels = labels or [f"step {t + 1}" for t in range(len(steps))]
     worst, where, ok = 0.0, "", True
-    for t, (ref, got, slack) in enumerate(steps):
+    for t, (ref, got, slack, stored_u) in enumerate(steps):
         for name, w_ref in ref.items():
-            w_ref = w_ref.float()
-            diff = (got[name].float() - w_ref).abs()
+            w_ref, w_3d = w_ref.float(), got[name].float()
+            diff = (w_3d - w_ref).abs()
             allowed = slack.get(name, torch.zeros_like(w_ref)) + criteria.weight_atol * w_ref.abs().clamp(min=1.0)
-            allowed = allowed + criteria.stored_u * w_ref.abs()  # the 3D side's stored copy rounds it
+            allowed = allowed + stored_u * torch.maximum(w_ref.abs(), w_3d.abs())
             ratio = diff / allowed
             i = int(torch.nan_to_num(ratio, nan=float("inf")).argmax()) if ratio.numel() else 0
             value = float(ratio.flatten()[i]) if ratio.numel() else 0.0

@@ -89,13 +89,14 @@ def run_reference(
     model: torch.nn.Module,
     batches: Any,
     accumulate: Callable[..., float] = _accumulate_grads,
-    replay: list[dict[str, torch.Tensor]] | None = None,
+    replay: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> Reference:
     """Plain HF on one process: mean loss over the global batch, global-norm clipping, the optimizer.
     `accumulate(case, model, batch)` backpropagates one step's loss and returns it (default: `batches` of
-    token ids, each sequence its own example). `replay[t - 1]` (AdamW; parameter names as in `model`): the
-    weights the parallel run had after step t, from which this run takes step t + 1 (its optimizer state
-    carries on), so that every step is compared from the same weights (module docstring of parity)."""
+    token ids, each sequence its own example). `replay[t - 1]` (AdamW; parameter names as in `model`; None: the
+    model's own): the weights the parallel run took step t from, from which this run takes it too (its
+    optimizer state carries on), so that every step is compared from the same weights (module docstring of
+    parity)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = _optimizer(case, [p for _, p in named])
     criteria = CRITERIA[case.dtype]
@@ -110,10 +111,11 @@ def run_reference(
     if case.dtype == "bf16" and case.optimizer == "sgd":
         shadow_weights = {n: p.detach().clone() for n, p in named}
     for t, batch in enumerate(batches, start=1):
-        if replay is not None and t > 1:
+        start = replay[t - 1] if replay is not None else None
+        if start is not None:
             with torch.no_grad():
                 for n, p in named:
-                    p.copy_(replay[t - 2][n])
+                    p.copy_(start[n])
         if case.optimizer == "sgd":
             ref.snapshots.append({n: p.detach().clone() for n, p in named})
         opt.zero_grad(set_to_none=True)
