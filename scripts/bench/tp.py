@@ -1,11 +1,11 @@
-"""Tensor parallelism at Megatron's communication minimum (issue 12): step time against the engine before
+"""Tensor parallelism at Megatron's communication minimum: step time against the engine before
 the change and against raw DeepSpeed, activation memory and pipeline bytes with and without sequence
 parallelism.
 
 Step time (`--layouts`, default tp2, tp2 pp2, dp2 tp2 pp2): in the same ranks, from the same weights, on the
 same batches, alternated step by step (A B ... B A, a barrier before each step, `common.alternate`):
   before         dsx3d with one TP entry per projection, synchronous (q, k, v, gate, up each all-reduce
-                 their input gradient: the engine before issue 12; `TPContext.shared_entries=False`,
+                 their input gradient: the engine before shared TP entries; `TPContext.shared_entries=False`,
                  `overlap=False`), no sequence parallelism;
   shared         one entry per distinct input (q/k/v share one all-reduce, gate/up one), synchronous;
   shared+overlap the same, the collective launched asynchronously under the last weight gradient;
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mem = None if args.no_memory else memory(work, state, steps=2)
     result = {
         **meta,
-        "what": "step time: dsx3d before issue 12 / shared TP entries / + overlap / + sequence parallelism / "
+        "what": "step time: dsx3d before shared TP entries / shared TP entries / + overlap / + sequence parallelism / "
         "DeepSpeed's own TP layers (sync, tp_overlap_comm), same ranks, alternated; activation memory and "
         "pipeline bytes per message with and without sequence parallelism",
         "model": bc.model_summary(config, state),

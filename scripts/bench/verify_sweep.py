@@ -34,8 +34,11 @@ if TYPE_CHECKING:
     from dsx3d.verify.parity import ParityCase
     from dsx3d.verify.sweep import SweepCase
 
+Record = dict[str, Any]
+"""A JSON-like record of results.json (counts, worst values, failures)."""
 
-def _per_dtype() -> dict[str, Any]:
+
+def _per_dtype() -> Record:
     return {
         "drawn": 0,
         "trained": 0,
@@ -52,7 +55,7 @@ def _layout(case: SweepCase) -> str:
     return f"dp{dp}{cp} tp{tp} pp{pp} zero{case.zero_stage}"
 
 
-def _stats_out(stats: dict[str, Any]) -> dict[str, Any]:
+def _stats_out(stats: Record) -> Record:
     worst = {k: rounded(v) for k, v in sorted(stats["worst"].items())}
     return {**{k: v for k, v in stats.items() if k != "worst"}, "worst_fraction_of_tolerance": worst}
 
@@ -62,12 +65,12 @@ class _Tally:
     cases with context parallelism, once more in `cp`."""
 
     def __init__(self) -> None:
-        self.failures: list[dict[str, Any]] = []
-        self.refused: list[dict[str, Any]] = []
+        self.failures: list[Record] = []
+        self.refused: list[Record] = []
         self.worst: dict[str, float] = defaultdict(float)
         self.layouts: dict[str, int] = defaultdict(int)
-        self.by_dtype: dict[str, dict[str, Any]] = defaultdict(_per_dtype)
-        self.cp: dict[str, Any] = {**_per_dtype(), "layouts": defaultdict(int)}
+        self.by_dtype: dict[str, Record] = defaultdict(_per_dtype)
+        self.cp: Record = {**_per_dtype(), "layouts": defaultdict(int)}
 
     def verify(self, case: SweepCase, steps: int, checkpoint_dir: Path) -> str:
         """Verify `case` as `dsx3d verify` does (a checkpoint case saved under `checkpoint_dir` and read back)
@@ -170,7 +173,7 @@ def _faults(steps: int) -> dict[str, bool]:
     return detected
 
 
-def run(count: int, seed: int, steps: int, faults: bool, skip: int = 0, cp_count: int = 0) -> dict[str, Any]:
+def run(count: int, seed: int, steps: int, faults: bool, skip: int = 0, cp_count: int = 0) -> Record:
     """`count` generated 3D cases, then `cp_count` with context parallelism (the first `skip` of them all left
     out), and with `faults` every injected defect."""
     import tempfile
@@ -208,7 +211,7 @@ def run(count: int, seed: int, steps: int, faults: bool, skip: int = 0, cp_count
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> Record:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument(
