@@ -22,25 +22,39 @@ import torch
 from dsx3d.integrations.boundary_types import DSEngine
 
 
+def wrapper_masters(optimizer: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(low-precision parameter, its fp32 copy) for every parameter of DeepSpeed's fp16 wrappers:
+    FP16_UnfusedOptimizer keeps one copy per parameter (`fp32_groups`), FP16_Optimizer one flat tensor per
+    group (`fp32_groups_flat`, cut here into views per parameter). Empty for the other optimizers."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from torch._utils import _unflatten_dense_tensors
+
+    if isinstance(optimizer, FP16_Optimizer):
+        copies = [
+            _unflatten_dense_tensors(flat, group)
+            for flat, group in zip(optimizer.fp32_groups_flat, optimizer.fp16_groups, strict=True)
+        ]
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):
+        copies = optimizer.fp32_groups
+    else:
+        return []
+    return [
+        (p, m) for group, masters in zip(optimizer.fp16_groups, copies, strict=True) for p, m in zip(group, masters, strict=True)
+    ]
+
+
 def undo_initialising_step(engine: DSEngine) -> None:
     """Reset the optimizer state and fp32 masters of `engine`'s fp16 wrapper to what they were before its
     constructor's zero-gradient step (nothing for the other optimizers)."""
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
-    optimizer = engine.optimizer
-    if not isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+    pairs = wrapper_masters(engine.optimizer)
+    if not pairs:
         return
-    inner = optimizer.optimizer
+    inner = engine.optimizer.optimizer
     inner.state.clear()
     for group in inner.param_groups:
         if "step" in group:  # DeepSpeed's FusedAdam also keeps a count per group
             group["step"] = 0
     with torch.no_grad():
-        if isinstance(optimizer, FP16_Optimizer):
-            for master, low in zip(optimizer.fp32_groups_flat, optimizer.fp16_groups_flat, strict=True):
-                master.copy_(low)
-        else:
-            for masters, lows in zip(optimizer.fp32_groups, optimizer.fp16_groups, strict=True):
-                for master, low in zip(masters, lows, strict=True):
-                    master.copy_(low)
+        for low, master in pairs:
+            master.copy_(low)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsx3d.errors import UserError
 from dsx3d.integrations.boundary_types import HFConfig, HFModel
 from dsx3d.models import tp_plan
 from dsx3d.models.config_dims import text_config
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from dsx3d.models.family_spec import FamilySpec
 
 # Words of transformers' and torch's construction errors -> the config key behind them.
 _ERROR_KEYS = {"padding_idx": "pad_token_id", "num_embeddings": "vocab_size"}
@@ -57,7 +62,8 @@ def _attention_facts(config: HFConfig) -> tuple[str | None, bool]:
     if key not in _ATTENTION_FACTS:
         if len(_ATTENTION_FACTS) > 64:
             _ATTENTION_FACTS.clear()
-        _ATTENTION_FACTS[key] = (_attention_sinks(config), _attention_heads_split(config))
+        spec, layers = _meta_layers(config)
+        _ATTENTION_FACTS[key] = (_attention_sinks(layers), _attention_heads_split(spec, layers))
     return _ATTENTION_FACTS[key]
 
 
@@ -72,13 +78,12 @@ def attention_heads_split(config: HFConfig) -> bool:
     return _attention_facts(config)[1]
 
 
-def _attention_sinks(config: HFConfig) -> str | None:
+def _attention_sinks(layers: list[nn.Module]) -> str | None:
     """The class of a decoder-layer module holding learned per-head attention sinks (a `sinks` or `s_aux`
     parameter that the attention function reads per head), or None: found on the meta model, whether or not
     the family's TP plan names it."""
     import torch
 
-    _, layers = _meta_layers(config)
     for layer in layers:
         for module in layer.modules():
             if any(isinstance(getattr(module, key, None), torch.Tensor) for key in ("sinks", "s_aux")):
@@ -86,7 +91,7 @@ def _attention_sinks(config: HFConfig) -> str | None:
     return None
 
 
-def _attention_heads_split(config: HFConfig) -> bool:
+def _attention_heads_split(spec: FamilySpec, layers: list[nn.Module]) -> bool:
     """Whether TP splits the attention heads (a projection of the attention module planned `colwise`), as
     the engine shards it; False where the plan keeps attention whole or gathers its projections' outputs,
     so that every TP rank attends over all heads."""
@@ -94,9 +99,9 @@ def _attention_heads_split(config: HFConfig) -> bool:
 
     from dsx3d.distributed.context_parallel import attention_modules
 
-    spec, layers = _meta_layers(config)
+    attention = {id(m) for m in attention_modules(layers[0])}
     for name, module in layers[0].named_modules():
-        if module in attention_modules(layers[0]):
+        if id(module) in attention:
             prefix = f"{spec.layers_name}.0.{name}"
             return any(
                 isinstance(sub, nn.Linear) and tp_plan.style_for(spec.tp_plan, f"{prefix}.{child}") == "colwise"

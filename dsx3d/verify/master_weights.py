@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsx3d.integrations.fp16_wrapper_state import wrapper_masters
 from dsx3d.models.shards import Shard
 from dsx3d.models.weights import shard_of
 
@@ -29,9 +30,16 @@ def master_shards(engine: Engine3D) -> dict[str, Shard]:
     from deepspeed.utils import safe_get_full_fp32_param
 
     params = list(engine.module.parameters())
-    copies = _wrapper_masters(engine)
-    masters = [(safe_get_full_fp32_param(p) if p.requires_grad else None) for p in params]
-    masters = [copies.get(id(p)) if m is None and p.requires_grad else m for p, m in zip(params, masters, strict=True)]
+    # DeepSpeed's fp16 wrappers (bf16 without ZeRO on the regular engine) keep no `_hp_mapping`, so
+    # `safe_get_full_fp32_param` returns None for their parameters: their own fp32 copies, else the bf16
+    # parameters alone would put 2^-8 of every weight into its update
+    copies = {id(p): m for p, m in wrapper_masters(engine.ds_engine.optimizer)}
+
+    def fp32(p: torch.nn.Parameter) -> torch.Tensor | None:
+        master = safe_get_full_fp32_param(p)
+        return copies.get(id(p)) if master is None else master
+
+    masters = [fp32(p) if p.requires_grad else None for p in params]
     out: dict[str, Shard] = {}
     with engine.gathered(params):
         for p, master in zip(params, masters, strict=True):
@@ -42,24 +50,3 @@ def master_shards(engine: Engine3D) -> dict[str, Shard]:
             value = p.detach() if master is None else master.detach().reshape(p.shape)
             out[name] = (value.float().clone(), dim, index)
     return out
-
-
-def _wrapper_masters(engine: Engine3D) -> dict[int, torch.Tensor]:
-    """{id(parameter): fp32 copy} of DeepSpeed's fp16 wrappers, FP16_UnfusedOptimizer (`fp32_groups`, one
-    tensor per parameter) and FP16_Optimizer (`fp32_groups_flat`, one flat tensor per group), which also drive
-    bf16 without ZeRO on the regular engine: they keep no `_hp_mapping`, so `safe_get_full_fp32_param` returns
-    None for their parameters, and the bf16 parameters alone would put 2^-8 of every weight into its update.
-    Empty for the other optimizers."""
-    from torch._utils import _unflatten_dense_tensors
-
-    optimizer = engine.ds_engine.optimizer
-    low = getattr(optimizer, "fp16_groups", None)
-    flat = getattr(optimizer, "fp32_groups_flat", None)
-    high = getattr(optimizer, "fp32_groups", None)
-    if low is None:
-        return {}
-    if flat is not None:
-        high = [_unflatten_dense_tensors(f, group) for f, group in zip(flat, low, strict=True)]
-    if high is None:
-        return {}
-    return {id(p): m for group, copies in zip(low, high, strict=True) for p, m in zip(group, copies, strict=True)}

@@ -345,13 +345,12 @@ def _gradient_check(
 def _adam_weight_check(
     steps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], float]],
     criteria: Criteria,
-    labels: list[str] | None = None,
+    labels: list[str],
 ) -> Check:
     """AdamW: per step (reference weights, 3D weights, allowed move, unit round-off of the 3D copy compared),
     every element within Adam's amplification of that step's round-off. A copy rounded to u (the stored bf16
     model) is within u |w_3d| of what it rounds: round to nearest moves w by at most half a spacing, which is
     at most u times the smaller of |w| and its rounded value."""
-    labels = labels or [f"step {t + 1}" for t in range(len(steps))]
     worst, where, ok = 0.0, "", True
     for t, (ref, got, slack, stored_u) in enumerate(steps):
         for name, w_ref in ref.items():
