@@ -429,6 +429,24 @@ def proc_status_kb(key: str) -> int:
     raise KeyError(key)
 
 
+def peak_tensor_bytes(step: Callable[[], object]) -> int:
+    """The peak of live CPU tensor bytes while `step()` runs, above those live when it starts.
+
+    Summed from the profiler's allocator events (`profile_memory`), so it counts what torch allocates and frees, in
+    order, whatever the C allocator and the kernel do with the pages (unlike the resident set, which a forked child
+    can see shared, reused or reclaimed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
     try:
