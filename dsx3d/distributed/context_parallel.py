@@ -121,8 +121,15 @@ class CPContext:
 
     def gather_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """(b, s/cp) position_ids of every CP rank -> (b, s), in CP-rank order (no gradient)."""
-        parts = [torch.empty_like(positions) for _ in range(self.size)]
-        dist.all_gather(parts, positions.contiguous(), group=self.group)
+        return self.gather_sequence(positions)
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, s/cp, ...) of every CP rank -> (b, s, ...), in CP-rank order, without a gradient (position ids;
+        the predictions dsx3d.Trainer's evaluation keeps). Unchanged while size == 1."""
+        if not self.on:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.detach().contiguous(), group=self.group)
         return torch.cat(parts, dim=1)
 
     def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:

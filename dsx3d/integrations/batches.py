@@ -82,6 +82,13 @@ def to_micro_batch(
     return out_ids, out_labels
 
 
+def with_norm(micro: tuple[Any, torch.Tensor], norm: float) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, labels) -> (inputs, (labels, norm)): the engine's loss is then the sum of the micro-batch's token
+    losses divided by norm (the form context parallelism slices, dsx3d.data.cp_slice)."""
+    inputs, labels = micro
+    return inputs, (labels, torch.tensor([norm], dtype=torch.float64))
+
+
 def empty_micro_batch(micro_batch_size: int, seq_len: int, packed: bool = False) -> tuple[Any, torch.Tensor]:
     """A micro-batch that scores nothing: evaluation pads the ranks that run out of data with it (`packed`: in
     the shape of padding-free micro-batches, dsx3d.integrations.padding_free)."""

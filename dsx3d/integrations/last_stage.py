@@ -9,6 +9,12 @@ as `preprocess_logits_for_metrics`: each rank's best column, then the best over 
 any other `preprocess_logits_for_metrics`, or `compute_metrics` on raw logits see what they see under HF: the
 full-vocabulary logits (b, s, V) of the micro-batch, gathered over the TP group (for the loss with a backward
 that hands each rank the gradient of its own columns).
+
+With context parallelism (cp > 1) each CP rank's last stage holds its slice of every sequence, and labels
+arrive as (this slice's shifted targets, norm) (dsx3d.data.cp_slice): the loss is the engine's own, its norm set
+by the Trainer for HF's token weighting, and what evaluation keeps is gathered over the CP group along the
+sequence. A `compute_loss_func` and other `preprocess_logits_for_metrics` are refused there (they take HF's
+unshifted labels of whole sequences).
 """
 
 from __future__ import annotations
@@ -22,13 +28,17 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dsx3d.distributed import comm
 from dsx3d.distributed.comm import ProcessGroup
+from dsx3d.distributed.context_parallel import CPContext
 from dsx3d.distributed.tensor_parallel.mappings import gather_last_dim
+from dsx3d.errors import Problem
 from dsx3d.integrations.batches import count_targets
 from dsx3d.integrations.trl_face import token_statistics
 from dsx3d.models.tiled_head import HeadInputs
 
 Captured: TypeAlias = "torch.Tensor | tuple[Captured, ...] | list[Captured] | dict[str, Captured]"
 """What evaluation keeps of a micro-batch: logits, or what preprocess_logits_for_metrics made of them."""
+Labels: TypeAlias = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"
+"""A micro-batch's labels, or with cp > 1 (this CP slice's shifted targets, norm)."""
 
 
 def argmax_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -76,7 +86,7 @@ class LastStageLoss:
     Evaluation returns the micro-batch's sum of token losses (the function's value times n_k), so the
     evaluation loss is a token-weighted mean either way; `capture` then keeps what compute_metrics needs."""
 
-    def __init__(self, mean_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shard: VocabShard,
+    def __init__(self, mean_loss: Callable[[torch.Tensor, Labels], torch.Tensor], shard: VocabShard,
                  compute_loss_func: Callable[..., torch.Tensor] | None = None):  # fmt: skip
         self.mean_loss, self.shard, self.compute_loss_func = mean_loss, shard, compute_loss_func
         self.training = True
@@ -89,9 +99,11 @@ class LastStageLoss:
         self.stats: list[torch.Tensor] | None = None
         """When a list, training appends each micro-batch's token statistics (dsx3d.integrations.trl_face)."""
 
-    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs: torch.Tensor, labels: Labels) -> torch.Tensor:
         """`outputs`: the logits shard, or under `train.loss_tile_tokens` what the tiled loss computes them from
         (`dsx3d.models.tiled_head`); whatever needs the logits themselves gets them computed whole."""
+        if isinstance(labels, tuple | list):
+            return self._slice_loss(outputs, labels)
         if self.training:
             if self.stats is not None:
                 self.stats.append(token_statistics(whole_logits(outputs), labels, self.shard))
@@ -106,6 +118,17 @@ class LastStageLoss:
         if self.capture is not None:
             self.captured.append(self.capture(whole_logits(outputs), labels))
         return loss * n
+
+    def _slice_loss(self, outputs: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """cp > 1: (targets, norm) of this CP rank's slice; the Trainer set norm so that the engine's loss, the
+        slice's sum over norm, averages (over micro-batches and the dp x cp ranks) to HF's token-weighted mean
+        in training, and to the micro-batch's sum of token losses in evaluation."""
+        assert self.compute_loss_func is None, "refused at cp > 1 by dsx3d.Trainer"
+        if self.training and self.stats is not None:
+            self.stats.append(token_statistics(whole_logits(outputs), labels[0], self.shard, pre_shifted=True))
+        if not self.training and self.capture is not None:
+            self.captured.append(self.capture(whole_logits(outputs), labels[0]))
+        return self.mean_loss(outputs, labels)
 
     def _user_loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: int) -> torch.Tensor:
         outputs = CausalLMOutputWithPast(logits=self.shard.full(logits))
@@ -122,12 +145,17 @@ def whole_logits(outputs: torch.Tensor | tuple[torch.Tensor, HeadInputs]) -> tor
 
 
 def capture_for(
-    preprocess: Callable[[torch.Tensor, torch.Tensor], Captured] | None, shard: VocabShard
+    preprocess: Callable[[torch.Tensor, torch.Tensor], Captured] | None, shard: VocabShard, cp: CPContext | None = None
 ) -> Callable[[torch.Tensor, torch.Tensor], Captured]:
     """What evaluation keeps per micro-batch (on CPU): HF's `preprocess_logits_for_metrics(logits, labels)`, on
-    full logits, except `argmax_logits`, which runs on the shards; without one, the full logits themselves."""
+    full logits, except `argmax_logits`, which runs on the shards; without one, the full logits themselves.
+    With cp > 1 (`cp`): the token predictions or the full logits, gathered over the CP group along the sequence."""
+    cp = cp if cp is not None else CPContext()
     if preprocess is argmax_logits:
-        return lambda logits, labels: shard.argmax(logits).cpu()
+        return lambda logits, labels: cp.gather_sequence(shard.argmax(logits)).cpu()
+    if cp.on:
+        assert preprocess is None, "refused at cp > 1 by dsx3d.Trainer"
+        return lambda logits, labels: cp.gather_sequence(shard.full(logits.detach())).cpu()
 
     def keep(logits: torch.Tensor, labels: torch.Tensor) -> Captured:
         full = shard.full(logits.detach())
@@ -145,3 +173,34 @@ def _to_cpu(value: Captured) -> Captured:
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
     return value
+
+
+def context_parallel_refusals(
+    cp: int, compute_loss_func: object, preprocess: Callable[[torch.Tensor, torch.Tensor], Captured] | None
+) -> list[Problem]:
+    """What dsx3d.Trainer cannot run at cp > 1: functions HF calls with whole sequences' logits and unshifted
+    labels, where each CP rank holds a slice of positions and its shifted targets."""
+    if cp == 1:
+        return []
+    problems = []
+    if compute_loss_func is not None:
+        problems.append(
+            Problem(
+                "Trainer(compute_loss_func=...)",
+                getattr(compute_loss_func, "__name__", type(compute_loss_func).__name__),
+                f"at parallel.cp = {cp} each rank's last stage holds a slice of every sequence, and a loss HF "
+                "calls with whole sequences' logits and labels cannot be split into slices in general",
+                "drop compute_loss_func (the default loss is HF's token mean), or set parallel.cp: 1",
+            )
+        )
+    if preprocess is not None and preprocess is not argmax_logits:
+        problems.append(
+            Problem(
+                "Trainer(preprocess_logits_for_metrics=...)",
+                getattr(preprocess, "__name__", type(preprocess).__name__),
+                f"at parallel.cp = {cp} it would get a slice of every sequence and shifted targets, not HF's labels",
+                "use dsx3d.integrations.last_stage.argmax_logits (token predictions, gathered over the CP ranks), "
+                "pass none (compute_metrics gets the full logits), or set parallel.cp: 1",
+            )
+        )
+    return problems

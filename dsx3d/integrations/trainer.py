@@ -42,10 +42,11 @@ from dsx3d.integrations import patches, trl_face
 from dsx3d.integrations.batches import (
     count_targets,
     to_micro_batch,
+    with_norm,
 )
 from dsx3d.integrations.boundary_types import Batch, HFModel, HFTrainingArguments, ParamGroup
 from dsx3d.integrations.engine_optimizer import EngineOptimizer
-from dsx3d.integrations.last_stage import LastStageLoss
+from dsx3d.integrations.last_stage import LastStageLoss, context_parallel_refusals
 from dsx3d.integrations.layout_source import layout_source, load_layout
 from dsx3d.integrations.peft_model import lora_from_peft_model
 from dsx3d.integrations.trainer_args import reconcile, unsupported_args
@@ -153,6 +154,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         recipe, claims = load_layout(layout_source(args.deepspeed), _model_section(model), hidden)
         recipe, disagreements = reconcile(args, recipe, claims)
         problems += disagreements + unsupported_args(args) + trl_face.refusals(type(self), args)
+        problems += context_parallel_refusals(recipe.parallel.cp, compute_loss_func, preprocess_logits_for_metrics)
         world = comm.get_world_size()
         layout = recipe.layout(world)
         if layout.world_size != world:
@@ -160,7 +162,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
                 Problem(
                     "WORLD_SIZE",
                     world,
-                    f"the job has {world} processes but the layout's dp x tp x pp = {layout.dp} x {layout.tp} x {layout.pp} = {layout.world_size}",
+                    f"the job has {world} processes but the layout's dp x cp x tp x pp = {layout.dp} x {layout.cp} x {layout.tp} x {layout.pp} = {layout.world_size}",
                     f"launch {layout.world_size} processes, or regenerate the config for {world}",
                 )
             )
@@ -214,16 +216,6 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         if state.engine is None:
             from dsx3d.engine import build_engine
 
-            cp = state.recipe.parallel.cp
-            if cp > 1:
-                raise UserError.single(
-                    "parallel.cp",
-                    cp,
-                    "dsx3d.Trainer does not run context parallelism: HF's collators pad each batch to its own "
-                    "longest row, which cp need not divide, and a compute_loss_func would get the CP slices' "
-                    "shifted targets instead of HF's labels",
-                    "train with `dsx3d train`, which cuts every sequence into CP slices, or set parallel.cp: 1",
-                )
             args = self.args
             optimizer = {
                 "type": "AdamW",
@@ -334,7 +326,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         """Buffer micro-batches up to the accumulation boundary, then run the whole step in the pipeline. The
         step's loss is returned at the boundary and 0 before it, so HF's running sum is the per-step loss."""
         state, train = self._dsx3d, self._dsx3d.recipe.train
-        state.pending.append(to_micro_batch(inputs, train.micro_batch_size, train.seq_len))
+        state.pending.append(to_micro_batch(inputs, train.micro_batch_size, train.seq_len))  # whole sequences
         sft = trl_face.sft_trainer_class(type(self)) is not None
         if sft:
             state.batch_tokens += trl_face.batch_tokens(inputs)
@@ -348,6 +340,8 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         state.loss.step_tokens = self._count_over_dp(sum(count_targets(labels) for _, labels in micro))
         state.loss.scale = train.gradient_accumulation_steps * self.layout.dp
         state.loss.stats = [] if sft else None
+        if self.layout.cp > 1:  # each CP slice's sum over N / (m * dp): DeepSpeed's mean is then HF's token mean
+            micro = [with_norm(mb, max(state.loss.step_tokens, 1) / state.loss.scale) for mb in micro]
         loss = engine.train_step(iter(micro))
         if sft:
             tokens, state.batch_tokens = self._count_over_dp(state.batch_tokens), 0
@@ -356,11 +350,16 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         return torch.tensor(loss, device=self.args.device)
 
     def _count_over_dp(self, local: int) -> int:
-        """Sum of `local` over the DP ranks (every tp x pp rank of a DP rank holds the same count)."""
+        """Sum of `local` over the DP ranks (every cp x tp x pp rank of a DP rank holds the same count)."""
         t = comm.all_reduce_sum(
             torch.tensor([local], dtype=torch.int64, device=self.args.device)
         )  # nccl: on GPU
-        return int(t.item()) // (self.layout.tp * self.layout.pp)
+        return int(t.item()) // self._copies
+
+    @property
+    def _copies(self) -> int:
+        """The ranks that read each DP rank's batches: its cp x tp x pp ranks."""
+        return self.layout.cp * self.layout.tp * self.layout.pp
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> float:
         return self._engine().grad_norm  # the engine clipped by the global norm inside train_batch
@@ -374,15 +373,13 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         return self._engine().lr
 
     def floating_point_ops(self, inputs: dict[str, torch.Tensor | object]) -> int:
-        # every tp x pp rank of a DP rank sees the same batch; HF sums over all ranks
-        return super().floating_point_ops(inputs) // (self.layout.tp * self.layout.pp)
+        # every cp x tp x pp rank of a DP rank sees the same batch; HF sums over all ranks
+        return super().floating_point_ops(inputs) // self._copies
 
     def _track_num_input_tokens(self, inputs: Batch) -> None:
         before = self.state.num_input_tokens_seen
-        super()._track_num_input_tokens(inputs)  # gathers over the world: each DP rank's batch tp x pp times
-        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // (
-            self.layout.tp * self.layout.pp
-        )
+        super()._track_num_input_tokens(inputs)  # gathers over the world: each DP rank's batch cp x tp x pp times
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self._copies
 
     # -- evaluation ----------------------------------------------------------------------------------------
 

@@ -15,10 +15,12 @@ from dsx3d.integrations.batches import (
     count_targets,
     empty_micro_batch,
     to_micro_batch,
+    with_norm,
 )
 from dsx3d.integrations.last_stage import Captured, capture_for
 from dsx3d.integrations.trainer_base import EngineTrainerBase
 from dsx3d.integrations.trainer_setup import (
+    _cp_context,
     _trim,
     _vocab_shard,
 )
@@ -79,7 +81,7 @@ class EvaluationMixin(EngineTrainerBase):
         )
         loss.training = False
         loss.capture = (
-            None if only_loss else capture_for(self.preprocess_logits_for_metrics, _vocab_shard(engine))
+            None if only_loss else capture_for(self.preprocess_logits_for_metrics, _vocab_shard(engine), _cp_context(engine))
         )
         loss.captured = []
         per_rank = -(-dataloader.batch_sampler.num_micro_batches // self.layout.dp)
@@ -96,9 +98,9 @@ class EvaluationMixin(EngineTrainerBase):
             micro += [empty_micro_batch(rows, seq, packed)] * (m - len(micro))
             kept += [(torch.as_tensor(b["labels"]), torch.as_tensor(b["input_ids"])) for b in real]
             local_tokens += sum(count_targets(labels) for _, labels in micro)
-            total_loss += (
-                engine.eval_loss(iter(micro)) * m * self.layout.dp
-            )  # the engine averages over micro x dp
+            # cp > 1: each CP slice's sum of token losses, times cp (the engine's mean is over dp x cp)
+            fed: list[Any] = [with_norm(mb, 1.0) for mb in micro] if self.layout.cp > 1 else list(micro)
+            total_loss += engine.eval_loss(iter(fed)) * m * self.layout.dp  # the engine averages over micro x dp
             loss.captured = loss.captured[: len(kept)]  # the padding micro-batches' predictions go
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         tokens = self._count_over_dp(local_tokens)
@@ -129,10 +131,10 @@ class EvaluationMixin(EngineTrainerBase):
         """Every rank gets the predictions, labels and inputs of all micro-batches in dataset order (micro-batch
         j came from DP rank j % dp, its (j // dp)-th), each cut back to the rows and columns the collator made,
         then concatenated as HF does (nested_concat, padding -100), as numpy arrays (lists with
-        eval_do_concat_batches=False). Only the last stage's TP-rank-0 ranks send theirs."""
+        eval_do_concat_batches=False). Only the last stage's TP- and CP-rank-0 ranks send theirs."""
         place, layout = self._dsx3d.placement, self.layout
         mine = None
-        if place.pp == layout.pp - 1 and place.tp == 0:
+        if place.pp == layout.pp - 1 and place.tp == 0 and place.cp == 0:
             mine = (
                 place.dp,
                 [(_trim(p, lab.shape), lab, ids) for p, (lab, ids) in zip(captured, kept, strict=True)],

@@ -21,6 +21,7 @@ from dsx3d.integrations.layout_source import model_config_mapping
 from dsx3d.models.lora import hf_param_name
 
 if TYPE_CHECKING:
+    from dsx3d.distributed.context_parallel import CPContext
     from dsx3d.engine import Engine3D
     from dsx3d.models.shards import Shard
     from dsx3d.models.weights import WeightSource
@@ -121,6 +122,10 @@ def _install_loss(engine: Engine3D, compute_loss_func: Callable[..., torch.Tenso
 def _vocab_shard(engine: Engine3D) -> VocabShard:
     builder = engine.module.dsx3d_builder
     return VocabShard(builder.vocab_start, builder.vocab, builder.tp.group)
+
+
+def _cp_context(engine: Engine3D) -> CPContext:
+    return engine.module.dsx3d_builder.cp
 
 
 def _trim(value: Captured, shape: torch.Size) -> Captured:

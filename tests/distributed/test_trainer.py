@@ -116,14 +116,17 @@ def _trainer_ref(rank: int, work: Path, dp: int) -> dict[str, Any]:
     }
 
 
-# the last one: no pipeline, DeepSpeed's regular engine with ZeRO-3 partitions over dp and TP shards
+# (dp, cp, tp, pp, ZeRO stage). dp2-tp2-pp1-zero3: no pipeline, DeepSpeed's regular engine with ZeRO-3 partitions
+# over dp and TP shards; the cp ones: each rank's slice of every sequence, its predictions gathered over the CP group
 @pytest.mark.parametrize(
-    "layout", [(2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 1, 3)], ids=lambda t: f"dp{t[0]}-tp{t[1]}-pp{t[2]}-zero{t[3]}"
+    "layout",
+    [(2, 1, 1, 2, 1), (1, 1, 2, 2, 1), (2, 1, 2, 1, 3), (1, 2, 1, 2, 1), (2, 2, 1, 1, 2)],
+    ids=lambda t: f"dp{t[0]}-{f'cp{t[1]}-' if t[1] > 1 else ''}tp{t[2]}-pp{t[3]}-zero{t[4]}",
 )
-def test_trainer_matches_plain_transformers(tmp_path: Path, layout: tuple[int, int, int, int]) -> None:
-    dp, tp, pp, zero_stage = layout
-    ds_config = _write_ds_config(tmp_path / "ds.json", dp, tp, pp, zero_stage)
-    ours = run_ranks(_trainer_3d, dp * tp * pp, tmp_path, ds_config)
+def test_trainer_matches_plain_transformers(tmp_path: Path, layout: tuple[int, int, int, int, int]) -> None:
+    dp, cp, tp, pp, zero_stage = layout
+    ds_config = _write_ds_config(tmp_path / "ds.json", dp, tp, pp, zero_stage, cp)
+    ours = run_ranks(_trainer_3d, dp * cp * tp * pp, tmp_path, ds_config)
     ref = run_ranks(_trainer_ref, 1, tmp_path, dp)[0]
     for key, tol in (("loss", TOL), ("grad_norm", 1e-4), ("learning_rate", 1e-9)):
         a, b = _steps(ours[0]["history"], key), _steps(ref["history"], key)
@@ -182,6 +185,29 @@ def test_training_arguments_that_contradict_the_layout_are_refused(tmp_path: Pat
     ), text
     assert "TrainingArguments.max_grad_norm = 0.5" in text and "ds.json: gradient_clipping = 1.0" in text, text
     assert "WORLD_SIZE = 1" in text, text  # a 4-rank layout on 1 process
+
+
+def _cp_refused(rank: int, work: Path, ds_config: Path) -> list[str]:
+    import dsx3d
+
+    try:
+        dsx3d.Trainer(
+            model=_model(), args=_args(work / "cp", deepspeed=str(ds_config)), train_dataset=_train_set(),
+            compute_loss_func=z_loss_cross_entropy, preprocess_logits_for_metrics=confidence,
+        )
+    except UserError as err:
+        return [str(p) for p in err.problems]
+    return []
+
+
+def test_functions_of_whole_sequences_are_refused_at_cp(tmp_path: Path) -> None:
+    """At cp > 1 no rank holds a whole sequence's logits: HF's compute_loss_func and a preprocess_logits_for_metrics
+    other than argmax_logits are refused by name, with every other problem (here the world size) at once."""
+    ds_config = _write_ds_config(tmp_path / "ds.json", 1, 1, 1, 1, cp=2)
+    text = "\n".join(run_ranks(_cp_refused, 1, tmp_path, ds_config)[0])
+    assert "Trainer(compute_loss_func=...) = 'z_loss_cross_entropy'" in text, text
+    assert "Trainer(preprocess_logits_for_metrics=...) = 'confidence'" in text and "argmax_logits" in text, text
+    assert "WORLD_SIZE = 1" in text, text
 
 
 def _meta_model_from_recipe(rank: int, work: Path, recipe: Path) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """TRL's SFTTrainer as a face of dsx3d.Trainer (`class PipelinedSFT(dsx3d.Trainer, trl.SFTTrainer)`): with
-packing=True at dp1 x tp2 x pp2, per-step loss, gradient norm, mean_token_accuracy, entropy and num_tokens
+packing=True at dp1 x tp2 x pp2 and cp2 x tp2, per-step loss, gradient norm, mean_token_accuracy, entropy and num_tokens
 equal plain SFTTrainer with packing=True on one process; SFTConfig options that would be skipped and other
 TRL trainers are refused by name, and SFTConfig's bf16 / gradient_checkpointing defaults meet the layout's
 values like any TrainingArguments value."""
@@ -72,9 +72,12 @@ def _run(rank: int, work: Path, ds_config: Path | None) -> list[dict[str, Any]]:
     return trainer.state.log_history
 
 
-def test_pipelined_sft_with_packing_matches_plain_sft(tmp_path: Path) -> None:
-    ds_config = write_ds_config(tmp_path / "ds.json", 1, 2, 2)
-    ours = run_ranks(_run, 4, tmp_path, ds_config)
+# (dp, cp, tp, pp); with cp each rank's slice of every packed row, its token statistics summed over the slices
+@pytest.mark.parametrize("layout", [(1, 1, 2, 2), (1, 2, 2, 1)], ids=lambda t: "dp{}-cp{}-tp{}-pp{}".format(*t))
+def test_pipelined_sft_with_packing_matches_plain_sft(tmp_path: Path, layout: tuple[int, int, int, int]) -> None:
+    dp, cp, tp, pp = layout
+    ds_config = write_ds_config(tmp_path / "ds.json", dp, tp, pp, cp=cp)
+    ours = run_ranks(_run, dp * cp * tp * pp, tmp_path, ds_config)
     ref = run_ranks(_run, 1, tmp_path, None)[0]
     for key, tol in (("loss", 1e-5), ("grad_norm", 1e-4), ("mean_token_accuracy", 1e-9), ("entropy", 1e-5), ("num_tokens", 0)):
         a, b = step_values(ours[0], key), step_values(ref, key)

@@ -45,11 +45,11 @@ def eval_set(samples: int = 10) -> Any:
     return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
-def layout_recipe(dp: int, tp: int, pp: int, zero_stage: int = 1, **train: Any) -> dict[str, Any]:
+def layout_recipe(dp: int, tp: int, pp: int, zero_stage: int = 1, cp: int = 1, **train: Any) -> dict[str, Any]:
     return {
         "model": {"config": {"model_type": "llama"}},
-        "parallel": {"dp": dp, "tp": tp, "pp": pp},
-        "cluster": {"nodes": 1, "gpus_per_node": dp * tp * pp},
+        "parallel": {"dp": dp, "tp": tp, "pp": pp, "cp": cp},
+        "cluster": {"nodes": 1, "gpus_per_node": dp * cp * tp * pp},
         "train": {
             "micro_batch_size": MICRO,
             "gradient_accumulation_steps": ACCUM,
@@ -62,10 +62,10 @@ def layout_recipe(dp: int, tp: int, pp: int, zero_stage: int = 1, **train: Any) 
     }
 
 
-def write_ds_config(path: Path, dp: int, tp: int, pp: int, zero_stage: int = 1, **train: Any) -> Path:
+def write_ds_config(path: Path, dp: int, tp: int, pp: int, zero_stage: int = 1, cp: int = 1, **train: Any) -> Path:
     """The JSON `dsx3d config` writes for this layout."""
-    recipe = recipe_from_dict(layout_recipe(dp, tp, pp, zero_stage, **train))
-    path.write_text(json.dumps(build_ds_config(recipe, dp * tp * pp)))
+    recipe = recipe_from_dict(layout_recipe(dp, tp, pp, zero_stage, cp, **train))
+    path.write_text(json.dumps(build_ds_config(recipe, dp * cp * tp * pp)))
     return path
 
 

@@ -12,6 +12,7 @@ import yaml
 
 from dsx3d.cli import main
 from dsx3d.integrations.layout_source import recipe_from_ds_config
+from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.ds_config import build_ds_config
 from dsx3d.recipe.schema import recipe_from_dict
 
@@ -104,6 +105,23 @@ def test_ds_config_section_carries_cp_back(dp, cp, tp, pp):
     back = recipe_from_ds_config(config, "ds.json", data["model"])
     assert (back.parallel.cp, back.resolved_dp(world)) == (cp, dp)
     assert build_ds_config(back, world) == config
+    # the checker takes it back as it wrote it: DeepSpeed's batch arithmetic counts dp x cp data ranks
+    errors = [p for p in check_recipe(back, world_size=world, data=False) if p.severity == "error"]
+    assert not errors, errors
+
+
+def test_train_batch_size_is_counted_over_dp_x_cp():
+    data = {
+        "model": {"config": {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 8}},
+        "parallel": {"dp": 2, "tp": 1, "pp": 2, "cp": 2},
+        "cluster": {"nodes": 1, "gpus_per_node": 8},
+        "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 4, "seq_len": 64, "dtype": "fp32"},
+    }
+    ok = recipe_from_dict({**data, "deepspeed": {"train_batch_size": 16}})
+    assert not [p for p in check_recipe(ok, world_size=8, data=False) if p.key == "deepspeed.train_batch_size"]
+    wrong = recipe_from_dict({**data, "deepspeed": {"train_batch_size": 8}})  # dp alone
+    (problem,) = [p for p in check_recipe(wrong, world_size=8, data=False) if p.key == "deepspeed.train_batch_size"]
+    assert "1 x 4 x 4" in problem.reason and "dp x cp = 4" in problem.reason, problem
 
 
 def test_long_recipe_golden_config_and_layout():

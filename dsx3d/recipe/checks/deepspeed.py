@@ -13,12 +13,14 @@ from dsx3d.recipe.ds_config import AUTO, auto_paths, build_ds_config
 def _batch_overrides(c: _Context) -> Iterator[Problem]:
     """accelerate's and transformers' "auto" fill train_batch_size with the world size; with a pipeline
     DeepSpeed divides by dp instead and fails at start-up, so dsx3d owns these three keys."""
-    train = c.recipe.train
+    train, cp = c.recipe.train, c.recipe.parallel.cp
     m, g = train.micro_batch_size, train.gradient_accumulation_steps
+    data = c.dp * cp  # DeepSpeed's data-parallel ranks: the CP ranks of each DP rank count among them
+    data_key = "dp x cp" if cp > 1 else "dp"
     owners = {
         "train_micro_batch_size_per_gpu": ("train.micro_batch_size", m),
         "gradient_accumulation_steps": ("train.gradient_accumulation_steps", g),
-        "train_batch_size": ("train.micro_batch_size x train.gradient_accumulation_steps x dp", m * g * c.dp),
+        "train_batch_size": (f"train.micro_batch_size x train.gradient_accumulation_steps x {data_key}", m * g * data),
     }
     for key, (source, want) in owners.items():
         if (
@@ -30,8 +32,8 @@ def _batch_overrides(c: _Context) -> Iterator[Problem]:
         yield Problem(
             f"deepspeed.{key}",
             c.overrides[key],
-            f"disagrees with {source} = {want} (train_batch_size must be {m} x {g} x {c.dp}: DeepSpeed's "
-            f"world for batch arithmetic is the data-parallel size dp = {c.dp}, not the world size {c.world_size})",
+            f"disagrees with {source} = {want} (train_batch_size must be {m} x {g} x {data}: DeepSpeed's "
+            f"world for batch arithmetic is the data-parallel size {data_key} = {data}, not the world size {c.world_size})",
             f"remove deepspeed.{key}; set train.micro_batch_size and train.gradient_accumulation_steps instead",
         )
 
