@@ -15,10 +15,12 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
 - with SGD and clipping: that every step's update is as long as lr x the clipped norm the engine reports
   (`dsx3d.verify.clip_check`: a check within the 3D run, free of bf16's round-off; in bf16 on the engine's
   fp32 master weights, `dsx3d.verify.master_weights`);
-- with AdamW: every step's weights element by element, the reference taking step t from the weights the 3D
-  run had after step t - 1 (in bf16 its fp32 masters; the reference's own optimizer state carries on, and
-  holds the gradients of the same points), so that no step inherits the difference an earlier step was
-  allowed: Adam amplifies such a difference without bound over steps (a near-zero gradient turns round-off
+- every step from the same weights: the reference takes step t from the weights the 3D run had after step
+  t - 1 (in bf16 its fp32 masters; the reference's own optimizer state carries on, and holds the gradients of
+  the same points), so that no step inherits the difference an earlier step was allowed. With SGD in bf16 a
+  step-1 gradient 1% off in random directions (bf16's own) moved the step-2 loss by up to 4.7e-4, a scalar
+  draw that the bf16 shadow's own trajectory could cancel by chance (dsx3d.verify.bf16_roundoff);
+- with AdamW: every step's weights element by element. Adam amplifies such a difference without bound over steps (a near-zero gradient turns round-off
   into a sizeable fraction of lr, and that weight moves every later gradient). Within a step, Adam's update
   u = lr m/(sqrt(v) + eps) changes with a gradient perturbation delta by about lr delta / (sqrt(v) + eps):
   an element whose gradient is near zero (|g| ~ eps) turns a round-off difference into a sizeable fraction
@@ -222,26 +224,18 @@ def run_parity(
         masters = [merge_shards([r["masters"][i] for r in results], sizes) for i in range(len(results[0]["masters"]))]
         return results[0]["losses"], results[0]["norms"], merged, masters
 
-    if case.optimizer == "sgd":
-        t0 = time.perf_counter()
-        ref = _reference(case, model, batches)
-        t1 = time.perf_counter()
-        losses_3d, norms_3d, merged, masters = parallel_run()
-        t2 = time.perf_counter()
-        seconds_ref, seconds_3d = t1 - t0, t2 - t1
-    else:
-        # AdamW: the parallel run first; the reference takes each step from the weights the parallel run had
-        # before it (masters in bf16), so that no step inherits an earlier step's admitted difference
-        t0 = time.perf_counter()
-        losses_3d, norms_3d, merged, masters = parallel_run()
-        t1 = time.perf_counter()
-        names = {n: hf_name(n) for n, p in model.named_parameters() if p.requires_grad}
-        # the weights each step starts from: in bf16 the masters (the first are the initial weights rounded
-        # to bf16, which the engine made its masters from); in fp32 the initial weights, then each step's
-        held: list[dict[str, torch.Tensor] | None] = [*masters[:-1]] if masters else [None, *merged[:-1]]
-        replay = [None if step is None else {n: step[h] for n, h in names.items()} for step in held]
-        ref = _reference(case, model, batches, replay)
-        seconds_ref, seconds_3d = time.perf_counter() - t1, t1 - t0
+    # the parallel run first; the reference takes each step from the weights the parallel run had before it
+    # (masters in bf16), so that no step inherits an earlier step's admitted difference
+    t0 = time.perf_counter()
+    losses_3d, norms_3d, merged, masters = parallel_run()
+    t1 = time.perf_counter()
+    names = {n: hf_name(n) for n, p in model.named_parameters() if p.requires_grad}
+    # the weights each step starts from: in bf16 the masters (the first are the initial weights rounded to
+    # bf16, which the engine made its masters from); in fp32 the initial weights, then each step's
+    held: list[dict[str, torch.Tensor] | None] = [*masters[:-1]] if masters else [None, *merged[:-1]]
+    replay = [None if step is None else {n: step[h] for n, h in names.items()} for step in held]
+    ref = _reference(case, model, batches, replay)
+    seconds_ref, seconds_3d = time.perf_counter() - t1, t1 - t0
     ref.snapshots = [{hf_name(n): t for n, t in snap.items()} for snap in ref.snapshots]
     ref.adam_slack = [{hf_name(n): t for n, t in step.items()} for step in ref.adam_slack]
     ref.update_slack = [{hf_name(n): d for n, d in step.items()} for step in ref.update_slack]
