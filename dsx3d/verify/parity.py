@@ -8,7 +8,7 @@ gloo ranks.
 What is compared, and why it is round-off-proof yet sharp (`Criteria`):
 
 - the loss of every step, relative to max(1, |loss|), and the global gradient norm of every step: plain
-  sums of round-off, no amplification (in the AdamW run both sides compute them from the same weights, below);
+  sums of round-off, no amplification (both sides compute them from the same weights, below);
 - with SGD (`optimizer="sgd"`): every step's weight change, tensor by tensor. W_{t+1} - W_t = -lr c_t g_t,
   so this compares every parameter's gradient before the optimizer, relative to its own norm, with a small
   floor relative to the whole model's update for tensors whose gradient is (nearly) zero;
