@@ -71,17 +71,37 @@ def _optimizer(case: ParityCase, params: list[torch.nn.Parameter]) -> torch.opti
     )
 
 
-def _accumulate_grads(case: ParityCase, model: torch.nn.Module, batch: torch.Tensor) -> float:
-    """Backward of the mean loss over the global batch `batch` into .grad; return that loss."""
+def _accumulate_grads(
+    case: ParityCase, model: torch.nn.Module, batch: torch.Tensor, token_losses: list[torch.Tensor] | None = None
+) -> float:
+    """Backward of the mean loss over the global batch `batch` into .grad; return that loss. `token_losses`:
+    appended, per micro-batch, the cross-entropy of every scored token (fp32, detached)."""
     n_micro = case.micro_batches * case.dp
     total = 0.0
     for k in range(case.micro_batches):
         for d in range(case.dp):
             ids = micro_batch(case, batch, k, d)
-            loss = model(input_ids=ids, labels=ids).loss
+            out = model(input_ids=ids, labels=ids)
+            loss = out.loss
             (loss / n_micro).backward()
             total += loss.item() / n_micro
+            if token_losses is not None:
+                logits = out.logits.detach()[:, :-1].float()
+                token_losses.append(
+                    torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+                    )
+                )
     return total
+
+
+def token_roundoff(ref: list[torch.Tensor], shadow: list[torch.Tensor]) -> float:
+    """The loss's bf16 round-off without cancellation: the mean over micro-batches of each micro-batch's mean
+    |token loss (shadow) - token loss (reference)|. A bound on the loss's distance whatever the signs, where
+    the distance of the two means is one signed draw that can cancel by chance."""
+    if not ref or len(ref) != len(shadow):
+        return 0.0
+    return sum(float((s.double() - r.double()).abs().mean()) for r, s in zip(ref, shadow, strict=True)) / len(ref)
 
 
 def run_reference(
@@ -109,6 +129,7 @@ def run_reference(
     # SGD in bf16 lets the shadow follow its own trajectory (dsx3d.verify.bf16_roundoff.sgd_step)
     shadow_weights = None
     loss_draws: list[float] = []
+    token_bounds: list[float] = []
     if case.dtype == "bf16" and case.optimizer == "sgd" and replay is None:
         shadow_weights = {n: p.detach().clone() for n, p in named}
     for t, batch in enumerate(batches, start=1):
@@ -124,8 +145,13 @@ def run_reference(
         # bf16: the inputs of every top-k choice, in this step and in the shadow (dsx3d.verify.topk_ties)
         ref_calls: list[torch.Tensor] = []
         shadow_calls: list[torch.Tensor] = []
+        ref_tokens: list[torch.Tensor] = []
+        shadow_tokens: list[torch.Tensor] = []
         with recording(ref_calls) if case.dtype == "bf16" else contextlib.nullcontext():
-            total = accumulate(case, model, batch)
+            if case.dtype == "bf16" and accumulate is _accumulate_grads:
+                total = _accumulate_grads(case, model, batch, ref_tokens)
+            else:
+                total = accumulate(case, model, batch)
         after = torch.get_rng_state()
         max_norm = case.grad_clip if case.grad_clip > 0 else float("inf")
         unclipped = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
@@ -139,12 +165,13 @@ def run_reference(
             torch.set_rng_state(rng)
             with recording(shadow_calls):
                 shadow_loss, shadow_grads = bf16_shadow(
-                    model, lambda m: _accumulate_grads(case, m, batch), shadow_weights  # noqa: B023
+                    model, lambda m: _accumulate_grads(case, m, batch, shadow_tokens), shadow_weights  # noqa: B023
                 )
             rf = Bf16Roundoff()
             record_step(rf, total, norm, unclipped, shadow_loss, shadow_grads, case.lr, max_norm)
             ref.loss_slack[-1] += BF16_DRAWS * rf.loss[0]
             loss_draws.append(rf.loss[0])
+            token_bounds.append(token_roundoff(ref_tokens, shadow_tokens))
             ref.norm_slack[-1] += BF16_DRAWS * rf.norm[0]
             ref.update_slack.append({n: BF16_DRAWS * d for n, d in rf.update[0].items()})
             bf16_grad = rf.grad[0]
@@ -195,4 +222,5 @@ def run_reference(
         largest = max(loss_draws)
         for t, draw in enumerate(loss_draws):
             ref.loss_slack[t] += BF16_DRAWS * (largest - draw)
+            ref.loss_slack[t] += max(0.0, token_bounds[t] - BF16_DRAWS * largest)
     return ref

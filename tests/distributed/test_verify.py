@@ -14,7 +14,7 @@ from dsx3d.cli import main
 from dsx3d.verify.faults import FAULTS
 from dsx3d.verify.parity import ParityCase, run_verify
 from dsx3d.verify.published import published_inputs
-from dsx3d.verify.sweep import sweep_cases
+from dsx3d.verify.sweep import SweepCase, sweep_cases
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]
 
@@ -22,14 +22,42 @@ SAMPLE = int(os.environ.get("DSX3D_SWEEP_COUNT", "100" if os.environ.get("DSX3D_
 SEED = int(os.environ.get("DSX3D_SWEEP_SEED", "20261130"))
 
 
-@pytest.mark.parametrize("case", sweep_cases(SAMPLE, seed=SEED), ids=lambda c: c.label)
+# generated cases that verify once failed although the layout was correct: bf16 loss distances of the shadow
+# that cancelled by chance (seed 11: apertus 4.6x, arcee 1.2x), or lay below the run's tensor-parallel
+# round-off (seed 23: arcee at dp2 x cp2 x tp2 x pp2, 1.08x; 16 ranks, opt-in)
+FOUND = [
+    SweepCase(
+        "apertus",
+        {"attention_bias": True, "head_dim": 16, "hidden_size": 192, "intermediate_size": 72, "num_attention_heads": 12,
+         "num_key_value_heads": 2, "tie_word_embeddings": True, "vocab_size": 127},
+        (1, 2, 2), 1, "bf16", checkpoint=True,
+    ),
+    SweepCase(
+        "arcee",
+        {"attention_bias": False, "head_dim": 16, "hidden_size": 192, "intermediate_size": 96, "num_attention_heads": 12,
+         "num_key_value_heads": 6, "tie_word_embeddings": True, "vocab_size": 301},
+        (1, 2, 2), 1, "bf16",
+    ),
+]
+if os.environ.get("DSX3D_SWEEP") or os.environ.get("DSX3D_CP_SWEEP"):
+    FOUND.append(
+        SweepCase(
+            "arcee",
+            {"attention_bias": True, "head_dim": 8, "hidden_size": 64, "intermediate_size": 120, "num_attention_heads": 8,
+             "num_key_value_heads": 8, "tie_word_embeddings": False, "vocab_size": 250},
+            (2, 2, 2), 1, "bf16", cp=2,
+        )
+    )
+
+
+@pytest.mark.parametrize("case", sweep_cases(SAMPLE, seed=SEED) + FOUND, ids=lambda c: c.label)
 def test_verify_passes_generated_configs(case, tmp_path: Path) -> None:
     dp, tp, pp = case.layout
     config, model = case.config(), None
     if case.checkpoint:
         config, model = published_inputs(config, tmp_path / "published")
     parity = ParityCase(
-        config, dp=dp, tp=tp, pp=pp, zero_stage=case.zero_stage, steps=2, dtype=case.dtype,
+        config, dp=dp, cp=case.cp, tp=tp, pp=pp, zero_stage=case.zero_stage, steps=2, dtype=case.dtype,
         stage_layers=case.stage_layers(),
     )
     results = run_verify(parity, model=model)

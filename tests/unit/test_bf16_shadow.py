@@ -4,6 +4,7 @@ on one micro-batch is exactly the loss of a model cast that way, not of one whos
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsx3d.models.known_families import tiny_config
@@ -44,3 +45,21 @@ def test_the_shadow_loss_is_the_deepspeed_cast_model_loss() -> None:
     loss, grads = bf16_shadow(model, accumulate)
     assert loss == expected
     assert all(g.dtype == torch.float32 for g in grads.values())
+
+
+def test_token_roundoff_bounds_a_loss_distance_that_cancelled():
+    """Two micro-batches whose token losses moved by +-e and +-3e: the means agree exactly (a cancelled draw),
+    the bound without cancellation is the mean |move|, and it bounds any signs of the same moves."""
+    from dsx3d.verify.reference import token_roundoff
+
+    e = 1e-3
+    ref = [torch.tensor([5.0, 4.0, 6.0, 5.5], dtype=torch.float64), torch.tensor([3.0, 7.0], dtype=torch.float64)]
+    moves = [torch.tensor([e, -e, e, -e], dtype=torch.float64), torch.tensor([3 * e, -3 * e], dtype=torch.float64)]
+    shadow = [r + m for r, m in zip(ref, moves, strict=True)]
+    mean = lambda ts: sum(float(t.double().mean()) for t in ts) / len(ts)  # noqa: E731
+    assert abs(mean(shadow) - mean(ref)) < 1e-6
+    bound = token_roundoff(ref, shadow)
+    assert bound == pytest.approx((e + 3 * e) / 2, rel=1e-5)
+    same_sign = [r + m.abs() for r, m in zip(ref, moves, strict=True)]
+    assert abs(mean(same_sign) - mean(ref)) <= bound * (1 + 1e-5)
+    assert token_roundoff([], []) == 0.0
