@@ -49,15 +49,13 @@ class Bf16Roundoff:
     """Elementwise |g_bf16 - g_ref| of the unclipped gradients (for Adam's amplification)."""
 
 
-def bf16_like_deepspeed(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
-    """A copy of `model` (with `weights` by parameter name instead of its own, if given) cast as DeepSpeed's
+def bf16_like_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` cast as DeepSpeed's
     engine casts a bf16 model: parameters to bf16, buffers kept in their dtype (a rotary `inv_freq` rounded to
     bf16 would turn every position's angle by up to 2^-9 of itself, a different computation from the one the 3D
     side runs)."""
     shadow = copy.deepcopy(model)
-    for n, p in shadow.named_parameters():
-        if weights is not None and n in weights:
-            p.data = weights[n].clone()
+    for p in shadow.parameters():
         if p.is_floating_point():
             p.data = p.data.to(torch.bfloat16)
     return shadow
@@ -66,12 +64,10 @@ def bf16_like_deepspeed(model: torch.nn.Module, weights: dict[str, torch.Tensor]
 def bf16_shadow(
     model: torch.nn.Module,
     accumulate: Callable[[torch.nn.Module], float],
-    weights: dict[str, torch.Tensor] | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and fp32 gradients (unclipped) of `model`'s current weights (or the fp32 `weights` by name: the
-    shadow's own trajectory, `sgd_step`) run in bf16; `accumulate(m)` runs the step's micro-batches through `m`
-    and returns the mean loss (each micro-batch's backward into .grad)."""
-    shadow = bf16_like_deepspeed(model, weights)
+    """Loss and fp32 gradients (unclipped) of `model`'s current weights run in bf16; `accumulate(m)` runs the
+    step's micro-batches through `m` and returns the mean loss (each micro-batch's backward into .grad)."""
+    shadow = bf16_like_deepspeed(model)
     named = [(n, p) for n, p in shadow.named_parameters() if p.requires_grad]
     for _, p in named:
         p.grad = None
@@ -141,29 +137,3 @@ def norm_roundoff(ref_grads: dict[str, torch.Tensor], shadow_grads: dict[str, to
         total = ref_sq**0.5 + b_sq**0.5
         return shares / total if total > 0 else 0.0
 
-
-def uncancelled_norm(ref_norm: float, shadow_norm: float, roundoff: float) -> float:
-    """The shadow's gradient norm moved from the reference's by its whole round-off `roundoff`
-    (`norm_roundoff`), on the side it already lies: the norm the shadow clips its own step with, so that its
-    trajectory also holds a clipping coefficient off by as much as the 3D side's may be."""
-    return ref_norm + (roundoff if shadow_norm >= ref_norm else -roundoff)
-
-
-def sgd_step(
-    weights: dict[str, torch.Tensor],
-    grads: dict[str, torch.Tensor],
-    lr: float,
-    max_norm: float,
-    norm: float | None = None,
-) -> None:
-    """The shadow's own SGD step on its fp32 master weights, clipped by its own norm (as the 3D side steps its
-    master copy): from the second step on, the shadow's distance from the reference then also holds what its
-    earlier round-off did to the weights this step starts from, as the 3D side's does. With SGD verify's
-    learning rate that propagated part dominates a later step's gradient norm. `norm` (default: the gradients'
-    own) is the norm it clips with (`uncancelled_norm`)."""
-    with torch.no_grad():
-        if norm is None:
-            norm = sum(float(g.double().pow(2).sum()) for g in grads.values()) ** 0.5
-        clip = min(1.0, max_norm / (norm + 1e-6))
-        for n, g in grads.items():
-            weights[n].add_(g, alpha=-lr * clip)

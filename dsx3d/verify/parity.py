@@ -19,9 +19,10 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
   t - 1 (in bf16 its fp32 masters; the reference's own optimizer state carries on, and holds the gradients of
   the same points), so that no step inherits the difference an earlier step was allowed. With SGD in bf16 a
   step-1 gradient 1% off in random directions (bf16's own) moved the step-2 loss by up to 4.7e-4, a scalar
-  draw that the bf16 shadow's own trajectory could cancel by chance (dsx3d.verify.bf16_roundoff);
-- with AdamW: every step's weights element by element. Adam amplifies such a difference without bound over steps (a near-zero gradient turns round-off
-  into a sizeable fraction of lr, and that weight moves every later gradient). Within a step, Adam's update
+  draw that a bf16 shadow on its own trajectory could cancel by chance (dsx3d.verify.bf16_roundoff);
+- with AdamW: every step's weights element by element. Adam amplifies such a difference without bound over
+  steps (a near-zero gradient turns round-off into a sizeable fraction of lr, and that weight moves every
+  later gradient). Within a step, Adam's update
   u = lr m/(sqrt(v) + eps) changes with a gradient perturbation delta by about lr delta / (sqrt(v) + eps):
   an element whose gradient is near zero (|g| ~ eps) turns a round-off difference into a sizeable fraction
   of lr, while an element with a real gradient moves by lr delta/|g|, tiny. The reference tracks v per
