@@ -3,7 +3,7 @@
 import os as _os
 from typing import Any
 
-__version__ = "0.1.0"
+from dsx3d.version import __version__  # noqa: F401
 
 if _os.environ.get("DSX3D_OWNER"):
     # A process of a job `dsx3d train` started (a rank, or a worker a rank spawned): end with it however it

@@ -145,3 +145,26 @@ def atomic_dir(final: str | Path, *, replace: bool = True) -> Iterator[Path]:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+def output_dir_problem(path: str | Path, *, cwd: Path | None = None, home: Path | None = None) -> str | None:
+    """Why `path` must not be a run directory (None when it may): dsx3d writes into it and a fresh start
+    clears its own files there, so it must be a directory of its own."""
+    if not str(path).strip():
+        return "is empty"
+    try:
+        target = Path(path).expanduser().resolve()
+        cwd = (cwd or Path.cwd()).resolve()
+        home = (home or Path.home()).resolve()
+    except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, a NUL byte
+        return f"cannot be resolved ({err})"
+    if target == Path(target.anchor):
+        return "is the filesystem root"
+    if len(target.parts) <= 2:
+        return f"is the top-level directory {target}"
+    if target == home or home.is_relative_to(target):
+        return f"is the home directory {home} or one of its parents"
+    if cwd.is_relative_to(target):
+        return f"is the working directory {cwd} or one of its parents"
+    if target.exists() and not target.is_dir():
+        return "exists and is not a directory"
+    return None

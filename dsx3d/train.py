@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 import torch
 from deepspeed.utils import logger as ds_logger
 
+from dsx3d.boundary_types import HFProcessor
 from dsx3d.checkpoint.hf.export import export_hf
 from dsx3d.checkpoint.hf.lora_export import export_adapter
 from dsx3d.checkpoint.training.checkpointer import Checkpointer
@@ -34,9 +35,8 @@ from dsx3d.data import MicroBatchStream
 from dsx3d.data.prepare import build_rank_data
 from dsx3d.data.stream import EvalBatches
 from dsx3d.distributed import comm
-from dsx3d.engine import Engine3D, build_engine
+from dsx3d.engine.builder import Engine3D, build_engine
 from dsx3d.errors import RunFailure, UserError
-from dsx3d.integrations.boundary_types import HFProcessor
 from dsx3d.models.shape import shape_from_hf_config
 from dsx3d.recipe.schema import Recipe, dump_recipe, load_recipe
 from dsx3d.run.data import check_vocab, prepare_once_per_node

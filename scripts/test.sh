@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (idempotent), then lint, type-check, build the docs (a broken link fails) and run the test suite. Extra arguments go to pytest.
+# Set up (idempotent), then lint, type-check, check the import layers, build the docs (a broken link fails) and run the test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -8,6 +8,8 @@ echo "[test] ruff" >&2
 ruff check dsx3d tests scripts
 echo "[test] mypy" >&2
 mypy
+echo "[test] lint-imports (the layer contracts in setup.cfg)" >&2
+lint-imports
 echo "[test] mkdocs build --strict (site/ is gitignored)" >&2
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir site
 echo "[test] pytest" >&2

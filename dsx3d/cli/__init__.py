@@ -12,10 +12,10 @@ import importlib
 import logging
 import sys
 
-from dsx3d import __version__
 from dsx3d.cli.json_output import json_mode
 from dsx3d.cli.registry import COMMANDS
 from dsx3d.errors import UserError
+from dsx3d.version import __version__
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

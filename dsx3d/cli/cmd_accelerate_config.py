@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dsx3d.checks import check_recipe, raise_for_errors
 from dsx3d.cli.args import output_file, port
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
-from dsx3d.integrations.accelerate_config import accelerate_config, write_accelerate_config
-from dsx3d.recipe.checks import check_recipe, raise_for_errors
+from dsx3d.recipe.accelerate_config import accelerate_config, write_accelerate_config
 from dsx3d.recipe.ds_config import write_ds_config
 from dsx3d.recipe.schema import load_recipe
 

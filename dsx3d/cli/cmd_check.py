@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 
+from dsx3d.checks import check_recipe
 from dsx3d.cli.args import positive_int, world_size  # noqa: F401 (positive_int: for older imports)
 from dsx3d.cli.layout_flags import add_cp_argument, recipe_with_cp
 from dsx3d.cli.registry import summary
-from dsx3d.recipe.checks import check_recipe
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dsx3d.checks import check_recipe, raise_for_errors
 from dsx3d.cli.args import output_file, world_size
 from dsx3d.cli.layout_flags import add_cp_argument, recipe_with_cp
 from dsx3d.cli.registry import summary
-from dsx3d.recipe.checks import check_recipe, raise_for_errors
 from dsx3d.recipe.ds_config import write_ds_config
 
 

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsx3d.checks import check_recipe
 from dsx3d.cli import plan_auto
 from dsx3d.cli.args import degree, gpus_per_node, output_file, world_size
 from dsx3d.cli.json_output import emit
@@ -20,9 +21,9 @@ from dsx3d.cli.layout_flags import add_cp_argument
 from dsx3d.cli.registry import summary
 from dsx3d.errors import Problem, UserError
 from dsx3d.estimate.schedules import schedule_bubble
+from dsx3d.pipeline.registry import DEFAULT_SCHEDULE
+from dsx3d.pipeline.split import stage_layers_for
 from dsx3d.plan.layout import Layout, bubble_fraction
-from dsx3d.plan.stages import stage_layers_for
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.hf_config import load_hf_config
 from dsx3d.recipe.schema import MAX_WORLD_SIZE, load_recipe, recipe_from_dict
 
@@ -45,7 +46,7 @@ class Plan:
     """False when the model unties embedding and head: then no tied groups exist."""
     stage_layers: list[int] | None = None
     """Decoder layers per stage as the engine splits them (from a recipe; None for bare degrees)."""
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     """The pipeline schedule (`--schedule`, else the recipe's parallel.schedule)."""
 
     def describe(self) -> dict[str, Any]:
@@ -278,10 +279,10 @@ def render_plan(plan: Plan) -> str:
         lines.append(f"decoder layers per stage: {plan.stage_layers}")
     if d["tied_groups"]:
         lines.append(f"tied embedding groups (first and last stage): {_groups(d['tied_groups'])}")
-    if plan.micro_batches and plan.schedule == "zb-h1" and lay.pp > 1:
+    if plan.micro_batches and plan.schedule != DEFAULT_SCHEDULE and lay.pp > 1:
         m, p = plan.micro_batches, lay.pp
         lines.append(
-            f"bubble with m = {m} micro-batches, schedule zb-h1: {d['bubble_fraction']:.1%} "
+            f"bubble with m = {m} micro-batches, schedule {plan.schedule}: {d['bubble_fraction']:.1%} "
             f"(1F1B: {bubble_fraction(p, m):.1%})"
         )
     elif plan.micro_batches:

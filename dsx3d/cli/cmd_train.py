@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 
+from dsx3d.checks import check_recipe, raise_for_errors
 from dsx3d.cli.args import bounded_float
 from dsx3d.cli.registry import summary
 from dsx3d.errors import UserError
-from dsx3d.recipe.checks import check_recipe, raise_for_errors
 from dsx3d.recipe.schema import Recipe, load_recipe
 from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, read_hostfile
 from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S, OWNER_ENV, Owner, set_parent_death_signal
@@ -104,7 +104,7 @@ def _preview_resume(recipe: Recipe, paths: RunPaths) -> None:
     decide again, the same way, from the same files)."""
     from dsx3d.checkpoint.training.checkpointer import choose_tag
     from dsx3d.checkpoint.training.resume import plan_resume, read_saved
-    from dsx3d.models.pipeline import stage_bounds
+    from dsx3d.pipeline.module import stage_bounds
     from dsx3d.recipe.hf_config import load_hf_config
 
     tag, notes = choose_tag(paths.checkpoints)

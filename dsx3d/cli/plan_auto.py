@@ -4,9 +4,9 @@
                [--global-batch B --seq-len S] [--top K] [--json] [--write-recipe FILE]
 
 CONFIG is a recipe YAML, an HF config.json or a checkpoint directory. Every candidate passes
-`dsx3d.recipe.checks` and fits the usable memory; for every other (dp, cp, tp, pp, ZeRO) group the output says why
+`dsx3d.checks` and fits the usable memory; for every other (dp, cp, tp, pp, ZeRO) group the output says why
 it lost. Sequences of at least 8192 tokens are also tried split over cp ranks (context parallelism); `--cp C`
-tries only C. `--json` prints one JSON object on stdout. The search and the model: `dsx3d.plan.search`, `dsx3d.estimate`.
+tries only C. `--json` prints one JSON object on stdout. The search and the model: `dsx3d.planner.search`, `dsx3d.estimate`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from pathlib import Path
 import yaml
 
 from dsx3d.cli.args import bounded_int, output_file
-from dsx3d.cli.cmd_estimate import add_hardware_arguments, add_option, hardware_from, load_model, positive
+from dsx3d.cli.estimate_inputs import add_hardware_arguments, add_option, hardware_from, load_model, positive
 from dsx3d.cli.json_output import emit
 from dsx3d.errors import UserError
 from dsx3d.estimate import Setup, shape_from_hf_config
 from dsx3d.fsio import write_atomic
-from dsx3d.plan.search import Candidate, Cluster, PlanResult, plan_layouts, recipe_for
+from dsx3d.pipeline.registry import SCHEDULE_NAMES
+from dsx3d.planner.search import Candidate, Cluster, PlanResult, plan_layouts, recipe_for
 from dsx3d.recipe.schema import (
     MAX_BATCH,
     MAX_GPUS_PER_NODE,
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="count DeepSpeed's unsharded fp32 gradient buffer (default: as dsx3d's config, bf16 with ZeRO >= 1)",
     )
     add_option(
-        group, "--schedule", choices=("1f1b", "zb-h1", "any"), default="any",
+        group, "--schedule", choices=(*SCHEDULE_NAMES, "any"), default="any",
         help="pipeline schedule of the candidates with pp > 1 (default any: both are tried)",
     )
     add_option(
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         model=model,
         hf_config=hf_config,
         max_micro_batch=args.max_micro_batch,
-        schedules=("1f1b", "zb-h1") if getattr(args, "schedule", "any") in (None, "any") else (args.schedule,),
+        schedules=SCHEDULE_NAMES if getattr(args, "schedule", "any") in (None, "any") else (args.schedule,),
         cps=(args.cp,) if getattr(args, "cp", None) else None,
     )
     if not result.checked:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from datetime import timedelta
 from typing import TypeVar, cast
@@ -12,6 +13,14 @@ import torch.distributed as dist
 ProcessGroup = dist.ProcessGroup
 
 T = TypeVar("T")
+
+def skip_cpu_shm_build() -> None:
+    """On a CPU accelerator, DeepSpeed's shared-memory op is not built (listed in dsx3d.integrations.patches)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        # not `import deepspeed.comm.torch as m`: that resolves to the attribute deepspeed.comm.torch, i.e. torch
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # type: ignore[attr-defined]
 
 
 def init_distributed(
@@ -25,7 +34,6 @@ def init_distributed(
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from dsx3d.integrations.patches import skip_cpu_shm_build
 
     skip_cpu_shm_build()  # DeepSpeed's CPU shared-memory op: minutes of JIT build that training never uses
     backend = backend or get_accelerator().communication_backend_name()

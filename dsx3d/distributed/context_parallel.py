@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
+from dsx3d.hf_modules import attention_modules, head_dim
+
 ATTN_NAME = "dsx3d_cp_ulysses"
 """The attention implementation name the owned attention modules dispatch through (`install`)."""
 
@@ -80,11 +82,6 @@ def _ulysses_class() -> type[nn.Module]:
     return Ulysses
 
 
-def attention_modules(layer: nn.Module) -> list[nn.Module]:
-    """The HF attention modules of a decoder layer: those that dispatch through `config._attn_implementation`
-    with per-head shapes (q/k/v projections viewed as (..., heads, head_dim))."""
-    return [m for m in layer.modules() if hasattr(m, "config") and hasattr(m, "scaling") and _head_dim(m)]
-
 
 def _heads_split(attn: nn.Module) -> bool:
     """Whether TP split this attention module's heads: a column-parallel projection whose output stays
@@ -93,9 +90,6 @@ def _heads_split(attn: nn.Module) -> bool:
 
     return any(isinstance(m, ColumnParallelLinear) and not m.gather_output for m in attn.modules())
 
-
-def _head_dim(attn: nn.Module) -> int:
-    return int(getattr(attn, "head_dim", None) or getattr(attn, "head_size", None) or 0)
 
 
 @dataclass
@@ -175,7 +169,7 @@ class CPContext:
                 attn=core,
                 batch_size=1,
                 attn_head_count=heads,
-                attn_head_size=_head_dim(attn),
+                attn_head_size=head_dim(attn),
                 kv_head_count=kv // split,
                 num_hidden_layers=num_layers,
                 process_group=self.group,

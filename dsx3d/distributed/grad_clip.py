@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsx3d.boundary_types import DSEngine
 from dsx3d.distributed import comm
-from dsx3d.integrations.boundary_types import DSEngine
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -13,8 +13,8 @@ from dsx3d.estimate import memory, schedules, timing
 from dsx3d.estimate.inputs import GB, Hardware, Setup, sequence_parallel  # noqa: F401
 from dsx3d.estimate.stage_time import _stage_time  # noqa: F401
 from dsx3d.models.shape import ModelShape, ParamCount
+from dsx3d.pipeline.split import decoder_split
 from dsx3d.plan.layout import Layout
-from dsx3d.plan.stages import decoder_split
 
 
 @dataclass
@@ -66,7 +66,7 @@ class Estimate:
     and for the slowest stage its compute, tp and pp seconds per step (parts of the pipeline time)."""
     total_params: int
     stage_layers: list[int] = field(default_factory=list)
-    """Decoder layers per stage: the split the engine builds (`dsx3d.plan.stages.decoder_split`)."""
+    """Decoder layers per stage: the split the engine builds (`dsx3d.pipeline.split.decoder_split`)."""
     usable_gb: float | None = None
     fits: bool | None = None
     assumptions: list[str] = field(default_factory=list)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsx3d.models.shape import ModelShape
+from dsx3d.pipeline.registry import DEFAULT_SCHEDULE
+from dsx3d.plan.degrees import HasDegrees
 from dsx3d.recipe.ds_optimizer import grad_accum_dtype
 
 GB = 1e9
@@ -36,7 +38,7 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class Setup:
+class Setup(HasDegrees):
     """One training configuration: the layout and the per-step work."""
 
     dp: int = 1
@@ -54,7 +56,7 @@ class Setup:
     stage_layers: tuple[int, ...] | None = None
     """Explicit decoder layers per stage; otherwise `split` decides."""
     split: str = "cost"
-    """"cost": the engine's own cost-balanced split (`dsx3d.plan.stages.decoder_split`, what dsx3d's pipeline
+    """"cost": the engine's own cost-balanced split (`dsx3d.pipeline.split.decoder_split`, what dsx3d's pipeline
     does by default); "even": equal layer counts (`memory.split_layers`)."""
     flash_attention: bool = False
     fp32_grad_accum: bool | None = None
@@ -65,24 +67,15 @@ class Setup:
     """`zero_optimization.reduce_bucket_size` (DeepSpeed's default): ZeRO's gradient buckets, in elements."""
     sequence_parallel: bool = True
     """parallel.sequence_parallel: with tp > 1, for models the engine runs with it (`ModelShape`)."""
-    schedule: str = "1f1b"
-    """parallel.schedule: "1f1b" or "zb-h1" (`dsx3d.estimate.schedules`)."""
+    schedule: str = DEFAULT_SCHEDULE
+    """parallel.schedule: a name in `dsx3d.pipeline.registry`."""
     zb_costs: tuple[float, float, float] | None = None
     """parallel.zb_costs: relative F, B, W durations the zb-h1 order is built for (None: equal)."""
     cp: int = 1
     """parallel.cp: context parallelism, every sequence split over cp ranks (Ulysses all-to-all around
-    attention); ZeRO states are partitioned over dp x cp (`dsx3d.estimate.context`)."""
+    attention); ZeRO states are partitioned over dp x cp (`dsx3d.estimate.context_parallel`)."""
     loss_tile_tokens: int = 0
     """train.loss_tile_tokens: 0 keeps the last stage's logits whole; N computes them N tokens at a time."""
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    @property
-    def data_size(self) -> int:
-        """Ranks that average gradients and share ZeRO states: dp x cp (DeepSpeed's data axis)."""
-        return self.dp * self.cp
 
     @property
     def local_seq_len(self) -> int:

@@ -60,7 +60,7 @@ the route's row as dsx3d gathers it before the family's kernel gathers it again 
 routes of ep ranks' tokens to its share of the experts. With the Korthikanti fallback the dense MLP's share (3 + 16/t)*s*b*h is
 replaced the same way.
 
-Context parallelism (cp) and the tiled loss: `dsx3d.estimate.context` (per-token terms at s/cp tokens, the
+Context parallelism (cp) and the tiled loss: `dsx3d.estimate.context_parallel` (per-token terms at s/cp tokens, the
 score matrix per head shard, ZeRO over dp x cp, the last stage's logits whole or one tile at a time).
 """
 
@@ -69,7 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsx3d.errors import UserError
-from dsx3d.estimate.context import kv_heads_held, logits_bytes
+from dsx3d.estimate.context_parallel import kv_heads_held, logits_bytes
 from dsx3d.models.shape import ModelShape, ParamCount
 from dsx3d.recipe.ds_optimizer import keeps_fp32_grad_buffer
 
@@ -175,7 +175,7 @@ def layer_activation_bytes(
     """Bytes one decoder layer keeps for backward per micro-batch on one TP rank (module docstring); with an
     unknown MLP width, Korthikanti eq. 2 with TP: s*b*h*(10 + 24/t + 5*a*s/(h*t)) (10/t with sequence
     parallelism), scaled by bytes/2 for fp32. `moe`: the layer's MLP is routed experts over tp x ep. `cp`:
-    each rank keeps s/cp tokens of every term, the scores a*s/t per local token (`dsx3d.estimate.context`)."""
+    each rank keeps s/cp tokens of every term, the scores a*s/t per local token (`dsx3d.estimate.context_parallel`)."""
     s, b, h, t = seq_len, micro_batch / cp, shape.hidden_size, tp
     w = dtype_bytes(dtype)
     if h == 0:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsx3d.estimate import context, memory, timing
+from dsx3d.estimate import context_parallel, memory, timing
 from dsx3d.estimate.inputs import GB, Hardware, Setup, sequence_parallel
 from dsx3d.models.shape import ModelShape
 from dsx3d.plan.layout import Layout
@@ -83,7 +83,7 @@ def _stage_time(
         checkpointing=setup.activation_checkpointing,
     )
     ep_time = ep_bytes / link(place.ep_crosses_node())
-    cp_bytes = context.alltoall_bytes_per_micro_batch(
+    cp_bytes = context_parallel.alltoall_bytes_per_micro_batch(
         layers=layers,
         cp=setup.cp,
         tp=t,

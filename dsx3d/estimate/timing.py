@@ -43,7 +43,7 @@ buffer, an all-gather or reduce-scatter (g-1)/g):
      reduce-scatters every micro-batch, 3m*s'*P. For m = 1 these are the ZeRO paper's 2x, 2x and 3x
      (Sec. 7). Counted as not overlapped with compute (a pessimistic bound).
   Tied embedding/head (pp > 1): an all-reduce of V*h/t over the first and last stage.
-  CP (context parallelism): the all-to-alls around attention (`dsx3d.estimate.context`); every other term
+  CP (context parallelism): the all-to-alls around attention (`dsx3d.estimate.context_parallel`); every other term
      above counts the s/cp tokens a rank holds, and the DP exchange runs over dp x cp ranks.
 A group uses the inter-node bandwidth when its ranks span nodes (rank order pipe, data, model as in
 `dsx3d.plan.layout.Layout`), else the intra-node one. The bubble is `dsx3d.plan.layout.bubble_fraction`.

@@ -84,7 +84,7 @@ def to_micro_batch(
 
 def with_norm(micro: tuple[Any, torch.Tensor], norm: float) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, labels) -> (inputs, (labels, norm)): the engine's loss is then the sum of the micro-batch's token
-    losses divided by norm (the form context parallelism slices, dsx3d.data.cp_slice)."""
+    losses divided by norm (the form context parallelism slices, dsx3d.data.context_parallel)."""
     inputs, labels = micro
     return inputs, (labels, torch.tensor([norm], dtype=torch.float64))
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsx3d.integrations.boundary_types import ParamGroup
+from dsx3d.boundary_types import ParamGroup
 
 
 class EngineOptimizer(torch.optim.Optimizer):

@@ -11,7 +11,7 @@ full-vocabulary logits (b, s, V) of the micro-batch, gathered over the TP group 
 that hands each rank the gradient of its own columns).
 
 With context parallelism (cp > 1) each CP rank's last stage holds its slice of every sequence, and labels
-arrive as (this slice's shifted targets, norm) (dsx3d.data.cp_slice): the loss is the engine's own, its norm set
+arrive as (this slice's shifted targets, norm) (dsx3d.data.context_parallel): the loss is the engine's own, its norm set
 by the Trainer for HF's token weighting, and what evaluation keeps is gathered over the CP group along the
 sequence. A `compute_loss_func` and other `preprocess_logits_for_metrics` are refused there (they take HF's
 unshifted labels of whole sequences).
@@ -32,8 +32,8 @@ from dsx3d.distributed.context_parallel import CPContext
 from dsx3d.distributed.tensor_parallel.mappings import gather_last_dim
 from dsx3d.errors import Problem
 from dsx3d.integrations.batches import count_targets
-from dsx3d.integrations.trl_face import token_statistics
-from dsx3d.models.tiled_head import HeadInputs
+from dsx3d.models.tiled_loss import HeadInputs
+from dsx3d.objectives import LanguageModeling, Objective
 
 Captured: TypeAlias = "torch.Tensor | tuple[Captured, ...] | list[Captured] | dict[str, Captured]"
 """What evaluation keeps of a micro-batch: logits, or what preprocess_logits_for_metrics made of them."""
@@ -97,16 +97,18 @@ class LastStageLoss:
         self.capture: Callable[[torch.Tensor, torch.Tensor], Captured] | None = None
         self.captured: list[Captured] = []
         self.stats: list[torch.Tensor] | None = None
-        """When a list, training appends each micro-batch's token statistics (dsx3d.integrations.trl_face)."""
+        """When a list, training appends each micro-batch's statistics for the objective's metrics."""
+        self.objective: Objective = LanguageModeling()
+        """The training objective (`dsx3d.objectives`): what its metrics keep of each micro-batch."""
 
     def __call__(self, outputs: torch.Tensor, labels: Labels) -> torch.Tensor:
         """`outputs`: the logits shard, or under `train.loss_tile_tokens` what the tiled loss computes them from
-        (`dsx3d.models.tiled_head`); whatever needs the logits themselves gets them computed whole."""
+        (`dsx3d.models.tiled_loss`); whatever needs the logits themselves gets them computed whole."""
         if isinstance(labels, tuple | list):
             return self._slice_loss(outputs, labels)
         if self.training:
             if self.stats is not None:
-                self.stats.append(token_statistics(whole_logits(outputs), labels, self.shard))
+                self.stats.append(self.objective.step_statistics(whole_logits(outputs), labels, self.shard))
             if self.compute_loss_func is None:
                 return self.mean_loss(outputs, labels) * (count_targets(labels) * self.scale / max(self.step_tokens, 1))
             return self._user_loss(whole_logits(outputs), labels, self.step_tokens) * self.scale
@@ -125,7 +127,7 @@ class LastStageLoss:
         in training, and to the micro-batch's sum of token losses in evaluation."""
         assert self.compute_loss_func is None, "refused at cp > 1 by dsx3d.Trainer"
         if self.training and self.stats is not None:
-            self.stats.append(token_statistics(whole_logits(outputs), labels[0], self.shard, pre_shifted=True))
+            self.stats.append(self.objective.step_statistics(whole_logits(outputs), labels[0], self.shard, pre_shifted=True))
         if not self.training and self.capture is not None:
             self.captured.append(self.capture(whole_logits(outputs), labels[0]))
         return self.mean_loss(outputs, labels)

@@ -20,8 +20,8 @@ import os
 from pathlib import Path
 from typing import cast
 
+from dsx3d.boundary_types import DSConfig, HFConfig, JSONObject, JSONValue
 from dsx3d.errors import Problem, UserError
-from dsx3d.integrations.boundary_types import DSConfig, HFConfig, JSONObject, JSONValue
 from dsx3d.integrations.patches import is_recipe_path
 from dsx3d.integrations.trainer_args import Claim
 from dsx3d.recipe.ds_config import AUTO, auto_paths, deep_merge, resolve_auto
@@ -228,7 +228,7 @@ def model_config_mapping(config: HFConfig) -> JSONObject:
 def ds_config_of_recipe(path: str | Path) -> DSConfig:
     """The DeepSpeed config a recipe generates for this job's world size (WORLD_SIZE, else the cluster's): what
     `TrainingArguments(deepspeed="recipe.yaml")` hands transformers (dsx3d.integrations.patches)."""
-    from dsx3d.recipe.checks import check_recipe, raise_for_errors
+    from dsx3d.checks import check_recipe, raise_for_errors
     from dsx3d.recipe.ds_config import build_ds_config
 
     recipe = load_recipe(path)

@@ -21,11 +21,12 @@ against the installed versions, so an upgrade that changes one fails there, loud
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
+
+from dsx3d.distributed.comm import skip_cpu_shm_build
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -59,7 +60,7 @@ PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("deepspeed", "pipe.PipelineModule._partition_layers", ("self", "method")),
     ("deepspeed", "pipe.PipelineModule._set_bounds", ("self", "start", "stop")),
     ("deepspeed", "runtime.pipe.engine.PipelineEngine.reset_activation_shape", ("self",)),
-    # zero bubble (dsx3d.models.zb_schedule): a per-engine schedule and instruction table, B/W passes
+    # zero bubble (dsx3d.pipeline.zb_schedule): a per-engine schedule and instruction table, B/W passes
     ("deepspeed", "runtime.pipe.engine.PipelineEngine._train_schedule", ("self",)),
     ("deepspeed", "runtime.pipe.engine.PipelineEngine._INSTRUCTION_MAP", None),
     ("deepspeed", "runtime.pipe.engine.PipelineEngine._exec_backward_pass", ("self", "buffer_id")),
@@ -72,13 +73,13 @@ PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("deepspeed", "runtime.pipe.engine.PipelineEngine.eval_batch", None),
     ("deepspeed", "runtime.engine.DeepSpeedEngine.get_global_grad_norm", ("self",)),
     ("deepspeed", "comm.torch.build_shm_op", None),
-    # wrapped on the engine's optimizer instance (dsx3d.integrations.bf16_norm)
+    # wrapped on the engine's optimizer instance (dsx3d.engine.bf16_norm)
     ("deepspeed", "runtime.bf16_optimizer.BF16_Optimizer.get_grads_for_norm", ("self", "for_clipping")),
     ("deepspeed", "monitor.monitor.MonitorMaster.write_events", ("self", "event_list")),
 ]
 PRIVATE_ATTRIBUTES = {
     # the engine dispatches through `self._INSTRUCTION_MAP` and asks `self._train_schedule()` (an instance's own
-    # table and schedule win: dsx3d.models.zb_schedule, release_last_stage_outputs)
+    # table and schedule win: dsx3d.pipeline.zb_schedule, release_last_stage_outputs)
     "deepspeed.runtime.pipe.engine.PipelineEngine._exec_schedule": ("self._INSTRUCTION_MAP[type(cmd)]",),
     "deepspeed.runtime.pipe.engine.PipelineEngine.train_batch": ("self._train_schedule()",),
     # zb-h1 posts the pipeline sends: the engine sends through the p2p module's `send`, which maps stages to ranks
@@ -135,7 +136,7 @@ def keep_hf_out_of_zero3() -> None:
     model it builds in `deepspeed.zero.Init` over the whole world: the user's model would arrive partitioned
     with DeepSpeed's world-size batch arithmetic (which fails for a layout with tp > 1), and so would the
     meta-device skeletons dsx3d builds. dsx3d partitions the model itself, over the DP group only
-    (dsx3d.engine). Configs without a "dsx3d" section are left alone."""
+    (dsx3d.engine.builder). Configs without a "dsx3d" section are left alone."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     cls: Any = hf_deepspeed.HfDeepSpeedConfig
@@ -151,13 +152,6 @@ def keep_hf_out_of_zero3() -> None:
     cls._dsx3d_zero3 = True
 
 
-def skip_cpu_shm_build() -> None:
-    """On a CPU accelerator, DeepSpeed's shared-memory op is not built (see the module docstring)."""
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        # not `import deepspeed.comm.torch as m`: that resolves to the attribute deepspeed.comm.torch, i.e. torch
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # type: ignore[attr-defined]
 
 
 def install_accelerate_guard() -> None:

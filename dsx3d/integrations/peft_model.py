@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsx3d.checks.lora import config_problems
 from dsx3d.errors import Problem
-from dsx3d.recipe.checks.lora import config_problems
 from dsx3d.recipe.schema import LoraSection, Recipe
 
 

@@ -35,6 +35,7 @@ from transformers import EvalPrediction, PreTrainedTokenizerBase, ProcessorMixin
 from transformers.data.data_collator import DataCollator
 from transformers.trainer_utils import TrainOutput
 
+from dsx3d.boundary_types import Batch, HFModel, HFTrainingArguments, ParamGroup
 from dsx3d.checkpoint.training.engine_load import load_checkpoint
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
@@ -44,7 +45,6 @@ from dsx3d.integrations.batches import (
     to_micro_batch,
     with_norm,
 )
-from dsx3d.integrations.boundary_types import Batch, HFModel, HFTrainingArguments, ParamGroup
 from dsx3d.integrations.engine_optimizer import EngineOptimizer
 from dsx3d.integrations.last_stage import LastStageLoss, context_parallel_refusals
 from dsx3d.integrations.layout_source import layout_source, load_layout
@@ -72,7 +72,7 @@ from dsx3d.plan.layout import Layout, RankPlacement
 from dsx3d.recipe.schema import Recipe
 
 if TYPE_CHECKING:
-    from dsx3d.engine import Engine3D, MicroBatch
+    from dsx3d.engine.builder import Engine3D, MicroBatch
     from dsx3d.models.weights import WeightSource
 
 log = logging.getLogger("dsx3d")
@@ -208,13 +208,13 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
 
     @property
     def engine3d(self) -> Engine3D:
-        """The `dsx3d.engine.Engine3D` (built at the first train(), evaluate(), predict() or save_model())."""
+        """The `dsx3d.engine.builder.Engine3D` (built at the first train(), evaluate(), predict() or save_model())."""
         return self._engine()
 
     def _engine(self) -> Engine3D:
         state = self._dsx3d
         if state.engine is None:
-            from dsx3d.engine import build_engine
+            from dsx3d.engine.builder import build_engine
 
             args = self.args
             optimizer = {
@@ -239,6 +239,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
             )
             state.source = None  # the weights are in the engine now; a state-dict source can go
             state.loss = _install_loss(state.engine, self.compute_loss_func)
+            state.loss.objective = trl_face.objective_for(type(self))
             state.rows = state.recipe.train.micro_batch_size
         return state.engine
 
@@ -327,25 +328,25 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         step's loss is returned at the boundary and 0 before it, so HF's running sum is the per-step loss."""
         state, train = self._dsx3d, self._dsx3d.recipe.train
         state.pending.append(to_micro_batch(inputs, train.micro_batch_size, train.seq_len))  # whole sequences
-        sft = trl_face.sft_trainer_class(type(self)) is not None
-        if sft:
-            state.batch_tokens += trl_face.batch_tokens(inputs)
+        objective = state.loss.objective if state.loss is not None else None
+        if objective is not None:
+            state.batch_tokens += objective.batch_tokens(inputs)
         if len(state.pending) < train.gradient_accumulation_steps:
             return torch.zeros((), device=self.args.device)
         micro, state.pending = state.pending, []
         engine = self._engine()
         self._shape_rows(train.micro_batch_size)
-        assert state.loss is not None
+        assert state.loss is not None and objective is not None
         state.loss.training = True
         state.loss.step_tokens = self._count_over_dp(sum(count_targets(labels) for _, labels in micro))
         state.loss.scale = train.gradient_accumulation_steps * self.layout.dp
-        state.loss.stats = [] if sft else None
+        state.loss.stats = [] if objective.token_statistics else None
         if self.layout.cp > 1:  # each CP slice's sum over N / (m * dp): DeepSpeed's mean is then HF's token mean
             micro = [with_norm(mb, max(state.loss.step_tokens, 1) / state.loss.scale) for mb in micro]
         loss = engine.train_step(iter(micro))
-        if sft:
+        if objective.token_statistics:
             tokens, state.batch_tokens = self._count_over_dp(state.batch_tokens), 0
-            trl_face.record_step(self, state.loss.stats or [], len(micro), tokens, contributes=state.placement.tp == 0)
+            objective.record_step(self, state.loss.stats or [], len(micro), tokens, contributes=state.placement.tp == 0)
             state.loss.stats = None
         return torch.tensor(loss, device=self.args.device)
 

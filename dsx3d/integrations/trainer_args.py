@@ -23,8 +23,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dsx3d.boundary_types import HFTrainingArguments
 from dsx3d.errors import Problem
-from dsx3d.integrations.boundary_types import HFTrainingArguments
 from dsx3d.recipe.schema import Recipe, TrainSection
 
 log = logging.getLogger("dsx3d")

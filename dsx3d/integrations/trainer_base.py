@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import transformers
 
 if TYPE_CHECKING:
-    from dsx3d.engine import Engine3D
+    from dsx3d.engine.builder import Engine3D
     from dsx3d.integrations.trainer import _State
     from dsx3d.plan.layout import Layout
 

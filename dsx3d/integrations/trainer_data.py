@@ -9,12 +9,12 @@ import torch
 from accelerate.data_loader import SeedableRandomSampler
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
+from dsx3d.boundary_types import Batch, HFTrainingArguments
 from dsx3d.errors import UserError
 from dsx3d.integrations.batches import (
     DataParallelBatchSampler,
     ShardedDataLoader,
 )
-from dsx3d.integrations.boundary_types import Batch, HFTrainingArguments
 from dsx3d.integrations.trainer_base import EngineTrainerBase
 
 log = logging.getLogger("dsx3d")

@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 import torch
 import transformers
 
+from dsx3d.boundary_types import HFModel, JSONObject
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
-from dsx3d.integrations.boundary_types import HFModel, JSONObject
 from dsx3d.integrations.last_stage import Captured, LastStageLoss, VocabShard
 from dsx3d.integrations.layout_source import model_config_mapping
 from dsx3d.models.lora import hf_param_name
 
 if TYPE_CHECKING:
     from dsx3d.distributed.context_parallel import CPContext
-    from dsx3d.engine import Engine3D
+    from dsx3d.engine.builder import Engine3D
     from dsx3d.models.shards import Shard
     from dsx3d.models.weights import WeightSource
 

@@ -5,9 +5,8 @@ run; SFTTrainer still prepares the dataset (tokenizing, chat templates, completi
 picks the collator (padding-free with packing=True) and logs. dsx3d's step never calls SFTTrainer.compute_loss,
 so what that method would add is either computed here or refused:
 
-- the metrics it logs: `mean_token_accuracy` and `entropy` per micro-batch, from the last stage's
-  vocab-parallel logits (argmax and softmax statistics reduced over the TP group, no full-logit gather), and
-  `num_tokens` counted from each batch as TRL counts it;
+- the metrics it logs (`mean_token_accuracy`, `entropy`, `num_tokens`) come from the SFT objective
+  (`dsx3d.objectives.sft`), which dsx3d.Trainer picks for an SFTTrainer;
 - SFTConfig options that change the loss inside compute_loss (`loss_type` other than "nll",
   `activation_offloading`, which wraps SFTTrainer's own training step) are refused by name.
 Other TRL trainers (DPO, GRPO, KTO, reward, RLOO, distillation) compute their losses in ways dsx3d's last
@@ -16,15 +15,8 @@ stage does not: they are refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import torch
-
-from dsx3d.distributed import comm
 from dsx3d.errors import Problem
-
-IGNORE_INDEX = -100
+from dsx3d.objectives import LanguageModeling, Objective, SupervisedFineTuning
 
 
 def _trl_classes(cls: type) -> list[type]:
@@ -78,56 +70,6 @@ def refusals(cls: type, args: object) -> list[Problem]:
     return problems
 
 
-def token_statistics(logits: torch.Tensor, labels: torch.Tensor, shard: Any, *, pre_shifted: bool = False) -> torch.Tensor:
-    """[scored tokens, correctly predicted ones, sum of their predictive entropies] of one micro-batch, from
-    this rank's vocabulary shard of the logits (b, s, V/tp): TRL's mean_token_accuracy and entropy (token t+1
-    predicted at t, only where it is scored). Reductions over the TP group are per token (three scalars a
-    token), never the logits. `pre_shifted`: `labels` are already the targets of each position (a CP rank's slice,
-    dsx3d.data.cp_slice); the sums of the CP slices are the micro-batch's."""
-    target = labels if pre_shifted else torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-    scored = target != IGNORE_INDEX
-    z = logits.detach().float()[scored]  # (n, V/tp)
-    n = int(scored.sum())
-    if n == 0:
-        return torch.zeros(3, dtype=torch.float64)
-    predicted = shard.argmax(logits.detach())[scored]
-    correct = int((predicted == target[scored]).sum())
-    cols = torch.arange(shard.start, shard.start + z.shape[-1], device=z.device)
-    z = z.masked_fill(cols >= shard.vocab, float("-inf"))
-    top = z.max(dim=-1).values
-    if shard.group is not None:
-        top = comm.all_reduce_max(top.clone(), group=shard.group)
-    shifted = z - top[:, None]
-    e = shifted.exp()
-    sums = torch.stack([e.sum(-1), (e * torch.nan_to_num(shifted, neginf=0.0)).sum(-1)])
-    if shard.group is not None:
-        sums = comm.all_reduce_sum(sums, group=shard.group)
-    entropy = sums[0].log() - sums[1] / sums[0]
-    return torch.tensor([n, correct, float(entropy.double().sum())], dtype=torch.float64)
-
-
-def batch_tokens(batch: Mapping[str, object]) -> int:
-    """The tokens of one collator batch as SFTTrainer counts them for `num_tokens`: the attention mask's ones,
-    or with padding-free batches the flat row's length."""
-    if "attention_mask" in batch:
-        return int(torch.as_tensor(batch["attention_mask"]).sum())
-    if "position_ids" in batch:
-        return int(torch.as_tensor(batch["position_ids"]).shape[-1])
-    return int(torch.as_tensor(batch["input_ids"]).numel())
-
-
-def record_step(trainer: Any, stats: list[torch.Tensor], micro_batches: int, tokens: int, contributes: bool) -> None:
-    """Add one optimizer step's figures to SFTTrainer's `_metrics["train"]` as its compute_loss would: per
-    micro-batch slot, accuracy and entropy over the DP ranks' micro-batches of that slot; the running token
-    count. `stats`: this rank's token_statistics per micro-batch (empty off the last stage); `contributes`:
-    this rank adds them (one TP rank of each DP rank's last stage). A collective over every rank."""
-    local = torch.zeros(micro_batches, 3, dtype=torch.float64)
-    if contributes and stats:
-        local = torch.stack(stats)
-    total = comm.all_reduce_sum(local)
-    metrics = trainer._metrics["train"]
-    for valid, correct, entropy in total.tolist():
-        metrics["entropy"].append(entropy / valid if valid > 0 else 0.0)
-        metrics["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
-    trainer._total_train_tokens += tokens
-    metrics["num_tokens"] = [trainer._total_train_tokens]
+def objective_for(cls: type) -> Objective:
+    """The objective dsx3d.Trainer trains for its class: SFT under an SFTTrainer, else language modelling."""
+    return SupervisedFineTuning() if sft_trainer_class(cls) is not None else LanguageModeling()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsx3d.integrations.boundary_types import HFConfig
+from dsx3d.boundary_types import HFConfig
 
 # Attribute spellings across families (gpt2 says n_head, falcon num_kv_heads, ...), first present wins.
 _ATTRIBUTE_NAMES = {

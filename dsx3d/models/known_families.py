@@ -8,7 +8,7 @@ from __future__ import annotations
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from dsx3d.integrations.boundary_types import HFConfig
+from dsx3d.boundary_types import HFConfig
 
 # Families whose configs declare no plans, given explicitly: model_type -> (pp plan, tp plan).
 EXTRA_PLANS: dict[str, tuple[dict[str, object], dict[str, str]]] = {}

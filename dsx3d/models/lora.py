@@ -128,7 +128,7 @@ def _read(param: nn.Parameter, name: str, spec: LoraSpec, tp: TPContext, source:
 
 
 def peft_config_from(section: Any) -> LoraConfig:
-    """peft's LoraConfig for a recipe's `model.lora` section (checked by dsx3d.recipe.checks)."""
+    """peft's LoraConfig for a recipe's `model.lora` section (checked by dsx3d.checks)."""
     if section.peft_config is not None:
         loaded = LoraConfig.from_pretrained(section.peft_config)
         return loaded

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dsx3d.boundary_types import HFConfig, HFModel
 from dsx3d.errors import UserError
-from dsx3d.integrations.boundary_types import HFConfig, HFModel
 from dsx3d.models import tp_plan
 from dsx3d.models.config_dims import text_config
 
@@ -97,7 +97,7 @@ def _attention_heads_split(spec: FamilySpec, layers: list[nn.Module]) -> bool:
     so that every TP rank attends over all heads."""
     from torch import nn
 
-    from dsx3d.distributed.context_parallel import attention_modules
+    from dsx3d.hf_modules import attention_modules
 
     attention = {id(m) for m in attention_modules(layers[0])}
     for name, module in layers[0].named_modules():

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsx3d.boundary_types import HFConfig
 from dsx3d.errors import UserError
-from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.models.shape import model_dim, text_config
 
 

@@ -36,7 +36,7 @@ from dsx3d.models.family_spec import FamilySpec
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.shape import dropout_probabilities
 from dsx3d.models.skeleton import Skeleton, with_hidden
-from dsx3d.models.tiled_head import HeadInputs, head_inputs, tiled_loss_sum
+from dsx3d.models.tiled_loss import HeadInputs, head_inputs, tiled_loss_sum
 from dsx3d.models.weights import WeightSource, materialize
 
 log = logging.getLogger("dsx3d")
@@ -76,7 +76,7 @@ class LayerBuilder:
         self.vocab_start = tp.chunk_bounds(self.padded_vocab)[0]
         self.base_prefix = f"{plan.base_prefix}."
         self.loss_tile_tokens = 0
-        """train.loss_tile_tokens: N > 0 computes the logits and the loss N tokens at a time (`dsx3d.models.tiled_head`)."""
+        """train.loss_tile_tokens: N > 0 computes the logits and the loss N tokens at a time (`dsx3d.models.tiled_loss`)."""
         self.vocab_embedding: VocabParallelEmbedding | None = None
         self._scatter_embedding: bool | None = None
         if tp.sequence_parallel:
@@ -255,7 +255,7 @@ class LayerBuilder:
         average over micro-batches and DP ranks is the global per-token mean. `HeadInputs` (tiling): the
         same sum, computed a tile of tokens at a time."""
         labels, norm = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        if self.cp.on:  # this CP rank's slice of targets, shifted before the cut (dsx3d.data.cp_slice)
+        if self.cp.on:  # this CP rank's slice of targets, shifted before the cut (dsx3d.data.context_parallel)
             target = labels.reshape(-1)
         else:
             target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
@@ -279,7 +279,7 @@ def embed_forward(builder: LayerBuilder, inputs: object, training: bool) -> tupl
     input_ids, positions = packed.split_inputs(inputs)
     hidden = builder.embed(input_ids, training, positions)
     if builder.cp.on:  # the slice's positions in, the whole sequence's out (the layers' masks need them)
-        assert positions is not None, "context parallelism: micro-batches carry position_ids (dsx3d.data.cp_slice)"
+        assert positions is not None, "context parallelism: micro-batches carry position_ids (dsx3d.data.context_parallel)"
         positions = builder.cp.gather_positions(positions)
     return packed.pack(hidden, input_ids, positions, None)
 

@@ -1,7 +1,7 @@
 """The one reader of a model's shape: parameter counts per part, and the dimensions that size activations,
 FLOPs and TP traffic. Built from an HF config or from a bare parameter count; no tensors (pure).
 
-The engine's stage split (`dsx3d.plan.stages`), the checker (`model_dim`) and the estimator all read the model
+The engine's stage split (`dsx3d.pipeline.split`), the checker (`model_dim`) and the estimator all read the model
 through this module, so they cannot disagree on what a layer costs.
 
 Parameters are split into *sharded* (linear weights, column-parallel biases, the vocab-parallel embedding
@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dsx3d.boundary_types import HFConfig
 from dsx3d.errors import UserError
-from dsx3d.integrations.boundary_types import HFConfig
 from dsx3d.models import tp_plan
 from dsx3d.models.config_dims import _ATTRIBUTE_NAMES, model_dim, text_config  # noqa: F401
 from dsx3d.models.meta_build import _ERROR_KEYS, _meta_layers, build_meta_model, sequence_parallel_blocker  # noqa: F401

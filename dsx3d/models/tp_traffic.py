@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsx3d.integrations.boundary_types import HFConfig
+from dsx3d.boundary_types import HFConfig
 from dsx3d.models import tp_plan
 from dsx3d.models.config_dims import model_dim
 from dsx3d.models.meta_build import _meta_layers

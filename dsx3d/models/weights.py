@@ -100,7 +100,7 @@ def materialize(module: nn.Module, prefix: str, source: WeightSource, tp_rank: i
                     "check that the checkpoint matches the config",
                 )
             # one copy at most; none when the source hands over fresh buffers (a second buffer per tensor,
-            # freed right away, fragments the heap: RSS ended ~1.5x the shard when loading 300M params)
+            # freed right away, fragments the heap)
             data = tensor.detach().to(param.dtype, copy=not getattr(source, "fresh_tensors", False))
             new = nn.Parameter(data, requires_grad=param.requires_grad)
             new.hf_name = name  # type: ignore[attr-defined]

@@ -10,16 +10,15 @@ dp) groups `ep` consecutive DP indices of one stage and TP index; each such EP g
 layer, and the ranks that hold the same experts (same ep index, one per EP group) form an expert-data-parallel
 group, as DeepSpeed's `groups._get_expert_parallel_ranks` builds them. The order is computed here, so the
 pure layer (recipe, checker, planner, estimator, `dsx3d plan`) never imports DeepSpeed;
-tests/unit/test_layout.py checks it equals DeepSpeed's topology over a grid of shapes, and `Layout.topology`
-hands DeepSpeed's own object to the engine.
+tests/unit/test_layout.py checks it equals DeepSpeed's topology over a grid of shapes, and
+`dsx3d.distributed.topology.pipeline_topology` hands DeepSpeed's own object to the engine.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from dataclasses import dataclass
-from typing import Any
+
+from dsx3d.plan.degrees import HasDegrees
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class RankPlacement:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(HasDegrees):
     """The layout of one job. `gpus_per_node` decides the node of each rank (rank // gpus_per_node).
     `ep` (expert parallelism) divides dp: it regroups DP ranks, it adds no ranks. `cp` (context parallelism)
     adds an axis between TP and DP; ep > 1 with cp > 1 is not supported."""
@@ -57,26 +56,8 @@ class Layout:
             raise ValueError(f"Layout.ep = {self.ep} with cp = {self.cp}: expert and context parallelism do not combine")
 
     @property
-    def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    @property
-    def data_size(self) -> int:
-        """DeepSpeed's data-parallel degree: the dp x cp ranks that average gradients and share ZeRO states."""
-        return self.dp * self.cp
-
-    @property
     def num_nodes(self) -> int:
         return -(-self.world_size // self.gpus_per_node)
-
-    @property
-    def topology(self) -> Any:
-        """DeepSpeed's `PipeModelDataParallelTopology` for this layout (imports DeepSpeed: engine use only)."""
-        # DeepSpeed logs to stdout while importing (accelerator detection); keep stdout clean for --json
-        with contextlib.redirect_stdout(sys.stderr):
-            from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: TID251 (engine use only, imported on use)
-
-        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.data_size)
 
     def rank_of(self, *, pp: int, dp: int, tp: int, cp: int = 0) -> int:
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp

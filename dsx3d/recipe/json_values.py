@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dsx3d.integrations.boundary_types import DSConfig, JSONObject, JSONValue
+from dsx3d.boundary_types import DSConfig, JSONObject, JSONValue
 
 __all__ = ["DSConfig", "JSONObject", "JSONValue", "MAX_MAPPING_VALUES"]
 

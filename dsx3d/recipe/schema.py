@@ -11,7 +11,7 @@ reads them as strings).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from dsx3d.errors import Problem, UserError
+from dsx3d.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES
 from dsx3d.plan.layout import Layout
 from dsx3d.recipe.json_values import MAX_MAPPING_VALUES, _check_json  # noqa: F401
 from dsx3d.recipe.strict_yaml import StrictYamlLoader, parse_yaml  # noqa: F401
@@ -48,6 +49,11 @@ MAX_RECIPE_BYTES = 1 << 20
 
 Path_ = Annotated[StrictStr, Field(min_length=1)]
 
+
+if TYPE_CHECKING:
+    ScheduleName = str
+else:
+    ScheduleName = Literal[SCHEDULE_NAMES]  # the registry's names (dsx3d.pipeline.registry)
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -127,15 +133,15 @@ class ParallelSection(_Section):
     """With tp > 1, keep activations outside the TP regions (norms, dropout, residuals, pipeline messages)
     split along the sequence over the TP ranks (Megatron's sequence parallelism); train.seq_len must be a
     multiple of tp. Families that cannot run it fall back to plain TP with a warning."""
-    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    schedule: ScheduleName = DEFAULT_SCHEDULE
     """Pipeline schedule (pp > 1): DeepSpeed's 1F1B, or zero bubble ZB-H1, which splits each backward into the
     input gradient (sent upstream at once) and the weight gradients (run later, where 1F1B idles)."""
     zb_costs: tuple[PositiveFloat, PositiveFloat, PositiveFloat] | Literal["auto"] | None = None
     """zb-h1: relative durations of a micro-batch's F, B (input gradient) and W (weight gradients) passes, e.g.
-    measured [1.0, 1.35, 0.6]; the order is built for them (`dsx3d.models.zb_greedy`). Unset: [1, 1, 1], the
+    measured [1.0, 1.35, 0.6]; the order is built for them (`dsx3d.pipeline.zb_greedy`). Unset: [1, 1, 1], the
     time model's (each is one pass over the matrix products), which gives the plain ZB-H1 order. `auto`: the
     engine times each stage's passes in its second and third steps and builds the order for them from the fourth on
-    (`dsx3d.models.zb_auto`); the estimator, which cannot measure, assumes [1, 1, 1]."""
+    (`dsx3d.pipeline.zb_auto`); the estimator, which cannot measure, assumes [1, 1, 1]."""
 
 
 class ClusterSection(_Section):
@@ -290,7 +296,7 @@ class Recipe(_Section):
         return world // per_replica if world % per_replica == 0 else 0
 
     def layout(self, world_size: int | None = None) -> Layout:
-        """The layout; call only after `dsx3d.recipe.checks` accepted the recipe."""
+        """The layout; call only after `dsx3d.checks` accepted the recipe."""
         return Layout(
             dp=self.resolved_dp(world_size),
             tp=self.parallel.tp,

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsx3d.boundary_types import HFProcessor
 from dsx3d.checkpoint.manifest import describe, files_under, read_manifest, record, unknown_files
 from dsx3d.checkpoint.training.disk_format import foreign_files, read_latest
 from dsx3d.errors import UserError
-from dsx3d.fsio import make_dirs, share_tree, write_atomic
-from dsx3d.integrations.boundary_types import HFProcessor
+from dsx3d.fsio import make_dirs, output_dir_problem, share_tree, write_atomic
 from dsx3d.recipe.schema import Recipe
 
 log = logging.getLogger("dsx3d")
@@ -90,28 +90,6 @@ class RunPaths:
         return self.root / "adapter"
 
 
-def output_dir_problem(path: str | Path, *, cwd: Path | None = None, home: Path | None = None) -> str | None:
-    """Why `path` must not be a run directory (None when it may): dsx3d writes into it and a fresh start
-    clears its own files there, so it must be a directory of its own."""
-    if not str(path).strip():
-        return "is empty"
-    try:
-        target = Path(path).expanduser().resolve()
-        cwd = (cwd or Path.cwd()).resolve()
-        home = (home or Path.home()).resolve()
-    except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, a NUL byte
-        return f"cannot be resolved ({err})"
-    if target == Path(target.anchor):
-        return "is the filesystem root"
-    if len(target.parts) <= 2:
-        return f"is the top-level directory {target}"
-    if target == home or home.is_relative_to(target):
-        return f"is the home directory {home} or one of its parents"
-    if cwd.is_relative_to(target):
-        return f"is the working directory {cwd} or one of its parents"
-    if target.exists() and not target.is_dir():
-        return "exists and is not a directory"
-    return None
 
 
 def check_output_dir(paths: RunPaths) -> None:

@@ -127,7 +127,7 @@ def norm_roundoff(ref_grads: dict[str, torch.Tensor], shadow_grads: dict[str, to
     divided by N_b + N_ref. Without the absolute value this is exactly the shadow's |N_b - N_ref|; but each
     tensor's share is its own draw (the 3D side rounds a TP-sharded tensor in another order than a replicated
     one, and each differently from the shadow), and the shadow's shares of either sign can cancel to almost
-    nothing by chance (measured: +-5e-4 shares summing to 4e-6) where another draw's do not."""
+    nothing by chance where another draw's do not."""
     with torch.no_grad():
         shares, ref_sq, b_sq = 0.0, 0.0, 0.0
         for n, g in ref_grads.items():

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from dsx3d.pipeline.registry import DEFAULT_SCHEDULE
+from dsx3d.plan.degrees import HasDegrees
 from dsx3d.verify.bf16_roundoff import BF16_U
 
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -61,7 +63,7 @@ CRITERIA = {
 
 
 @dataclass
-class ParityCase:
+class ParityCase(HasDegrees):
     config: PretrainedConfig
     dp: int = 1
     tp: int = 1
@@ -92,17 +94,13 @@ class ParityCase:
     stage_layers: list[int] | None = None
     sequence_parallel: bool = True
     """parallel.sequence_parallel (takes effect with tp > 1)"""
-    schedule: str = "1f1b"
-    """parallel.schedule (with pp > 1): "1f1b" or "zb-h1"."""
+    schedule: str = DEFAULT_SCHEDULE
+    """parallel.schedule (with pp > 1): a name in `dsx3d.pipeline.registry`."""
     zb_costs: tuple[float, float, float] | str | None = None
     """parallel.zb_costs: the F, B, W durations zb-h1's order is built for, or "auto" (measured)."""
     lora: dict[str, Any] | None = None
     """A recipe's model.lora section: both sides train peft LoRA adapters on the frozen model (the reference
     is `peft.get_peft_model` on the same HF model; only the adapters are compared)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def global_batch(self) -> int:

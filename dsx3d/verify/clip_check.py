@@ -15,11 +15,9 @@ The engine's fp32 sum of a tensor's squares adds them one after another (torch's
 a GPU thread, a TP shard or a ZeRO partition likewise sums a subsequence of the tensor in its order). A square
 below the spacing of the running sum is lost or rounded up to that spacing: its error is at most itself, and
 always a loss where the tensor holds many squares far below the sum's spacing, which random rounding does not
-average out. An untied 32000 x 32 head is such a tensor: the rows of the tokens in the batch carry its norm,
-all the others a gradient of softmax probabilities of about 1/32000; at its second step torch's fp32 norm of
-it came out 7.9e-4 of its square below the exact one (8 sequential lanes reproduce it to the digit), which put
-the update 3.4e-4 of itself above the reported norm. `swamped_squares` bounds those squares from the update
-itself.
+average out. A large untied head is such a tensor: the rows of the tokens in the batch carry its norm, all the
+others a gradient of softmax probabilities of about 1/V, so its fp32 norm comes out below the exact one by
+more than fp32's spacing of the update. `swamped_squares` bounds those squares from the update itself.
 """
 
 from __future__ import annotations
@@ -88,8 +86,8 @@ def applied_norm_check(
         applied = moved**0.5 / lr
         expected = min(1.0, max_norm / (norm + 1e-6)) * norm
         # the engine's own norm sums a tensor's squares in fp32 (bf16 ZeRO and BF16_Optimizer): rounding off by
-        # about sqrt(n) u of that tensor's share (measured 3e-5 to 9e-5 of the norm on a 32000 x 64 tied
-        # embedding), and short by at most the swamped squares (half their share of the squared norm)
+        # about sqrt(n) u of that tensor's share, and short by at most the swamped squares (half their share of
+        # the squared norm)
         summed = (FP32_EPS / 2 * summation + swamped / 2) / moved if moved > 0 else 0.0
         clipped = expected < norm  # the clip coefficient multiplied the gradient (and rounded it, in low precision)
         allowed = (rtol + summed) * max(1.0, expected) + spacing**0.5 / lr + (rounding * expected if clipped else 0.0)

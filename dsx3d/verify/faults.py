@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PretrainedConfig
 
-from dsx3d.integrations.boundary_types import PipeEngine
+from dsx3d.boundary_types import PipeEngine
 from dsx3d.models.known_families import tiny_config
 
 if TYPE_CHECKING:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsx3d.integrations.fp16_wrapper_state import wrapper_masters
+from dsx3d.engine.fp16_wrapper_state import wrapper_masters
 from dsx3d.models.shards import Shard
 from dsx3d.models.weights import shard_of
 
 if TYPE_CHECKING:
-    from dsx3d.engine import Engine3D
+    from dsx3d.engine.builder import Engine3D
 
 
 def master_shards(engine: Engine3D) -> dict[str, Shard]:

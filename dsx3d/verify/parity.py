@@ -17,9 +17,9 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
   fp32 master weights, `dsx3d.verify.master_weights`);
 - every step from the same weights: the reference takes step t from the weights the 3D run had after step
   t - 1 (in bf16 its fp32 masters; the reference's own optimizer state carries on, and holds the gradients of
-  the same points), so that no step inherits the difference an earlier step was allowed. With SGD in bf16 a
-  step-1 gradient 1% off in random directions (bf16's own) moved the step-2 loss by up to 4.7e-4, a scalar
-  draw that a bf16 shadow on its own trajectory could cancel by chance (dsx3d.verify.bf16_roundoff);
+  the same points), so that no step inherits the difference an earlier step was allowed. In bf16 a step's
+  gradient round-off moves the next step's loss by a scalar draw that a bf16 shadow on its own trajectory
+  could cancel by chance (dsx3d.verify.bf16_roundoff);
 - with AdamW: every step's weights element by element. Adam amplifies such a difference without bound over
   steps (a near-zero gradient turns round-off into a sizeable fraction of lr, and that weight moves every
   later gradient). Within a step, Adam's update
@@ -63,7 +63,7 @@ from dsx3d.verify.reference import (  # noqa: F401
 )
 
 if TYPE_CHECKING:
-    from dsx3d.engine import Engine3D
+    from dsx3d.engine.builder import Engine3D
 
 """Spacing of fp32 numbers at 1.0 (2^-23): an element w is rounded to within FP32_EPS * |w|."""
 """Loss difference allowed in fp32, relative to max(1, |loss|)."""
@@ -148,7 +148,7 @@ def case_ds_overrides(case: ParityCase) -> dict[str, object]:
 def build_case_engine(case: ParityCase, state: dict[str, torch.Tensor] | None = None) -> Engine3D:
     """This rank's engine for `case`: its recipe with verify's own overrides (the SGD run), which must travel
     together; from the weights in `state` (HF names), else the recipe's fresh initialisation."""
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
     from dsx3d.models.weights import StateDictSource
 
     source = StateDictSource(state) if state is not None else None

@@ -28,9 +28,9 @@ def save_published(config: PretrainedConfig, out: Path, seed: int = 0) -> Path:
 
 def load_as_verify(path: Path) -> tuple[PretrainedConfig, torch.nn.Module, dict[str, float]]:
     """(config, fp32 model, dropout turned off) through verify's own `--model` path."""
-    from dsx3d.cli.cmd_verify import _config_and_model
+    from dsx3d.verify.model_source import config_and_model
 
-    config, model, dropped = _config_and_model(argparse.Namespace(model=str(path), config=None, arch=None))
+    config, model, dropped = config_and_model(argparse.Namespace(model=str(path), config=None, arch=None))
     return config, model, dropped
 
 

@@ -206,8 +206,7 @@ def run_reference(
         ref.snapshots.append({n: p.detach().clone() for n, p in named})
     if loss_draws:
         # one step's bf16 loss distance is a single scalar draw, a sum of signed round-offs that can cancel by
-        # chance (an arcee's was 3.2e-5 at a step where the 3D run's was 4.9e-4, 4.1e-4 and 2.5e-4 at the steps
-        # around it): every step is allowed the larger of the run's largest draw (BF16_DRAWS times) and its own
+        # chance: every step is allowed the larger of the run's largest draw (BF16_DRAWS times) and its own
         # distance without cancellation (token_roundoff)
         largest = max(loss_draws)
         for t, bound in enumerate(token_bounds):

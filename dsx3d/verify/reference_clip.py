@@ -1,8 +1,8 @@
 """Global-norm gradient clipping for the single-process reference of `dsx3d verify`, with the norm exact.
 
-torch's `clip_grad_norm_` reduces each tensor in fp32, whose error grows with the element count: on a qwen2 of
-vocabulary 32000 and hidden 64 the embedding gradient's norm came out 7e-5 (relative) low, more than fp32
-verify's norm tolerance, while DeepSpeed and dsx3d.distributed.grad_clip sum the squares in float64. A reference must not
+torch's `clip_grad_norm_` reduces each tensor in fp32, whose error grows with the element count: on a large
+vocabulary the embedding gradient's norm can come out further from the exact one than fp32 verify's norm
+tolerance, while DeepSpeed and dsx3d.distributed.grad_clip sum the squares in float64. A reference must not
 carry an error of its own that grows with the model, so it sums in float64 too.
 """
 

@@ -172,7 +172,7 @@ def cp_sweep_cases(
     """`count` buildable cases with context parallelism, round-robin over the families the checker lets run
     at cp > 1 (tp 2 supported, MoE included, not refused), with `_cp_dims` sizes and a layout from `layouts`
     (default `CP_LAYOUTS`). A draw the checker refuses (heads that do not split) is drawn again."""
-    from dsx3d.recipe.checks import check_recipe
+    from dsx3d.checks import check_recipe
     from dsx3d.verify.parity import ParityCase, case_recipe
 
     rng = random.Random(seed)

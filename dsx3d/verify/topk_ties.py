@@ -5,11 +5,8 @@ A router picks each token's experts with `torch.topk` over its scores. Where the
 of a token lie closer together than bf16 moves them, a correct bf16 run may pick the (k+1)-th expert: a
 discrete change, not a small one (the token's whole contribution moves from one expert's gradient to
 another's, and its output changes downstream), so the shadow's distance (`dsx3d.verify.bf16_roundoff`), one
-draw of bf16's round-off, does not cover it unless the shadow happens to flip the same tokens. Measured on a
-generated flint config (top-2 of 4 sigmoid-scored experts) at dp2 tp2 in bf16: the parallel run picked
-another expert than the fp32 reference for 5 of 512 token choices over two steps (margins 3e-7 to 2.5e-3 of
-scores that bf16 moved by up to 2e-3), the shadow for 1 of them; the 4 others moved expert 0's down_proj of
-layer 2 by 1.34 times what AdamW's allowance held.
+draw of bf16's round-off, does not cover it unless the shadow happens to flip the same tokens (CHANGELOG:
+the generated MoE case that showed it).
 
 So the reference records the inputs of every top-k call in its fp32 step, in the bf16 shadow and in the
 propagated-change probes, takes per call the largest distance of a score from its fp32 value (the round-off

@@ -4,7 +4,7 @@ cost-aware order built from the F, B, W durations the engine measured in its sec
 Method. For each p, one engine per (schedule, m) (pp = p, dp = tp = 1, same model, micro-batch and split) is
 built in the same p forked ranks; all are stepped in every round, the order reversed every other round
 (A B C ... C B A: load drift hits every schedule alike), a barrier before each step. Each engine carries a
-`dsx3d.models.stage_clock.StageClock`: every instruction's wall span and CPU time. A stage is busy while it
+`dsx3d.pipeline.stage_clock.StageClock`: every instruction's wall span and CPU time. A stage is busy while it
 runs F, B or W (the loss is part of the last stage's F); everything else in the step is idle: waiting in a
 receive or a send, loading micro-batches, the engine's other instructions and the dispatch between
 instructions. The pipeline window of a step runs from the moment all ranks have left the barrier to the end
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from dsx3d.distributed import comm
-from dsx3d.models.stage_clock import StageClock
+from dsx3d.pipeline.stage_clock import StageClock
 from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 from scripts.bench.bubble_figures import compare, stage_figures
@@ -86,7 +86,7 @@ def run_pp(
         for m in works
     ]
     compare(rows, per_rank, {name: SCHEDULES[name] for name in schedules})
-    from dsx3d.models.pipeline import stage_bounds
+    from dsx3d.pipeline.module import stage_bounds
 
     return {"stage_bounds": stage_bounds(config, p, seq, stage_layers), "rows": rows}
 

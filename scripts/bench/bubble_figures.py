@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dsx3d.models import zb_greedy, zb_plan
-from dsx3d.models.stage_clock import PARTS, breakdown, part_costs
+from dsx3d.pipeline import zb_greedy, zb_plan
+from dsx3d.pipeline.stage_clock import PARTS, breakdown, part_costs
 from scripts.bench.replay import replay
 from scripts.bench.results import rounded
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from dsx3d.distributed.topology import pipeline_topology
 from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
@@ -50,7 +51,7 @@ def classify(record: Any, layout: Any) -> str:
         return "tied"
     if any(ranks == set(g) for g in layout.pp_groups()):
         return "pipe_collective"
-    model_parallel = [set(layout.topology.filter_match(data=d)) for d in range(layout.dp)]
+    model_parallel = [set(pipeline_topology(layout).filter_match(data=d)) for d in range(layout.dp)]
     if ranks in model_parallel:
         return "model_parallel"
     if len(ranks) == layout.world_size:

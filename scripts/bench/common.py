@@ -208,7 +208,7 @@ def dsx3d_contender(
     **train: Any,
 ) -> Contender:
     """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides; `schedule`: parallel.schedule."""
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
     from dsx3d.models.weights import StateDictSource
 
     recipe = recipe_for(work, dp, tp, pp, **train)

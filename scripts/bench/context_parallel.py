@@ -87,7 +87,7 @@ def _mmap_large() -> None:
 
 
 def memory_worker(rank: int, dims: tuple[int, ...], seq_len: int, cp: int) -> dict[str, object]:
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     _mmap_large()
     engine = build_engine(recipe(dims, seq_len, cp))
@@ -133,7 +133,7 @@ def _watchdog(limit_kb: int) -> None:
 
 
 def budget_worker(rank: int, dims: tuple[int, ...], seq_len: int, cp: int, budget_mib: float) -> dict[str, object]:
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     _mmap_large()
     bc.reset_peak_rss()
@@ -206,7 +206,7 @@ def _timed_all_to_all() -> Iterator[None]:
 
 def time_worker(rank: int, dims: tuple[int, ...], seq_len: int, pairs: int, warmup: int) -> dict[str, object]:
     from dsx3d.distributed import comm
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     batch = _tokens(dims[-1], 2, seq_len, seed=1)
     engines = {

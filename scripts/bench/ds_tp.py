@@ -85,7 +85,7 @@ def deepspeed_tp_contender(
     from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
     from dsx3d.distributed import comm
-    from dsx3d.models.pipeline import stage_bounds
+    from dsx3d.pipeline.module import stage_bounds
 
     Column, Row, Embedding, Head = _tp_layers(overlap)
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)

@@ -56,7 +56,7 @@ def rank_worker(rank: int, path: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from dsx3d.checkpoint.hf.source import checkpoint_source
-    from dsx3d.models.pipeline import build_pipeline
+    from dsx3d.pipeline.module import build_pipeline
     from dsx3d.plan.layout import Layout
 
     config = AutoConfig.from_pretrained(path)

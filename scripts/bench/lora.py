@@ -63,7 +63,7 @@ def _optimizer_bytes(optimizer: Any) -> tuple[int, int]:
 
 
 def rank_worker(rank: int, config: Any, layout: tuple[int, int, int], lora: bool) -> dict[str, Any]:
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe(config, layout, lora))
     ds = engine.ds_engine

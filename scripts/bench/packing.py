@@ -42,7 +42,7 @@ def chat_set(num: int, seq_len: int, vocab: int, seed: int = 0) -> tuple[np.ndar
 
 def _contender(name: str, work: bc.Workload, state: dict[str, torch.Tensor], layout: tuple[int, int, int], rows: dict[str, Any]) -> tuple[bc.Contender, list[int]]:
     from dsx3d.data.stream import MicroBatchStream
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
     from dsx3d.models.weights import StateDictSource
 
     dp, tp, pp = layout

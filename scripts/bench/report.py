@@ -367,7 +367,7 @@ METHODS = """## How the figures are measured
   right after the fork) minus the RSS at the fork (the forked parent's libraries are shared), over build
   and two steps; model states = distinct parameter, gradient and optimizer-state storages after the steps.
 - **Bubble** (`scripts/bench/bubble.py`): every PipelineEngine instruction is timed by
-  `dsx3d.models.stage_clock.StageClock` (wall span and CPU time). Busy = F, B and W passes (the loss is in the
+  `dsx3d.pipeline.stage_clock.StageClock` (wall span and CPU time). Busy = F, B and W passes (the loss is in the
   last stage's forward); the window runs from the barrier to the last pass on any stage (gradient reduction
   and optimizer step are not pipeline time); idle = 1 - busy / window, also replayed with CPU times as
   durations. p = 4 runs 4 processes on 2 cores: they time-slice, so its wall figures are the least reliable.

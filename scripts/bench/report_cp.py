@@ -68,7 +68,7 @@ def _estimator(r: dict[str, Any]) -> list[str]:
 
 def _sent_analytic(r: dict[str, Any]) -> float:
     """The estimator's all-to-all bytes one rank sends per step at cp 2 (one micro-batch of 2 sequences)."""
-    from dsx3d.estimate.context import alltoall_bytes_per_micro_batch
+    from dsx3d.estimate.context_parallel import alltoall_bytes_per_micro_batch
 
     m, t = r["model"], r["time"]
     return alltoall_bytes_per_micro_batch(

@@ -52,7 +52,7 @@ def recipe(vocab: int, seq_len: int, tile: int) -> Any:
 
 
 def rank_worker(rank: int, vocab: int, seq_len: int, tile: int) -> dict[str, Any]:
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     engine = build_engine(recipe(vocab, seq_len, tile))

@@ -9,7 +9,7 @@
   dp2 cp2 tp2 pp2 = 16 ranks), each verified as `dsx3d verify` does (an SGD run, then AdamW): every one
   must pass. Reports, per dtype, the configs drawn, verified, refused and falsely failed and, per check, the
   worst value as a fraction of its tolerance; the CP cases again on their own under "cp".
-- sensitivity: every defect of dsx3d.verify.faults and of dsx3d.verify.cp_faults ("cp:" keys), in fp32 and
+- sensitivity: every defect of dsx3d.verify.faults and of dsx3d.verify.context_parallel_faults ("cp:" keys), in fp32 and
   bf16: each must fail (a crash counts as caught).
 
     python -m scripts.bench.verify_sweep [--count 100] [--cp-count 8] [--seed 0] [--steps 2] [--no-faults] [--skip N] [--no-write]
@@ -148,8 +148,8 @@ def _caught(parity: ParityCase, patch: Callable[[], contextlib.AbstractContextMa
 
 
 def _faults(steps: int) -> dict[str, bool]:
-    """Every defect of dsx3d.verify.faults, then of dsx3d.verify.cp_faults ("cp:" keys), in fp32 and bf16."""
-    from dsx3d.verify.cp_faults import CP_FAULTS
+    """Every defect of dsx3d.verify.faults, then of dsx3d.verify.context_parallel_faults ("cp:" keys), in fp32 and bf16."""
+    from dsx3d.verify.context_parallel_faults import CP_FAULTS
     from dsx3d.verify.faults import FAULTS
     from dsx3d.verify.parity import ParityCase
 

@@ -70,7 +70,7 @@ def recipe() -> Any:
 
 
 def rank_worker(rank: int, per_item: bool) -> dict[str, Any]:
-    import dsx3d.engine as engine_module
+    import dsx3d.engine.builder as engine_module
 
     if not per_item:
         engine_module._zero3_partitioner = lambda ds_config, mpu: None  # type: ignore[assignment]

@@ -21,7 +21,7 @@ import tempfile
 def main(argv: list[str] | None = None) -> list[float]:
     from dsx3d.data import build_train_data
     from dsx3d.distributed import comm
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
     from dsx3d.recipe.schema import load_recipe
 
     recipe = load_recipe((argv if argv is not None else sys.argv[1:])[0])

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from dsx3d.checks import check_recipe
 from dsx3d.errors import UserError
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.schema import Recipe, recipe_from_dict
 from dsx3d.verify.harness import RankFailure, run_ranks
 from tests.helpers.recipe_grid import random_recipe, write_corpus

@@ -72,7 +72,7 @@ def _hf_loads_cleanly(path: Path) -> Any:
 
 def _roundtrip_rank(rank: int, recipe: Recipe, out: Path, ids: torch.Tensor) -> torch.Tensor | None:
     from dsx3d.checkpoint.hf.export import export_hf
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe)
     _, logits = engine.ds_engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
@@ -135,7 +135,7 @@ def _train_rank(
 ) -> dict[str, Any]:
     from dsx3d.checkpoint.hf.export import export_hf
     from dsx3d.checkpoint.training.universal import universal_client_state
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe)
     dp_rank = engine.placement.dp
@@ -155,7 +155,7 @@ def _resume_rank(
     rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, universal: Path | None
 ) -> list[float]:
     from dsx3d.checkpoint.training.universal import LOAD_UNIVERSAL
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe, ds_overrides=LOAD_UNIVERSAL if universal else None)
     if universal is not None:

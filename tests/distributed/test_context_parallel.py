@@ -18,11 +18,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dsx3d.checks import check_recipe
 from dsx3d.errors import UserError
 from dsx3d.models.known_families import REFUSED, families_with_plans, tiny_config
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.schema import Recipe, load_recipe, recipe_from_dict
-from dsx3d.verify.cp_faults import CP_FAULTS
+from dsx3d.verify.context_parallel_faults import CP_FAULTS
 from dsx3d.verify.harness import RankFailure, run_ranks
 from dsx3d.verify.parity import ParityCase, case_recipe, run_parity, run_verify
 from dsx3d.verify.sweep import CP_LAYOUTS, cp_sweep_cases
@@ -110,7 +110,7 @@ PACKED_SWEEP = [((1, 2, 2, 2), "eager", "short"), ((2, 2, 1, 2), "sdpa", "long")
 def test_cp_packed_rows_with_masked_labels(layout: tuple[int, int, int, int], attention: str, mix: str) -> None:
     """Documents restart position_ids inside a row (the mask per document is built for the whole sequence,
     rotary from each slice's own positions); labels are masked at document ends and carry the global
-    normaliser, divided by cp (dsx3d.data.cp_slice)."""
+    normaliser, divided by cp (dsx3d.data.context_parallel)."""
     dp, cp, tp, pp = layout
     config = tiny_config("llama", attn_implementation=attention)
     case = ParityCase(config, dp=dp, cp=cp, tp=tp, pp=pp, steps=2, micro_batch_size=2, micro_batches=2, seq_len=16)

@@ -1,4 +1,4 @@
-"""DeepSpeed sections are checked with DeepSpeed's own parsers (dsx3d.integrations.ds_schema) before launch: a fuzz over
+"""DeepSpeed sections are checked with DeepSpeed's own parsers (dsx3d.checks.ds_schema) before launch: a fuzz over
 section values drawn from DeepSpeed's pydantic models (their fields and types; valid and invalid values).
 Every config the checker accepts builds a real engine (one forked world-1 rank builds them all); every
 refused one names a `deepspeed.` path. CI draws a sample; DSX3D_DS_FUZZ=N draws N configs."""
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from dsx3d.recipe.checks import check_recipe
+from dsx3d.checks import check_recipe
 from dsx3d.recipe.schema import recipe_from_dict
 from tests.helpers.recipes import tiny_recipe_dict
 
@@ -115,7 +115,7 @@ def _with_paths(overrides: dict[str, Any], tmp: str) -> dict[str, Any]:
 
 
 def _build_all(rank: int, recipes: list[Any]) -> list[str | None]:
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     failures: list[str | None] = []
     for recipe in recipes:

@@ -13,8 +13,8 @@ import os
 
 import pytest
 
+from dsx3d.checks import check_recipe
 from dsx3d.models.known_families import REFUSED, families_with_plans, refusal, tiny_config
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.verify.parity import ParityCase, case_recipe, run_parity
 
 pytestmark = [pytest.mark.usefixtures("warm"), pytest.mark.slow]

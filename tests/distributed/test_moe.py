@@ -20,12 +20,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dsx3d.checks import check_recipe
 from dsx3d.distributed.expert_parallel.placement import ExpertPlacement
 from dsx3d.estimate import Setup, estimate, shape_from_hf_config
 from dsx3d.models.known_families import families_with_plans, refusal, tiny_config
 from dsx3d.models.moe import experts_per_layer
 from dsx3d.plan.layout import Layout
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import ParityCase, case_recipe, run_parity
 

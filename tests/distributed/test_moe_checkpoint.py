@@ -60,7 +60,7 @@ def _expert_shapes(engine: Any) -> dict[str, tuple[int, ...]]:
 def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, heldout: torch.Tensor, tmp: Path) -> dict[str, Any]:
     from dsx3d.checkpoint.hf.export import export_hf
     from dsx3d.checkpoint.hf.source import CheckpointSource
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     reads: list[str] = []
     original = CheckpointSource.load
@@ -101,7 +101,7 @@ def _train_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tens
 
 
 def _resume_rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, ckpt: Path | None) -> list[float]:
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe)
     if ckpt is not None:

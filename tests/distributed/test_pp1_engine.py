@@ -163,7 +163,7 @@ def _save_rank(
 
     from dsx3d.checkpoint.hf.export import export_hf
     from dsx3d.checkpoint.training.universal import universal_client_state
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe)
     dp_rank = engine.placement.dp
@@ -185,7 +185,7 @@ def _resume_rank(
     rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, tag: Path, universal: bool
 ) -> list[float]:
     from dsx3d.checkpoint.training.universal import LOAD_UNIVERSAL
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe, ds_overrides=LOAD_UNIVERSAL if universal else None)
     engine.ds_engine.load_checkpoint(str(tag.parent), tag=tag.name)

@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsx3d.checks import check_recipe
 from dsx3d.distributed import comm
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dsx3d.distributed.tensor_parallel.mappings import reduce_scatter_to_sequence, split_to_sequence
 from dsx3d.models.known_families import tiny_config
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import (
     ParityCase,

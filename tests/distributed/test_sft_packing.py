@@ -88,9 +88,9 @@ def test_reporter_writes_padding_fraction(tmp_path: Path) -> None:
 
 
 def test_packing_is_refused_for_text_and_accepted_for_chat() -> None:
+    from dsx3d.checks.data import data_problems
     from dsx3d.data.prepare import prepare_data
     from dsx3d.errors import UserError
-    from dsx3d.recipe.checks.data import data_problems
     from dsx3d.recipe.schema import load_recipe, recipe_from_dict
 
     packed = load_recipe(ROOT / "recipes" / "tiny-sft-packed.yaml")

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoConfig, PretrainedConfig
 
 from dsx3d.models.known_families import families_with_plans, tiny_config
-from dsx3d.plan.stages import stage_layers_for
+from dsx3d.pipeline.split import stage_layers_for
 from dsx3d.verify.parity import ParityCase, ParityResult, run_parity
 
 pytestmark = pytest.mark.usefixtures("warm")

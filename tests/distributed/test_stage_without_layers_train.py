@@ -71,7 +71,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_qwen2_large_tied_vocab_bf16_recipe_trains(tmp_path: Path, cache: Path) -> None:
     """The recipe as reported, default split (now [3, 1], cost-balanced alone it was [4, 0])."""
-    from dsx3d.plan.stages import stage_layers_for
+    from dsx3d.pipeline.split import stage_layers_for
     from dsx3d.recipe.hf_config import load_hf_config
 
     recipe = make_recipe(tmp_path, cache, steps=3)

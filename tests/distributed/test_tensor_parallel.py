@@ -17,7 +17,7 @@ from dsx3d.distributed.tensor_parallel.mappings import (
     reduce_from_tp,
     split_last_dim,
 )
-from dsx3d.plan.stages import balanced_bounds, bounds_from_stage_layers
+from dsx3d.pipeline.split import balanced_bounds, bounds_from_stage_layers
 from dsx3d.verify.harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("warm")

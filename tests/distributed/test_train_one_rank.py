@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dsx3d.recipe.checks import check_recipe
+from dsx3d.checks import check_recipe
 from dsx3d.recipe.schema import recipe_from_dict
 from dsx3d.run.metrics import read_metrics
 from tests.helpers.recipes import tiny_recipe_dict

@@ -56,7 +56,7 @@ def test_masters_of_the_fp16_wrapper_driving_bf16_without_zero_are_read() -> Non
 def test_adamw_at_zero0_counts_its_steps_as_hf_does() -> None:
     """bf16 at ZeRO-0 on the regular engine: FP16_UnfusedOptimizer's constructor stepped AdamW once on zero
     gradients, so every element with a solid gradient moved 0.735 lr at the first step instead of lr
-    (the qkv bias of the untied gpt_neox: weights 6.5 times over); dsx3d.integrations.fp16_wrapper_state."""
+    (the qkv bias of the untied gpt_neox: weights 6.5 times over); dsx3d.engine.fp16_wrapper_state."""
     dims = {"attention_bias": True, "head_dim": 8, "hidden_size": 32, "intermediate_size": 136}
     heads = {"num_attention_heads": 4, "num_key_value_heads": 4}
     config = tiny_config("gpt_neox", tie_word_embeddings=False, vocab_size=32000, **dims, **heads)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from dsx3d.models import zb_auto
 from dsx3d.models.known_families import tiny_config
+from dsx3d.pipeline import zb_auto
 from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import (
     ParityCase,

@@ -1,4 +1,4 @@
-"""The cost-aware zero-bubble order (`dsx3d.models.zb_greedy`): with equal costs it is ZB-H1's, with the measured
+"""The cost-aware zero-bubble order (`dsx3d.pipeline.zb_greedy`): with equal costs it is ZB-H1's, with the measured
 ones (B = 1.35 F, W = 0.6 F) it idles less than 1F1B, and every order it builds is complete, within ZB-H1's
 memory bound and deadlock-free. DSX3D_ZB_SWEEP=1 draws more cost profiles; zb-h1 parity with such an order."""
 
@@ -11,8 +11,8 @@ import pytest
 from test_zero_bubble import SHAPES, _ok, _rendezvous_completes
 
 from dsx3d.estimate import schedules
-from dsx3d.models import zb_greedy, zb_plan
 from dsx3d.models.known_families import tiny_config
+from dsx3d.pipeline import zb_greedy, zb_plan
 from dsx3d.verify.parity import ParityCase
 
 MEASURED = (1.0, 1.35, 0.6)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dsx3d.distributed.tensor_parallel.weight_grad import WEIGHT_GRADS, linear
-from dsx3d.models import zb_plan
 from dsx3d.models.known_families import tiny_config
+from dsx3d.pipeline import zb_plan
 from dsx3d.verify.parity import ParityCase, run_verify
 from dsx3d.verify.zb_faults import ZB_FAULTS
 

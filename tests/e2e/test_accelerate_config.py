@@ -16,7 +16,7 @@ import yaml
 
 from dsx3d.cli import main
 from dsx3d.errors import UserError
-from dsx3d.integrations.accelerate_config import accelerate_config
+from dsx3d.recipe.accelerate_config import accelerate_config
 from dsx3d.recipe.schema import load_recipe, recipe_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]

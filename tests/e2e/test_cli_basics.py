@@ -141,7 +141,7 @@ def test_sizes_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_and_estimate_show_the_engines_split(recipe: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`dsx3d plan` and `dsx3d estimate` report the decoder layers per stage that the engine builds, for
     every shipped recipe (one split function serves all three)."""
-    from dsx3d.models.pipeline import stage_bounds
+    from dsx3d.pipeline.module import stage_bounds
     from dsx3d.recipe.hf_config import load_hf_config
     from dsx3d.recipe.schema import load_recipe
 

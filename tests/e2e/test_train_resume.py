@@ -212,7 +212,7 @@ def _load_payloads(rank: int, recipe: Recipe, marker: str) -> list[str]:
     from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
     from dsx3d.checkpoint.training.checkpointer import Checkpointer
     from dsx3d.distributed import comm
-    from dsx3d.engine import build_engine
+    from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe)
     ckpt = Path(recipe.output_dir) / "checkpoints"

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from transformers import AutoConfig
 
+from dsx3d.checks import DATA_RULES, RULES, check_recipe, raise_for_errors
 from dsx3d.errors import Problem, UserError
-from dsx3d.recipe.checks import DATA_RULES, RULES, check_recipe, raise_for_errors
 from dsx3d.recipe.ds_config import deep_merge
 from dsx3d.recipe.schema import load_recipe, recipe_from_dict
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import yaml
 
+from dsx3d.checks import check_recipe
 from dsx3d.cli import main
-from dsx3d.data.cp_slice import IGNORE_INDEX, shifted_targets, slice_micro_batch
+from dsx3d.data.context_parallel import IGNORE_INDEX, shifted_targets, slice_micro_batch
 from dsx3d.errors import Problem
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.ds_config import deep_merge
 from dsx3d.recipe.schema import recipe_from_dict
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dsx3d.checks import check_recipe
 from dsx3d.cli import main
 from dsx3d.integrations.layout_source import recipe_from_ds_config
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.ds_config import build_ds_config
 from dsx3d.recipe.schema import recipe_from_dict
 

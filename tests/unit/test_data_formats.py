@@ -12,12 +12,12 @@ import datasets
 import pytest
 import yaml
 
+from dsx3d.checks import check_recipe
 from dsx3d.cli import main
 from dsx3d.data.chat import IGNORE_INDEX
 from dsx3d.data.prepare import build_rank_data, prepare_data
 from dsx3d.data.tiny_chat import tiny_chat_conversations
 from dsx3d.data.tokenizer import train_bpe_tokenizer
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.schema import Recipe, recipe_from_dict
 from tests.helpers.recipes import tiny_recipe_dict
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dsx3d.recipe.checks import check_recipe
+from dsx3d.checks import check_recipe
 from dsx3d.recipe.schema import recipe_from_dict
 from tests.helpers.recipes import tiny_recipe_dict
 
@@ -31,7 +31,7 @@ def test_both_master_weight_dtypes_are_refused_together() -> None:
 
 
 def test_offload_with_deepspeed_adam_passes_the_rule() -> None:
-    from dsx3d.integrations.ds_schema import schema_problems
+    from dsx3d.checks.ds_schema import schema_problems
     from dsx3d.recipe.ds_config import build_ds_config
 
     recipe = recipe_from_dict(tiny_recipe_dict(parallel={"dp": 1, "tp": 1, "pp": 1}, cluster={"nodes": 1, "gpus_per_node": 1}))

@@ -21,7 +21,7 @@ from dsx3d.estimate import (
     shape_from_params,
     split_layers,
 )
-from dsx3d.plan.stages import decoder_split
+from dsx3d.pipeline.split import decoder_split
 
 TINY = dict(
     hidden_size=64,
@@ -140,7 +140,7 @@ def test_split_matches_the_engine_for_every_family():
     per-stage memory is estimated for the split that runs. (The engine and the estimator once read the model
     separately and split a Gemma-2B-shaped model [6, 6, 6, 0] and [5, 6, 6, 1].)"""
     from dsx3d.models.known_families import families_with_plans, refusal, tiny_config
-    from dsx3d.models.pipeline import stage_bounds
+    from dsx3d.pipeline.module import stage_bounds
 
     checked = 0
     configs = [("gemma-2b-shape", GemmaConfig(**GEMMA_2B))] + [

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from dsx3d.cli import main
 from dsx3d.estimate import Hardware, Setup, estimate, layer_activation_bytes, shape_from_hf_config
-from dsx3d.estimate.context import alltoall_bytes_per_micro_batch, kv_heads_held, logits_bytes
+from dsx3d.estimate.context_parallel import alltoall_bytes_per_micro_batch, kv_heads_held, logits_bytes
 from dsx3d.estimate.memory import head_activation_bytes
 
 QWEN3_06B = dict(

@@ -1,7 +1,7 @@
 """DeepSpeed's fp16 wrappers (FP16_UnfusedOptimizer, which also drives bf16 without ZeRO on the regular
 engine) run the inner optimizer once on zero gradients while they are built, so AdamW's count starts at 1:
 its first real step then moved a weight with a solid gradient by 0.735 lr instead of lr, and `dsx3d verify`
-failed AdamW 6.5 times over at bf16 ZeRO-0 (dsx3d.integrations.fp16_wrapper_state)."""
+failed AdamW 6.5 times over at bf16 ZeRO-0 (dsx3d.engine.fp16_wrapper_state)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, cast
 import pytest
 import torch
 
-from dsx3d.integrations.fp16_wrapper_state import undo_initialising_step
+from dsx3d.engine.fp16_wrapper_state import undo_initialising_step
 
 if TYPE_CHECKING:
-    from dsx3d.integrations.boundary_types import DSEngine
+    from dsx3d.boundary_types import DSEngine
 
 
 def _start() -> torch.Tensor:

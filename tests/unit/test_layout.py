@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dsx3d.distributed.topology import pipeline_topology
 from dsx3d.plan.layout import Layout, bubble_fraction
 
 
@@ -74,7 +75,7 @@ def test_rank_order_equals_deepspeeds_topology(dp: int, tp: int, pp: int) -> Non
     """dsx3d computes the rank order itself (the pure layer never imports DeepSpeed); it must be exactly
     DeepSpeed's PipeModelDataParallelTopology, which the engine hands to the PipelineModule."""
     lay = Layout(dp=dp, tp=tp, pp=pp, gpus_per_node=4)
-    topo = lay.topology
+    topo = pipeline_topology(lay)
     for rank in range(lay.world_size):
         coord = topo.get_coord(rank)
         place = lay.placement(rank)
@@ -98,7 +99,7 @@ def test_context_axis_sits_between_tp_and_dp_in_deepspeeds_data_axis(dp: int, cp
     pipeline groups; CP groups are cp consecutive data coordinates (next to TP in rank order), DP groups
     take one rank from each CP block, and every group partitions its stage's ranks."""
     lay = Layout(dp=dp, tp=tp, pp=pp, gpus_per_node=8, cp=cp)
-    topo = lay.topology
+    topo = pipeline_topology(lay)
     assert lay.world_size == dp * cp * tp * pp == topo.world_size()
     for rank in range(lay.world_size):
         coord, place = topo.get_coord(rank), lay.placement(rank)
@@ -163,7 +164,7 @@ def test_pure_layer_imports_without_deepspeed() -> None:
     import sys
 
     code = (
-        "import sys; import dsx3d.recipe.schema, dsx3d.plan.layout, dsx3d.recipe.checks, dsx3d.estimate, dsx3d.plan.search; "
+        "import sys; import dsx3d.recipe.schema, dsx3d.plan.layout, dsx3d.checks, dsx3d.estimate, dsx3d.planner.search; "
         "bad = [m for m in sys.modules if m == 'deepspeed' or m.startswith(('deepspeed.', 'dsx3d.distributed'))]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
+from dsx3d.checks import check_recipe
 from dsx3d.errors import UserError
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.ds_config import deep_merge
 from dsx3d.recipe.schema import recipe_from_dict
 
@@ -65,7 +65,7 @@ def test_cli_check_exits_2_without_traceback(tmp_path: Path, capsys: pytest.Capt
 def test_saved_peft_config_is_read_and_checked(tmp_path: Path) -> None:
     from peft import LoraConfig
 
-    from dsx3d.engine import lora_spec
+    from dsx3d.engine.builder import lora_spec
 
     LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]).save_pretrained(str(tmp_path / "good"))
     recipe = recipe_from_dict(deep_merge(LORA_RECIPE, {"model": {"lora": {"peft_config": str(tmp_path / "good")}}}))

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from dsx3d.checks import check_recipe
 from dsx3d.cli import main
 from dsx3d.estimate import Setup, shape_from_hf_config
-from dsx3d.plan.search import LONG_SEQ, Cluster, enumerate_setups, plan_layouts, recipe_for
-from dsx3d.recipe.checks import check_recipe
+from dsx3d.planner.search import LONG_SEQ, Cluster, enumerate_setups, plan_layouts, recipe_for
 from dsx3d.recipe.hf_config import load_hf_config
 from dsx3d.recipe.schema import ModelSection, load_recipe
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from dsx3d.checks import check_recipe
 from dsx3d.estimate import schedules
 from dsx3d.models.known_families import tiny_config
-from dsx3d.recipe.checks import check_recipe
 from dsx3d.recipe.schema import recipe_from_dict
 
 

@@ -1,4 +1,4 @@
-"""The instruction timer (`dsx3d.models.stage_clock`) and what `parallel.zb_costs: auto` does where it cannot
+"""The instruction timer (`dsx3d.pipeline.stage_clock`) and what `parallel.zb_costs: auto` does where it cannot
 measure: a stage without measured passes is refused, the estimator assumes equal costs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dsx3d.models import stage_clock, zb_auto
+from dsx3d.pipeline import stage_clock, zb_auto
 
 
 class ForwardPass: ...

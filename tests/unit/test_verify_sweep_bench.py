@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from dsx3d.verify.case import Check
-from dsx3d.verify.cp_faults import CP_FAULTS
+from dsx3d.verify.context_parallel_faults import CP_FAULTS
 from scripts.bench import report_verify, verify_sweep
 
 

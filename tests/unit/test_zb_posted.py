@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from dsx3d.models import zb_greedy, zb_schedule
+from dsx3d.pipeline import zb_greedy, zb_schedule
 from scripts.bench.replay import replay
 
 NAMES = {"F": "ForwardPass", "B": "BackwardInput", "W": "BackwardWeight", "SendAct": "PostActivation",

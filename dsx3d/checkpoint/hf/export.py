@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from dsx3d.boundary_types import HFProcessor, JSONObject
 from dsx3d.checkpoint.hf.lora_export import merged_weights
 from dsx3d.checkpoint.hf.names import expected_params, meta_model, to_hub_names
 from dsx3d.checkpoint.hf.writer import (
@@ -39,12 +40,11 @@ from dsx3d.checkpoint.hf.writer import (
 )
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
-from dsx3d.integrations.boundary_types import HFProcessor, JSONObject
 from dsx3d.models.lora import is_adapter_name
 from dsx3d.models.shards import local_shape
 
 if TYPE_CHECKING:
-    from dsx3d.engine import Engine3D
+    from dsx3d.engine.builder import Engine3D
 
 log = logging.getLogger("dsx3d")
 

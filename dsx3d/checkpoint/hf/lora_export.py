@@ -23,15 +23,15 @@ from peft.tuners.lora.layer import LoraLayer
 from safetensors.torch import save_file
 from torch import nn
 
+from dsx3d.boundary_types import HFProcessor
 from dsx3d.checkpoint.hf.writer import publish, save_tokenizer, staging_dir
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
-from dsx3d.integrations.boundary_types import HFProcessor
 from dsx3d.models.lora import is_adapter_name
 from dsx3d.models.shards import merge_shards
 
 if TYPE_CHECKING:
-    from dsx3d.engine import Engine3D
+    from dsx3d.engine.builder import Engine3D
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 

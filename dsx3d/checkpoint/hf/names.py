@@ -27,9 +27,9 @@ from transformers.core_model_loading import (
     revert_weight_conversion,
 )
 
+from dsx3d.boundary_types import HFModel
 from dsx3d.checkpoint.hf.reader import TensorInfo
 from dsx3d.errors import Problem
-from dsx3d.integrations.boundary_types import HFModel
 from dsx3d.models.family_spec import is_tied, resolve_family
 
 _FIX_MISMATCH = (

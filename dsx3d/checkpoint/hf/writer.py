@@ -22,10 +22,10 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 from dsx3d import fsio
+from dsx3d.boundary_types import HFProcessor
 from dsx3d.checkpoint.hf.reader import DTYPE_NAMES, SAFETENSORS_INDEX
 from dsx3d.checkpoint.manifest import check_replaceable, write_manifest
 from dsx3d.errors import UserError
-from dsx3d.integrations.boundary_types import HFProcessor
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 TOKENIZER_FILES = (

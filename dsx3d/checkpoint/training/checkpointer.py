@@ -29,10 +29,11 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsx3d.boundary_types import DSEngine
 from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
 from dsx3d.checkpoint.training.disk_format import (
@@ -51,11 +52,12 @@ from dsx3d.checkpoint.training.resume import ResumePlan, layout_record, plan_res
 from dsx3d.checkpoint.training.rng import RNG_FORMAT, rng_state, set_rng_state  # noqa: F401
 from dsx3d.checkpoint.training.tags import choose_tag, prune, remove_tag, tag_problems, tags_to_delete  # noqa: F401
 from dsx3d.distributed import comm
-from dsx3d.engine import Engine3D
 from dsx3d.errors import Problem, RunFailure, UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
-from dsx3d.integrations.boundary_types import DSEngine
 from dsx3d.recipe.schema import Recipe, dump_recipe
+
+if TYPE_CHECKING:
+    from dsx3d.engine.builder import Engine3D
 
 log = logging.getLogger("dsx3d")
 

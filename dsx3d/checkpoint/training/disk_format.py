@@ -51,7 +51,7 @@ MAX_LATEST_BYTES = 256
 _STEP_TAG = re.compile(r"^step-(\d{6,})$")
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)(?:-expert_(\d+))?-model_states\.pt$")
 """DeepSpeed's per-(pipeline item, TP rank) module file, and dsx3d's per-(item, TP rank, EP index) file of
-an item holding experts split over an EP group (`dsx3d.models.pipeline.StagedPipelineModule`)."""
+an item holding experts split over an EP group (`dsx3d.pipeline.module.StagedPipelineModule`)."""
 MODEL_STATES_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 """Per TP rank: the client state; without a pipeline and below ZeRO-3 also the whole module."""
 ZERO3_MODEL_STATES_FILE = re.compile(r"^zero_pp_rank_0_mp_rank_(\d+)_model_states\.pt$")

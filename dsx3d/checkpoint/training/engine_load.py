@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dsx3d.integrations.boundary_types import DSEngine
+from dsx3d.boundary_types import DSEngine
 
 
 def needs_partitioned_load(ds_engine: DSEngine) -> bool:

@@ -54,7 +54,7 @@ from dsx3d.errors import UserError
 from dsx3d.models.shards import local_shape
 
 if TYPE_CHECKING:
-    from dsx3d.engine import Engine3D
+    from dsx3d.engine.builder import Engine3D
 
 LOAD_UNIVERSAL: dict[str, object] = {"checkpoint": {"load_universal": True}}
 """ds_overrides for build_engine: the new layout's engine then loads universal checkpoints."""

@@ -11,7 +11,7 @@ DeepSpeed's own registry (`deepspeed.utils.groups`). So `register_with_deepspeed
 there under DeepSpeed's naming ("ep_size_<ep>"), and `MoEMarker` is the module whose presence makes the
 engine configure its optimizer for experts. The engine's MoE checkpoint format (one file per expert of a
 `deepspeed.moe.layer.MoE`) does not apply to pipeline stages: `keep_pipeline_checkpoints` makes DeepSpeed
-save and load them as the pipeline's own layer files (`dsx3d.models.pipeline` names the expert shards).
+save and load them as the pipeline's own layer files (`dsx3d.pipeline.module` names the expert shards).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, NoReturn
 
 from torch import nn
 
+from dsx3d.boundary_types import PipeEngine
 from dsx3d.distributed import comm
 from dsx3d.distributed.comm import ProcessGroup
-from dsx3d.integrations.boundary_types import PipeEngine
 
 
 @dataclass

@@ -122,7 +122,7 @@ class VocabParallelHead(nn.Module):
         self.defer_weight_grad = False  # set by a zero-bubble engine (at tp > 1 the region defers on its own)
         self.plain = False
         """This rank's columns of an input already entered by the caller, no TP region and nothing deferred (the
-        tiled loss, `dsx3d.models.tiled_head`)."""
+        tiled loss, `dsx3d.models.tiled_loss`)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.plain:

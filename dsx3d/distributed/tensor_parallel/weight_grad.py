@@ -33,7 +33,7 @@ class _Job:
 
 DEFER_OK = "_dsx3d_post_hooks_may_wait"
 """Set on a parameter whose post-accumulate hooks are known not to need the gradient (DeepSpeed ZeRO-1's
-bookkeeping hooks when it accumulates in `.grad`; `dsx3d.models.zb_schedule.install_zero_bubble` decides)."""
+bookkeeping hooks when it accumulates in `.grad`; `dsx3d.pipeline.zb_schedule.install_zero_bubble` decides)."""
 
 
 def deferrable(t: torch.Tensor | None) -> bool:

@@ -1,0 +1,6 @@
+"""The engine: one builder for every face (`build_engine`, `Engine3D`), and the DeepSpeed internals it adjusts
+(the bf16 optimizer's norm on a stage without gradients, the fp16 wrappers' initialising step)."""
+
+from dsx3d.engine.builder import Engine3D, MicroBatch, build_engine
+
+__all__ = ["Engine3D", "MicroBatch", "build_engine"]
