@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsx3d.plan.degrees import HasDegrees
+from dsx3d.plan.degrees import Degrees, HasDegrees
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,11 @@ class Layout(HasDegrees):
             raise ValueError(f"Layout.ep = {self.ep} must divide dp = {self.dp}")
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"Layout.ep = {self.ep} with cp = {self.cp}: expert and context parallelism do not combine")
+
+    @classmethod
+    def of(cls, degrees: Degrees, gpus_per_node: int) -> Layout:
+        """The layout of `degrees` on nodes of `gpus_per_node` ranks."""
+        return cls(dp=degrees.dp, tp=degrees.tp, pp=degrees.pp, gpus_per_node=gpus_per_node, ep=degrees.ep, cp=degrees.cp)
 
     @property
     def num_nodes(self) -> int:

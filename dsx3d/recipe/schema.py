@@ -30,6 +30,7 @@ from pydantic import (
 
 from dsx3d.errors import Problem, UserError
 from dsx3d.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES
+from dsx3d.plan.degrees import Degrees
 from dsx3d.plan.layout import Layout
 from dsx3d.recipe.json_values import MAX_MAPPING_VALUES, _check_json  # noqa: F401
 from dsx3d.recipe.strict_yaml import StrictYamlLoader, parse_yaml  # noqa: F401
@@ -295,16 +296,14 @@ class Recipe(_Section):
         per_replica = self.parallel.tp * self.parallel.pp * self.parallel.cp
         return world // per_replica if world % per_replica == 0 else 0
 
+    def degrees(self, world_size: int | None = None) -> Degrees:
+        """The parallel degrees, dp "auto" resolved against `world_size` (default: the cluster's)."""
+        par = self.parallel
+        return Degrees(dp=self.resolved_dp(world_size), tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
+
     def layout(self, world_size: int | None = None) -> Layout:
         """The layout; call only after `dsx3d.checks` accepted the recipe."""
-        return Layout(
-            dp=self.resolved_dp(world_size),
-            tp=self.parallel.tp,
-            pp=self.parallel.pp,
-            gpus_per_node=self.cluster.gpus_per_node,
-            ep=self.parallel.ep,
-            cp=self.parallel.cp,
-        )
+        return Layout.of(self.degrees(world_size), self.cluster.gpus_per_node)
 
 
 # The fix for each kind of bad value pydantic reports, by its error type.
