@@ -49,6 +49,7 @@ from dsx3d.integrations.engine_optimizer import EngineOptimizer
 from dsx3d.integrations.last_stage import LastStageLoss, context_parallel_refusals
 from dsx3d.integrations.layout_source import layout_source, load_layout
 from dsx3d.integrations.peft_model import lora_from_peft_model
+from dsx3d.integrations.train_batches import pad_step
 from dsx3d.integrations.trainer_args import reconcile, unsupported_args
 from dsx3d.integrations.trainer_data import DataLoadersMixin
 from dsx3d.integrations.trainer_eval import EvaluationMixin
@@ -330,9 +331,11 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         sft = trl_face.sft_trainer_class(type(self)) is not None
         if sft:
             state.batch_tokens += trl_face.batch_tokens(inputs)
-        if len(state.pending) < train.gradient_accumulation_steps:
+        model.train()  # as transformers' training_step: callbacks (and TRL's metric bucket) see a training model
+        real = min(self.current_gradient_accumulation_steps, train.gradient_accumulation_steps)  # HF: this step's
+        if len(state.pending) < real:
             return torch.zeros((), device=self.args.device)
-        micro, state.pending = state.pending, []
+        micro, state.pending = pad_step(state.pending, train.gradient_accumulation_steps, train.micro_batch_size, train.seq_len), []
         engine = self._engine()
         self._shape_rows(train.micro_batch_size)
         assert state.loss is not None
@@ -345,7 +348,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         loss = engine.train_step(iter(micro))
         if sft:
             tokens, state.batch_tokens = self._count_over_dp(state.batch_tokens), 0
-            trl_face.record_step(self, state.loss.stats or [], len(micro), tokens, contributes=state.placement.tp == 0)
+            trl_face.record_step(self, (state.loss.stats or [])[:real], real, tokens, contributes=state.placement.tp == 0)
             state.loss.stats = None
         return torch.tensor(loss, device=self.args.device)
 
