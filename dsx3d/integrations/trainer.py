@@ -38,7 +38,7 @@ from transformers.trainer_utils import TrainOutput
 from dsx3d.checkpoint.training.engine_load import load_checkpoint
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
-from dsx3d.integrations import patches, trl_face
+from dsx3d.integrations import patches, trainer_optim, trl_face
 from dsx3d.integrations.batches import (
     count_targets,
     to_micro_batch,
@@ -217,26 +217,16 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         if state.engine is None:
             from dsx3d.engine import build_engine
 
-            args = self.args
-            optimizer = {
-                "type": "AdamW",
-                "params": {
-                    "lr": args.learning_rate,
-                    "betas": [args.adam_beta1, args.adam_beta2],
-                    "eps": args.adam_epsilon,
-                    "weight_decay": args.weight_decay,
-                    "torch_adam": True,
-                    "adam_w_mode": True,
-                },
-            }
+            optimizer, client_optimizer = trainer_optim.engine_optimizer(self.args)  # HF's optim, as HF builds it
             state.engine = build_engine(
                 state.recipe,
                 hf_config=self._hf_model.config,
                 source=state.source,
                 # HF's scheduler (over EngineOptimizer) sets the learning rate, any of HF's schedules: DeepSpeed
                 # builds none, so none steps as well or sets a warm-up start of its own
-                ds_overrides={"optimizer": optimizer, "scheduler": None},
+                ds_overrides={"optimizer": optimizer, "scheduler": None, **trainer_optim.zero_overrides(client_optimizer)},
                 param_groups=self._param_groups,
+                client_optimizer=client_optimizer,
             )
             state.source = None  # the weights are in the engine now; a state-dict source can go
             state.loss = _install_loss(state.engine, self.compute_loss_func)
