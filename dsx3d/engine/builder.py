@@ -206,6 +206,7 @@ def build_engine(
     ds_overrides: dict[str, Any] | None = None,
     param_groups: Callable[[torch.nn.Module], list[ParamGroup]] | None = None,
     check_data: bool = False,
+    client_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> Engine3D:
     """Build this rank's model (its pipeline stage, or with pp = 1 the whole TP-sharded model) and its
     DeepSpeed engine. The process group must exist (dsx3d.distributed.comm.init_distributed); the world size
@@ -214,7 +215,8 @@ def build_engine(
     does); by default every trainable parameter is in one group. A top-level `ds_overrides` key set to None
     removes that section (`"scheduler": None`: no LR scheduler in the engine at all; without a scheduler
     section the engine steps the recipe's HF schedule, dsx3d.recipe.lr_schedule). `check_data` adds the checker's rules on the
-    recipe's data pipeline (for `dsx3d train`, which reads it)."""
+    recipe's data pipeline (for `dsx3d train`, which reads it). `client_optimizer` builds DeepSpeed's client
+    optimizer over the param groups (with an "optimizer": None override)."""
     world = comm.get_world_size()
     hf_config = hf_config if hf_config is not None else load_hf_config(recipe.model)
     raise_for_errors(check_recipe(recipe, world_size=world, hf_config=hf_config, data=check_data))
@@ -275,7 +277,8 @@ def build_engine(
     if moe:
         params = _expert_param_groups(module, params)  # type: ignore[arg-type]
     engine, *_ = deepspeed.initialize(
-        model=module, model_parameters=params, config=ds_config, mpu=mpu, lr_scheduler=lr_scheduler
+        model=module, model_parameters=params, config=ds_config, mpu=mpu, lr_scheduler=lr_scheduler,
+        optimizer=client_optimizer(params) if client_optimizer is not None else None,
     )
     undo_initialising_step(engine)  # the fp16 wrappers' zero-gradient step would put AdamW one count ahead
     if layout.pp > 1:

@@ -132,12 +132,13 @@ class DataParallelBatchSampler(Sampler[list[int]]):
         dp: int,
         dp_rank: int,
         step_micro_batches: int | None = None,
+        drop_last: bool = False,
     ):
         self.sampler, self.micro_batch_size, self.dp, self.dp_rank = sampler, micro_batch_size, dp, dp_rank
         self.step_micro_batches = step_micro_batches
         num_samples = len(sampler) if isinstance(sampler, Sized) else 0
         if step_micro_batches is None:
-            self.num_micro_batches = math.ceil(num_samples / micro_batch_size)  # over all ranks
+            self.num_micro_batches = (num_samples // micro_batch_size) if drop_last else math.ceil(num_samples / micro_batch_size)
             self.length = len(range(dp_rank, self.num_micro_batches, dp))
         else:
             steps = num_samples // micro_batch_size // (dp * step_micro_batches)

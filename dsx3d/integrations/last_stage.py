@@ -83,8 +83,9 @@ class LastStageLoss:
       (over DP ranks): the average is sum_k(n_k * mean_k) / N, the token-weighted mean HF trains on;
     - `compute_loss_func(outputs, labels, num_items_in_batch=N) * m * dp`: the sum of the function's values,
       as HF's Trainer trains with it (it multiplies by the number of processes, and DDP averages them).
-    Evaluation returns the micro-batch's sum of token losses (the function's value times n_k), so the
-    evaluation loss is a token-weighted mean either way; `capture` then keeps what compute_metrics needs."""
+    Evaluation returns the micro-batch's loss times its rows (0 for one that scores nothing): HF's evaluation
+    loss is the mean of its batches' losses repeated per row (a batch scoring nothing is NaN there, and
+    filtered); `capture` then keeps what compute_metrics needs."""
 
     def __init__(self, mean_loss: Callable[[torch.Tensor, Labels], torch.Tensor], shard: VocabShard,
                  compute_loss_func: Callable[..., torch.Tensor] | None = None):  # fmt: skip
@@ -96,6 +97,8 @@ class LastStageLoss:
         """m * dp: DeepSpeed's divisor."""
         self.capture: Callable[[torch.Tensor, torch.Tensor], Captured] | None = None
         self.captured: list[Captured] = []
+        self.eval_rows: list[int] = []
+        """Evaluation: the rows of each coming micro-batch's HF batch, taken in order (the Trainer sets them)."""
         self.stats: list[torch.Tensor] | None = None
         """When a list, training appends each micro-batch's statistics for the objective's metrics."""
         self.objective: Objective = LanguageModeling()
@@ -119,7 +122,8 @@ class LastStageLoss:
             loss = self._user_loss(whole_logits(outputs), labels, n)
         if self.capture is not None:
             self.captured.append(self.capture(whole_logits(outputs), labels))
-        return loss * n
+        weight = self.eval_rows.pop(0) if self.eval_rows else 1
+        return loss * weight if n > 0 else loss * 0  # a batch scoring nothing: NaN under HF, filtered out
 
     def _slice_loss(self, outputs: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """cp > 1: (targets, norm) of this CP rank's slice; the Trainer set norm so that the engine's loss, the

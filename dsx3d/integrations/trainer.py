@@ -39,7 +39,7 @@ from dsx3d.boundary_types import Batch, HFModel, HFTrainingArguments, ParamGroup
 from dsx3d.checkpoint.training.engine_load import load_checkpoint
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
-from dsx3d.integrations import patches, trl_face
+from dsx3d.integrations import patches, trainer_optim, trl_face
 from dsx3d.integrations.batches import (
     count_targets,
     to_micro_batch,
@@ -49,6 +49,7 @@ from dsx3d.integrations.engine_optimizer import EngineOptimizer
 from dsx3d.integrations.last_stage import LastStageLoss, context_parallel_refusals
 from dsx3d.integrations.layout_source import layout_source, load_layout
 from dsx3d.integrations.peft_model import lora_from_peft_model
+from dsx3d.integrations.train_batches import pad_step
 from dsx3d.integrations.trainer_args import reconcile, unsupported_args
 from dsx3d.integrations.trainer_data import DataLoadersMixin
 from dsx3d.integrations.trainer_eval import EvaluationMixin
@@ -216,26 +217,16 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         if state.engine is None:
             from dsx3d.engine.builder import build_engine
 
-            args = self.args
-            optimizer = {
-                "type": "AdamW",
-                "params": {
-                    "lr": args.learning_rate,
-                    "betas": [args.adam_beta1, args.adam_beta2],
-                    "eps": args.adam_epsilon,
-                    "weight_decay": args.weight_decay,
-                    "torch_adam": True,
-                    "adam_w_mode": True,
-                },
-            }
+            optimizer, client_optimizer = trainer_optim.engine_optimizer(self.args)  # HF's optim, as HF builds it
             state.engine = build_engine(
                 state.recipe,
                 hf_config=self._hf_model.config,
                 source=state.source,
                 # HF's scheduler (over EngineOptimizer) sets the learning rate, any of HF's schedules: DeepSpeed
                 # builds none, so none steps as well or sets a warm-up start of its own
-                ds_overrides={"optimizer": optimizer, "scheduler": None},
+                ds_overrides={"optimizer": optimizer, "scheduler": None, **trainer_optim.zero_overrides(client_optimizer)},
                 param_groups=self._param_groups,
+                client_optimizer=client_optimizer,
             )
             state.source = None  # the weights are in the engine now; a state-dict source can go
             state.loss = _install_loss(state.engine, self.compute_loss_func)
@@ -331,9 +322,11 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         objective = state.loss.objective if state.loss is not None else None
         if objective is not None:
             state.batch_tokens += objective.batch_tokens(inputs)
-        if len(state.pending) < train.gradient_accumulation_steps:
+        model.train()  # as transformers' training_step: callbacks (and TRL's metric bucket) see a training model
+        real = min(self.current_gradient_accumulation_steps, train.gradient_accumulation_steps)  # HF: this step's
+        if len(state.pending) < real:
             return torch.zeros((), device=self.args.device)
-        micro, state.pending = state.pending, []
+        micro, state.pending = pad_step(state.pending, train.gradient_accumulation_steps, train.micro_batch_size, train.seq_len), []
         engine = self._engine()
         self._shape_rows(train.micro_batch_size)
         assert state.loss is not None and objective is not None
@@ -346,7 +339,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         loss = engine.train_step(iter(micro))
         if objective.token_statistics:
             tokens, state.batch_tokens = self._count_over_dp(state.batch_tokens), 0
-            objective.record_step(self, state.loss.stats or [], len(micro), tokens, contributes=state.placement.tp == 0)
+            objective.record_step(self, (state.loss.stats or [])[:real], real, tokens, contributes=state.placement.tp == 0)
             state.loss.stats = None
         return torch.tensor(loss, device=self.args.device)
 

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from dsx3d.boundary_types import HFTrainingArguments
 from dsx3d.errors import Problem
+from dsx3d.integrations import trainer_optim
 from dsx3d.recipe.schema import Recipe, TrainSection
 
 log = logging.getLogger("dsx3d")
@@ -222,9 +223,10 @@ def _recipe_train(train: TrainSection, agreed: dict[str, object]) -> tuple[Train
 def unsupported_args(args: HFTrainingArguments) -> list[Problem]:
     """TrainingArguments dsx3d.Trainer cannot honour; each would otherwise be ignored or train differently."""
     optim = str(getattr(args.optim, "value", args.optim))
+    optim_refusal = trainer_optim.refusal_reason(args)
     include = [str(getattr(v, "value", v)) for v in (args.include_for_metrics or [])]
     unsupported = [
-        ("optim", optim, optim not in SUPPORTED_OPTIMIZERS, "the engine's optimizer is torch AdamW", f"use one of {list(SUPPORTED_OPTIMIZERS)}"),
+        ("optim", optim, optim_refusal is not None, optim_refusal, f"use one of {trainer_optim.supported()}"),
         ("label_smoothing_factor", args.label_smoothing_factor, args.label_smoothing_factor != 0,
          "the pipeline's own loss is plain cross-entropy", "set it to 0, or pass compute_loss_func= with the loss you want"),
         ("neftune_noise_alpha", args.neftune_noise_alpha, args.neftune_noise_alpha is not None,

@@ -15,6 +15,7 @@ from dsx3d.integrations.batches import (
     DataParallelBatchSampler,
     ShardedDataLoader,
 )
+from dsx3d.integrations.train_batches import TrainBatchSampler
 from dsx3d.integrations.trainer_base import EngineTrainerBase
 
 log = logging.getLogger("dsx3d")
@@ -63,22 +64,13 @@ class DataLoadersMixin(EngineTrainerBase):
             )  # what accelerate gives HF's Trainer
         else:
             sampler = SequentialSampler(dataset)
-        batches = DataParallelBatchSampler(
-            sampler,
-            train_cfg.micro_batch_size,
-            self.layout.dp,
-            place.dp,
-            step_micro_batches=train_cfg.gradient_accumulation_steps if train else None,
-        )
-        if train and batches.num_samples < len(dataset):
-            log.warning(
-                "dsx3d.Trainer: %d of %d samples per epoch are used: a pipeline step takes exactly %d micro-batches "
-                "of %d on each of %d DP ranks",
-                batches.num_samples,
-                len(dataset),
-                train_cfg.gradient_accumulation_steps,
-                train_cfg.micro_batch_size,
-                self.layout.dp,
+        if train:  # HF's batches: the last one short unless dataloader_drop_last, the epoch's last step short
+            batches: DataParallelBatchSampler = TrainBatchSampler(
+                sampler, train_cfg.micro_batch_size, self.layout.dp, place.dp, args.dataloader_drop_last
+            )
+        else:
+            batches = DataParallelBatchSampler(
+                sampler, args.per_device_eval_batch_size, self.layout.dp, place.dp, drop_last=args.dataloader_drop_last
             )
         workers = args.dataloader_num_workers
         return ShardedDataLoader(

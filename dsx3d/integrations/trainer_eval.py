@@ -6,7 +6,7 @@ import time
 from typing import Any, NoReturn
 
 import torch
-from transformers.trainer_pt_utils import nested_concat, nested_numpify
+from transformers.trainer_pt_utils import find_batch_size, nested_concat, nested_numpify
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize, speed_metrics
 
 from dsx3d.distributed import comm
@@ -73,6 +73,8 @@ class EvaluationMixin(EngineTrainerBase):
         engine, train = self._engine(), self._dsx3d.recipe.train
         m, rows, seq = train.gradient_accumulation_steps, self.args.per_device_eval_batch_size, train.seq_len
         self._shape_rows(rows)
+        if self.model is not None:  # as transformers' evaluation_loop: callbacks (and TRL's bucket) see it evaluating
+            self.model.eval()
         self.callback_handler.eval_dataloader = dataloader
         loss = self._dsx3d.loss
         assert loss is not None
@@ -97,12 +99,21 @@ class EvaluationMixin(EngineTrainerBase):
             packed = bool(micro) and not isinstance(micro[0][0], torch.Tensor)
             micro += [empty_micro_batch(rows, seq, packed)] * (m - len(micro))
             kept += [(torch.as_tensor(b["labels"]), torch.as_tensor(b["input_ids"])) for b in real]
-            local_tokens += sum(count_targets(labels) for _, labels in micro)
-            # cp > 1: each CP slice's sum of token losses, times cp (the engine's mean is over dp x cp)
-            fed: list[Any] = [with_norm(mb, 1.0) for mb in micro] if self.layout.cp > 1 else list(micro)
+            # HF's loss: each batch's mean repeated per row (find_batch_size), over the rows of batches that score
+            rows_of = [find_batch_size(b) if count_targets(mb[1]) else 0 for b, mb in zip(real, micro, strict=False)]
+            rows_of += [0] * (m - len(real))
+            local_tokens += sum(rows_of)
+            loss.eval_rows = list(rows_of)
+            # cp > 1: each CP slice's share of the micro-batch's mean loss times its rows (the engine's mean is over dp x cp)
+            fed: list[Any] = (
+                [with_norm(mb, max(count_targets(mb[1]), 1) / max(r, 1)) for mb, r in zip(micro, rows_of, strict=True)]
+                if self.layout.cp > 1
+                else list(micro)
+            )
             total_loss += engine.eval_loss(iter(fed)) * m * self.layout.dp  # the engine averages over micro x dp
             loss.captured = loss.captured[: len(kept)]  # the padding micro-batches' predictions go
-            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+            for _ in real:  # HF: one on_prediction_step per batch
+                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         tokens = self._count_over_dp(local_tokens)
         self._dsx3d.eval_steps = steps
         metrics: dict[str, float] = {}

@@ -33,7 +33,7 @@ def token_statistics(logits: torch.Tensor, labels: torch.Tensor, shard: Any, *, 
     this rank's vocabulary shard of the logits (b, s, V/tp): TRL's mean_token_accuracy and entropy (token t+1
     predicted at t, only where it is scored). Reductions over the TP group are per token (three scalars a
     token), never the logits. `pre_shifted`: `labels` are already the targets of each position (a CP rank's slice,
-    dsx3d.data.cp_slice); the sums of the CP slices are the micro-batch's."""
+    dsx3d.data.context_parallel); the sums of the CP slices are the micro-batch's."""
     target = labels if pre_shifted else torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     scored = target != IGNORE_INDEX
     z = logits.detach().float()[scored]  # (n, V/tp)
