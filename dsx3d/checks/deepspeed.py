@@ -230,12 +230,15 @@ def _deepspeed_schema(c: _Context) -> Iterator[Problem]:
     cp = c.recipe.parallel.cp
     if not c.overrides or not c.dp or c.world_size % (c.tp * c.pp * cp):
         return
+    from dsx3d.checks.ds_keys import key_problems, without
     from dsx3d.checks.ds_schema import schema_problems
 
     try:
         config = build_ds_config(c.recipe, c.world_size, hidden_size=c.dim("hidden_size"))
     except ValueError:
         return  # a layout that cannot be built (e.g. ep not dividing dp): the parallel rules name it
+    typed = key_problems(config)  # keys DeepSpeed reads unchecked (dsx3d.checks.ds_key_table); batch keys: `_batch_overrides`
+    yield from (p for p in typed if p.key.removeprefix("deepspeed.") not in _OWN_RULES)
     if auto_paths(config):
         return  # `_auto_left` names them; DeepSpeed would refuse the strings
-    yield from schema_problems(config, c.dp * cp)  # DeepSpeed's data axis is dp x cp
+    yield from schema_problems(without(config, typed), c.dp * cp)  # DeepSpeed's data axis is dp x cp

@@ -33,6 +33,7 @@ def _parsers() -> list[tuple[str, str, Callable[[DSConfig], object]]]:
     from deepspeed.autotuning.config import DeepSpeedAutotuningConfig
     from deepspeed.comm.config import DeepSpeedCommsConfig
     from deepspeed.compile.config import CompileConfig
+    from deepspeed.inference.config import WeightQuantConfig
     from deepspeed.monitor.config import get_monitor_config
     from deepspeed.profiling.config import DeepSpeedFlopsProfilerConfig
     from deepspeed.runtime import config as rc
@@ -60,9 +61,10 @@ def _parsers() -> list[tuple[str, str, Callable[[DSConfig], object]]]:
         ("checkpoint", "checkpoint", get_checkpoint_config),
         ("aio", "aio", get_aio_config),
         ("compile", "compile", lambda d: CompileConfig(**d.get("compile", {}))),
-        ("timers", "timers", get_timers_config),
+        ("timers", "timers.throughput", get_timers_config),
         ("tensor_parallel", "tensor_parallel", get_tensor_parallel_config),
         ("data_types", "data_types", _data_types),
+        ("weight_quantization", "weight_quantization", lambda d: WeightQuantConfig(**d["weight_quantization"])),
     ]
 
 
@@ -112,9 +114,10 @@ def _problems_of(err: Exception, section: str, prefix: str, config: DSConfig) ->
             fix = "remove it (DeepSpeed knows no such key here)" if e["type"] == "extra_forbidden" else _FIX
             yield Problem(f"deepspeed.{path}", e.get("input"), f"DeepSpeed refuses it: {e['msg']}", fix)
     elif isinstance(err, TypeError) and "must be a mapping" in str(err):
+        path = prefix or section  # the parser's own section (timers.throughput inside timers)
         yield Problem(
-            f"deepspeed.{section}", config.get(section), "DeepSpeed expects a mapping of settings here",
-            f"give a mapping, for example {{enabled: true}}, or remove deepspeed.{section}",
+            f"deepspeed.{path}", _get(config, path), "DeepSpeed expects a mapping of settings here",
+            f"give a mapping, for example {{enabled: true}}, or remove deepspeed.{path}",
         )
     else:
         yield Problem(f"deepspeed.{section}", _get(config, section), f"DeepSpeed refuses it: {_summary(err)}", _FIX)
