@@ -180,19 +180,20 @@ def _stage_layers(c: _Context) -> Iterator[Problem]:
     split = c.recipe.parallel.stage_layers
     if split is None:
         return
-    key = "parallel.stage_layers"
+    key, value = "parallel.stage_layers", split
+    layout = c.recipe.parallel.pipeline_layout
+    if layout is not None:  # the counts came from the layout string: name what the user wrote
+        key, value = "parallel.pipeline_layout", f"{layout} (decoder layers per stage {split})"  # type: ignore[assignment]
     if len(split) != c.pp:
-        yield Problem(
-            key, split, f"has {len(split)} entries but parallel.pp = {c.pp}", "give one count per stage"
-        )
+        yield Problem(key, value, f"has {len(split)} {'stages' if layout else 'entries'} but parallel.pp = {c.pp}", "give one entry per stage")
     if any(n < 0 for n in split):
-        yield Problem(key, split, "has a negative count", "make every entry >= 0")
+        yield Problem(key, value, "has a negative count", "make every entry >= 0")
     middle = [i for i, n in enumerate(split) if n == 0 and 0 < i < len(split) - 1]
     if middle:
         # the first stage keeps the embedding and the last the head; a middle stage would hold nothing
         yield Problem(
             key,
-            split,
+            value,
             f"stage(s) {middle} would hold no layer and no parameter (DeepSpeed cannot build an optimizer "
             "over none); only the first and the last stage may have 0 decoder layers",
             "give every middle stage at least one decoder layer, or remove the key for a cost-balanced split",
@@ -201,7 +202,7 @@ def _stage_layers(c: _Context) -> Iterator[Problem]:
     if layers is not None and sum(split) != layers:
         yield Problem(
             key,
-            split,
+            value,
             f"sums to {sum(split)} but the model has {layers} decoder layers",
             f"make the entries sum to {layers}, or remove the key for a cost-balanced split",
         )

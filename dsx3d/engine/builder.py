@@ -36,6 +36,7 @@ from dsx3d.models.sequential import SequentialLM, build_sequential
 from dsx3d.models.shape import model_dim
 from dsx3d.models.shards import Shard, local_hf_shards
 from dsx3d.models.weights import WeightSource
+from dsx3d.pipeline.lean_step import trim_engine
 from dsx3d.pipeline.module import StagedPipelineModule, build_pipeline, release_last_stage_outputs
 from dsx3d.pipeline.registry import get_schedule
 from dsx3d.plan.layout import Layout, RankPlacement
@@ -285,6 +286,7 @@ def build_engine(
         release_last_stage_outputs(engine)
         count_empty_as_zero(engine)  # a stage without decoder layers may count no gradient in the norm
         get_schedule(recipe.parallel.schedule).install(engine, recipe)
+        trim_engine(engine)  # ZeRO-1's per-parameter bookkeeping hooks (dsx3d/pipeline/lean_step.py)
     if moe:
         keep_pipeline_checkpoints(engine)
     module.dsx3d_builder.release_source()  # the weights are in the engine; the source's copies can go

@@ -106,3 +106,90 @@ def bounds_from_stage_layers(stage_layers: list[int], num_extra_first: int, num_
         bounds.append(bounds[-1] + count + (num_extra_first if i == 0 else 0))
     bounds[-1] += num_extra_last
     return bounds
+
+
+_MAX_LAYOUT = 1 << 20
+
+
+def original_repr(layout: str) -> str:
+    return repr(layout if len(layout) <= 80 else layout[:77] + "...")
+
+
+_LAYOUT_SYMBOLS = {"E": "the embedding", "t": "a decoder layer", "L": "the final norm, head and loss"}
+
+
+def parse_layout(layout: str) -> list[int]:
+    """Decoder layers per stage from a Megatron-style layout string (`--pipeline-model-parallel-layout`):
+    stages separated by `|`, `E` the embedding, `t` a decoder layer, `L` the head and loss, `X*N` or `(...)*N`
+    repeats; spaces and commas are ignored. dsx3d keeps the embedding on the first stage and the head on the
+    last, so `E` may only open the first stage and `L` only close the last (both may be left out).
+    "Et*3|t*4|tttL" -> [3, 4, 3]. Raises ValueError saying what is wrong."""
+    text = "".join(ch for ch in layout if not ch.isspace() and ch != ",")
+    expanded, end = _expand(text, 0, layout)
+    if end != len(text):
+        raise ValueError(f"unbalanced ')' in {original_repr(layout)}")
+    stages = expanded.split("|")
+    for i, stage in enumerate(stages):
+        bad = sorted(set(stage) - set(_LAYOUT_SYMBOLS))
+        if bad:
+            raise ValueError(f"unknown symbol(s) {bad}; a layout uses E, t, L, |, ( ) and *N")
+        if "E" in stage and (i != 0 or stage.count("E") > 1 or not stage.startswith("E")):
+            raise ValueError("E (the embedding) may appear once, at the start of the first stage")
+        if "L" in stage and (i != len(stages) - 1 or stage.count("L") > 1 or not stage.endswith("L")):
+            raise ValueError("L (the head and loss) may appear once, at the end of the last stage")
+    return [stage.count("t") for stage in stages]
+
+
+def _expand(text: str, pos: int, original: str) -> tuple[str, int]:
+    """Expand `X*N` and `(...)*N` from `pos` to the matching `)` or the end; returns (text, end position)."""
+    out: list[str] = []
+    while pos < len(text):
+        ch = text[pos]
+        if ch == ")":
+            return "".join(out), pos
+        if ch == "(":
+            inner, end = _expand(text, pos + 1, original)
+            if end >= len(text):
+                raise ValueError(f"unbalanced '(' in {original_repr(original)}")
+            unit, pos = inner, end + 1
+        elif ch == "*":
+            raise ValueError(f"'*' without a symbol or group before it in {original_repr(original)}")
+        else:
+            unit, pos = ch, pos + 1
+        if pos < len(text) and text[pos] == "*":
+            digits = ""
+            pos += 1
+            while pos < len(text) and text[pos].isdigit():
+                digits += text[pos]
+                pos += 1
+            if not digits or not 1 <= int(digits) <= _MAX_LAYOUT or len(unit) * int(digits) > _MAX_LAYOUT:
+                raise ValueError(f"'*' needs a count from 1 up to {_MAX_LAYOUT} symbols in all, in {original_repr(original)}")
+            unit *= int(digits)
+        out.append(unit)
+        if sum(map(len, out)) > _MAX_LAYOUT:
+            raise ValueError(f"more than {_MAX_LAYOUT} symbols in {original_repr(original)}")
+    return "".join(out), pos
+
+
+def layout_string(stage_layers: list[int]) -> str:
+    """The layout string of a per-stage split ([3, 4, 3] -> "Et*3|t*4|t*3L")."""
+    parts = [f"t*{n}" if n else "" for n in stage_layers]
+    parts[0] = "E" + parts[0]
+    parts[-1] += "L"
+    return "|".join(parts)
+
+
+def with_layout_counts(section: object) -> object:
+    """The recipe's `parallel` mapping with `stage_layers` set from its `pipeline_layout` (schema validation)."""
+    if not isinstance(section, dict) or section.get("pipeline_layout") is None:
+        return section
+    layout = section["pipeline_layout"]
+    if not isinstance(layout, str):
+        return section  # the field's own type check reports it
+    if section.get("stage_layers") is not None:
+        raise ValueError("give one of parallel.pipeline_layout and parallel.stage_layers, not both")
+    try:
+        counts = parse_layout(layout)
+    except ValueError as e:
+        raise ValueError(f"parallel.pipeline_layout {original_repr(layout)}: {e}") from None
+    return {**section, "stage_layers": counts}

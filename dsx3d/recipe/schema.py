@@ -30,6 +30,7 @@ from pydantic import (
 
 from dsx3d.errors import Problem, UserError
 from dsx3d.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES
+from dsx3d.pipeline.split import with_layout_counts
 from dsx3d.plan.degrees import Degrees
 from dsx3d.plan.layout import Layout
 from dsx3d.recipe.json_values import MAX_MAPPING_VALUES, _check_json  # noqa: F401
@@ -124,6 +125,8 @@ class ParallelSection(_Section):
     """Pipeline stages."""
     stage_layers: Annotated[list[Annotated[StrictInt, Field(le=1 << 20)]], Field(min_length=1, max_length=MAX_WORLD_SIZE)] | None = None
     """Explicit decoder layers per stage (overrides the cost-balanced split); sums to num_hidden_layers."""
+    pipeline_layout: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    """The split as a Megatron-style layout string ("Et*3|t*4|tttL"); sets stage_layers (`split.parse_layout`)."""
     cp: Annotated[StrictInt, Field(ge=1, le=MAX_GPUS_PER_NODE)] = 1
     """Context parallelism: every sequence is split over cp ranks (Ulysses: an all-to-all from sequence
     shards to head shards around attention); world = dp x cp x tp x pp, CP ranks next to the TP ranks."""
@@ -143,6 +146,12 @@ class ParallelSection(_Section):
     time model's (each is one pass over the matrix products), which gives the plain ZB-H1 order. `auto`: the
     engine times each stage's passes in its second and third steps and builds the order for them from the fourth on
     (`dsx3d.pipeline.zb_auto`); the estimator, which cannot measure, assumes [1, 1, 1]."""
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layout(cls, data: Any) -> Any:
+        return with_layout_counts(data)
 
 
 class ClusterSection(_Section):

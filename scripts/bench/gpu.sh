@@ -58,3 +58,9 @@ fi
 if [ "${DSX3D_GPU_ZB:-1}" != 0 ]; then
   timeout 500 "$PY" -m scripts.bench.bubble --pp 2 --micro-batches 4 8 16 --rounds 6 >&2
 fi
+# issue 32: torch.distributed.pipelining's schedules beside dsx3d's (p 2, m 8 16), CPU ranks with gloo on the GPU
+# box's idle cores (a quiet machine for the ratios; one GPU cannot hold two NCCL ranks); DSX3D_GPU_PEER=0 skips it
+if [ "${DSX3D_GPU_PEER:-1}" != 0 ]; then
+  DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 timeout 600 "$PY" -m scripts.bench.pipeline_peer \
+    --micro-batches 8 16 --rounds 12 --no-write > "${OUT:-/tmp}/pipeline_peer.json"
+fi

@@ -167,6 +167,22 @@ CASES = [
         id="stage-layers-empty-middle-stage",
     ),
     pytest.param(
+        {"parallel": {"pipeline_layout": "Et*2|t|tL"}},
+        None,
+        "parallel.pipeline_layout",
+        "error",
+        "3 stages but parallel.pp = 2",
+        id="pipeline-layout-stages",
+    ),
+    pytest.param(
+        {"parallel": {"pipeline_layout": "Et*2|t*3L"}},
+        None,
+        "parallel.pipeline_layout",
+        "error",
+        "sums to 5",
+        id="pipeline-layout-sum",
+    ),
+    pytest.param(
         {"train": {"gradient_accumulation_steps": 1}},
         None,
         "train.gradient_accumulation_steps",
