@@ -3,16 +3,15 @@
 The profile's figures fall in two groups the model's time is (nearly) linear in:
   compute: peak_tflops and hbm_gbps multiplied, kernel_overhead_us divided, by one factor c;
   communication: intra_node_gbps and inter_node_gbps multiplied, the two latencies divided, by one factor k.
-`fit` searches log c and log k (a grid, then a finer one around its best point) for the least squared
-log-ratio of forecast to measured step time over the observations. One observation fits c alone (k = c);
-two or more fit both. The measured step time is the mean `step_time_s` of a run's metrics.jsonl records
+A forecast is then T = A/c + B/k, A and B its compute and communication seconds at the base profile, and
+`fit` solves the least squares of T against the measured step times in (1/c, 1/k). One observation fits c
+alone (k = c); two or more fit both. The measured step time is the mean `step_time_s` of a run's metrics.jsonl records
 after its first (the first step carries the warm-up); the runs' own layouts and shapes come from their
 recipe.yaml (`dsx3d estimate --calibrate`, `dsx3d.cli.estimate_physical`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -59,28 +58,37 @@ def forecast(obs: Observation, profile: DeviceProfile) -> float:
     return estimate(obs.shape, obs.setup, hw).step_time_s
 
 
-def _loss(observations: Sequence[Observation], base: DeviceProfile, lc: float, lk: float) -> float:
-    profile = scaled_profile(base, math.exp(lc), math.exp(lk))
-    return sum(math.log(forecast(o, profile) / o.step_time_s) ** 2 for o in observations)
+def parts(obs: Observation, base: DeviceProfile) -> tuple[float, float]:
+    """(A, B): the forecast's compute and communication seconds at `base`, from T(c, k) = A/c + B/k (exact
+    without DP overlap: every compute figure and every link figure scales its terms by the one factor)."""
+    whole = forecast(obs, base)
+    fast = forecast(obs, scaled_profile(base, 2.0, 1.0))
+    compute = 2 * (whole - fast)
+    return compute, whole - compute
 
 
 def fit(observations: Sequence[Observation], base: DeviceProfile) -> Fit:
-    """The scale factors (module docstring) and the profile they give, named `base.name + "+fitted"`."""
+    """The scale factors (module docstring) and the profile they give, named `base.name + "+fitted"`: least
+    squares on T_i = A_i/c + B_i/k in (1/c, 1/k); one factor for both (k = c) with a single observation, or
+    when the two-factor solution is not positive."""
     if not observations:
         raise ValueError("no observations to fit")
-    both = len(observations) > 1
-    best = (math.inf, 0.0, 0.0)
-    span, centre = 7.0, (0.0, 0.0)  # factors from e^-7 (1/1100) to e^7
-    for _ in range(4):
-        steps = [centre[0] + span * (i / 10 - 1) for i in range(21)]
-        ks = [centre[1] + span * (i / 10 - 1) for i in range(21)] if both else [None]
-        for lc in steps:
-            for lk in ks:
-                loss = _loss(observations, base, lc, lc if lk is None else lk)
-                if loss < best[0]:
-                    best = (loss, lc, lc if lk is None else lk)
-        centre, span = (best[1], best[2]), span / 8
-    compute, comm = math.exp(best[1]), math.exp(best[2])
+    ab = [parts(o, base) for o in observations]
+    ts = [o.step_time_s for o in observations]
+    x = y = 0.0
+    if len(observations) > 1:
+        saa = sum(a * a for a, _ in ab)
+        sbb = sum(b * b for _, b in ab)
+        sab = sum(a * b for a, b in ab)
+        sat = sum(a * t for (a, _), t in zip(ab, ts, strict=True))
+        sbt = sum(b * t for (_, b), t in zip(ab, ts, strict=True))
+        det = saa * sbb - sab * sab
+        if det > 1e-12 * saa * sbb:
+            x, y = (sat * sbb - sbt * sab) / det, (saa * sbt - sab * sat) / det
+    if x <= 0 or y <= 0:
+        whole = [a + b for a, b in ab]
+        x = y = sum(w * t for w, t in zip(whole, ts, strict=True)) / sum(w * w for w in whole)
+    compute, comm = 1 / x, 1 / y
     profile = replace(scaled_profile(base, compute, comm), name=f"{base.name.split('+')[0]}+fitted")
     ratios = {o.name: forecast(o, profile) / o.step_time_s for o in observations}
     return Fit(profile, compute, comm, ratios)
