@@ -47,6 +47,9 @@ class DeviceProfile:
     """Latency of one step of a collective across nodes."""
     kernel_overhead_us: float = 4.0
     """Fixed cost of one kernel launch (or, on CPU, of one operator call)."""
+    overlap_penalty: float = 0.3
+    """Share of a collective's time still paid when it overlaps compute: its kernels take SMs and HBM
+    bandwidth from the GEMMs they run beside."""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     """Where each figure comes from, by field name."""
 
@@ -61,6 +64,8 @@ _TYPICAL = {
     "memory_efficiency": "STREAM-like elementwise kernels reach 70-90% of HBM bandwidth; fit by --calibrate",
     "link_efficiency": "NCCL all-reduce bus bandwidth over the NVLink/IB wire rate (nccl-tests); fit by --calibrate",
     "kernel_overhead_us": "CUDA launch plus framework dispatch per kernel; fit by --calibrate",
+    "overlap_penalty": "NCCL kernels occupy SMs while they overlap GEMMs (overlapped communication is not free); "
+    "an assumed 0.3, not fitted",
 }
 
 

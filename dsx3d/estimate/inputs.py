@@ -85,6 +85,10 @@ class Setup(HasDegrees):
     attention_dropout: bool = False
     """Dropout on the attention probabilities and the two residual branches (GPT-2/Megatron's GPT; physical
     model only: memory passes over the s x s scores of an unfused attention)."""
+    scatter_gather: bool = False
+    """Pipeline messages split over the TP ranks, each sending 1/t over its own link and the receivers
+    all-gathering inside the node (Megatron's scatter/gather, Narayanan et al. 2021, Sec. 4.1; physical
+    model only). Sequence parallelism already sends 1/t."""
     dp_overlap: bool = False
     """Whether the DP gradient reduction overlaps the last micro-batch's backward (torch DDP, Megatron's
     overlapped reduction); DeepSpeed's pipeline engine reduces after the pipeline drains (False). Physical

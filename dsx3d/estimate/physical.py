@@ -17,7 +17,8 @@ width d, f the MLP width (`dsx3d.estimate.kernels` times every piece):
   recompute: with full activation checkpointing the forward again (before the backward).
   tp, cp, ep: the bytes `dsx3d.estimate.timing` counts, at the bandwidth of the link the group crosses,
     plus the latency of each call (2(g-1) steps for an all-reduce, g-1 for a half).
-  pp: one message forward and one backward per boundary and virtual stage (blocking: on the critical path).
+  pp: one message forward and one backward per boundary and virtual stage (blocking: on the critical path);
+    with `scatter_gather` each TP rank sends 1/t of it and the receiver all-gathers the pieces over NVLink.
   head (last stage): the vocab GEMM (T x h x V/t), its backward, and the cross-entropy's passes over the
     T x V/t logits (4 forward, 4 backward fp32 values per logit).
 """
@@ -217,10 +218,14 @@ def _communication(
         terms.add("ep", seconds / 3, seconds * 2 / 3)
         terms.sent["ep"] = sent
     if setup.pp > 1 and shape.hidden_size:
+        split = t if sp or setup.scatter_gather else 1
         forward_msg, backward_msg = timing.p2p_bytes_per_micro_batch(
-            seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=w, shards=t if sp else 1
+            seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=w, shards=split
         )
         v = max(setup.virtual_stages, 1)
+        if setup.scatter_gather and not sp and t > 1:  # the receiver all-gathers the t pieces inside the node
+            gather = kernels.gather_seconds(forward_msg * t, t, dev, place.tp_crosses_node())
+            terms.add("pp", v * gather if stage > 0 or v > 1 else 0.0, v * gather if not last or v > 1 else 0.0)
         fwd = 0.0 if last and v == 1 else v * kernels.p2p_seconds(
             forward_msg, dev, place.boundary_crosses_node(min(stage, setup.pp - 2))
         )

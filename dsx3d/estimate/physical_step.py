@@ -5,7 +5,8 @@
     into their terms, the rest is the bubble.
   dp: the bytes `timing.dp_traffic_factor` counts for the stage's parameters over its dp x cp data group, sent
     in buckets of `reduce_bucket_size` (each a ring of 2(g-1) latency steps) on the link the group crosses.
-    With `dp_overlap` the reduction runs under the last micro-batch's backward: only what is left over counts.
+    With `dp_overlap` the reduction runs under the last micro-batch's backward: what is left over counts, and
+    of the hidden part the profile's `overlap_penalty` (the SMs and HBM bandwidth its kernels take).
   optimizer: Adam on the rank's partition, memory bound: 4 bytes of fp32 gradient read, master weights,
     momentum and variance read and written (24), the 16-bit weights written (2), the gradient norm's read (4):
     34 bytes per parameter at HBM bandwidth.
@@ -79,9 +80,10 @@ def step_time(
     for i, st in enumerate(stages):
         seconds, nbytes = dp_seconds(setup, dev, gpus_per_node, i, per_device[i])
         window = st.backward_s if setup.dp_overlap else 0.0
-        exposed = max(0.0, seconds - window)
+        hidden = min(seconds, window)
+        exposed = seconds - hidden + dev.overlap_penalty * hidden
         if exposed >= dp_exposed:
-            dp_exposed, dp_hidden = exposed, seconds - exposed
+            dp_exposed, dp_hidden = exposed, hidden
         sent["dp"] = max(sent["dp"], nbytes)
         optimizer = max(optimizer, optimizer_seconds(setup, dev, per_device[i]))
     terms["dp"] = dp_exposed

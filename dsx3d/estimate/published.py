@@ -8,7 +8,8 @@ TFLOP/s per GPU. The micro-batch size, the virtual stages of the interleaved sch
 implementation (torch DDP, overlapping the gradient all-reduce with the backward, for the pp = 1 rows;
 Megatron's local DDP, not overlapped, for the others) come from the paper's own reproduction script,
 `examples/sc21/run_table_1.sh` in the Megatron-LM repository (also under
-`examples/academic_paper_scripts/sc21/` in forks). The paper counts FLOPs per iteration as
+`examples/academic_paper_scripts/sc21/` in forks); the pipeline messages use the paper's scatter/gather
+optimisation (Sec. 4.1, on in Megatron-LM by default). The paper counts FLOPs per iteration as
 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) (its eq. 3, recomputation included), so a row's published step time
 is that count over (TFLOP/s per GPU x GPUs).
 """
@@ -105,6 +106,7 @@ def megatron_setup(row: MegatronRow) -> Setup:
         virtual_stages=row.virtual_stages,
         dp_overlap=row.torch_ddp,
         attention_dropout=True,
+        scatter_gather=True,
         fp32_grad_accum=False,
     )
 

@@ -36,7 +36,7 @@ def test_megatron_row_within_ten_percent(index):
 
 def test_megatron_ranking_agrees_broadly():
     rho = rank_correlation([f.tflops_per_gpu for f in forecasts()], [r.tflops_per_gpu for r in MEGATRON_TABLE_1])
-    assert rho >= 0.85
+    assert rho >= 0.9
 
 
 @pytest.mark.xfail(strict=True, reason="open (issue 35): the rows differ by 1-2% where the model's terms do not")
