@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from dsx3d.cli.args import output_file
 from dsx3d.cli.json_output import emit
 from dsx3d.errors import UserError
 from dsx3d.estimate import Estimate
@@ -73,6 +74,8 @@ def run_calibrate(args: argparse.Namespace, build_from_recipe) -> int:  # type: 
     from dsx3d.cli.estimate_inputs import device_from
     from dsx3d.run.metrics import read_metrics
 
+    if args.write_profile:
+        output_file("--write-profile", args.write_profile, (".json",))
     base = device_from(args) or get_profile("cpu")
     observations = []
     for run_dir in args.calibrate:
