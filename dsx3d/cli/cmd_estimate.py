@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import asdict, replace
 
+from dsx3d.cli import estimate_physical
 from dsx3d.cli.args import MAX_HIDDEN, MAX_LAYERS, bounded_int
 from dsx3d.cli.estimate_inputs import (  # noqa: F401 (load_model: the model reader plan --auto and tests use)
     MAX_PARAMS,
@@ -109,6 +110,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="ZeRO's zero_optimization.reduce_bucket_size in elements (default: the recipe's, else 5e8)",
     )
     add_hardware_arguments(p)
+    estimate_physical.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -214,13 +216,22 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Setup, Hardware]:
     return shape, setup, hardware_from(args, args.gpus_per_node or gpus_per_node)
 
 
+def _recipe_inputs(path: str) -> tuple[ModelShape, Setup, int]:
+    """A run's recipe as the estimator's inputs (`--calibrate`)."""
+    return _from_recipe(argparse.Namespace(recipe=path, params=None, dp=None, tp=None, pp=None, cp=None))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return estimate_physical.run_calibrate(args, _recipe_inputs)
     shape, setup, hw = build(args)
     result = estimate(shape, setup, hw)
     if args.json:
         emit({**result.to_dict(), "setup": asdict(setup), "hardware": asdict(hw)})
     else:
-        print(render(result, setup))
+        print(render(result, setup) + estimate_physical.render_terms(result, args.explain))
+        if args.explain and not result.terms:
+            print("\n(--explain: the time terms need the physical model, --device NAME or --profile FILE)")
     for note in result.assumptions:
         log.info("%s", note)
     return 0

@@ -13,6 +13,7 @@ from dsx3d.boundary_types import HFConfig, JSONValue
 from dsx3d.cli.args import MAX_COUNT, bounded_float, bounded_int
 from dsx3d.errors import UserError
 from dsx3d.estimate import Hardware
+from dsx3d.estimate.devices import DEVICE_NAMES, DeviceProfile, get_profile, load_profile
 from dsx3d.recipe.schema import ModelSection, Recipe, load_recipe, recipe_from_dict
 
 MAX_PARAMS = 1e15
@@ -92,12 +93,35 @@ def add_hardware_arguments(parser: argparse._ActionsContainer) -> None:
         action="store_true",
         help="fused attention: leave the s x s score term out of the activations",
     )
+    add_option(
+        parser,
+        "--device",
+        choices=DEVICE_NAMES,
+        help="time the step with the physical model on this device's profile (dsx3d.estimate.devices)",
+    )
+    add_option(
+        parser,
+        "--profile",
+        metavar="FILE",
+        help="time the step with the physical model on a profile file (what --calibrate writes)",
+    )
     add_option(parser, "--json", action="store_true", help="print one JSON object on stdout")
 
 
+def device_from(args: argparse.Namespace) -> DeviceProfile | None:
+    """The profile --profile or --device names (--profile wins), None without either."""
+    if getattr(args, "profile", None):
+        return load_profile(args.profile)
+    if getattr(args, "device", None):
+        return get_profile(args.device)
+    return None
+
+
 def hardware_from(args: argparse.Namespace, gpus_per_node: int) -> Hardware:
+    device = device_from(args)
     return Hardware(
-        peak_tflops=args.peak_tflops,
+        device=device,
+        peak_tflops=device.peak_tflops if device is not None else args.peak_tflops,
         efficiency=args.efficiency,
         intra_node_gbps=args.intra_node_gbps,
         inter_node_gbps=args.inter_node_gbps,

@@ -25,6 +25,7 @@ from dsx3d.errors import UserError
 from dsx3d.estimate import Setup, shape_from_hf_config
 from dsx3d.fsio import write_atomic
 from dsx3d.pipeline.registry import SCHEDULE_NAMES
+from dsx3d.planner.margin import describe, margin
 from dsx3d.planner.search import Candidate, Cluster, PlanResult, plan_layouts, recipe_for
 from dsx3d.recipe.schema import (
     MAX_BATCH,
@@ -198,7 +199,12 @@ def _candidate_json(c: Candidate) -> dict:
 
 def _as_json(result: PlanResult, top: int, total_params: int) -> dict:
     best = result.best
+    won = margin(result)
     return {
+        "margin": None if won is None else {
+            "runner_up": _candidate_json(won.runner_up), "speedup": won.speedup, "deciding_term": won.deciding_term,
+            "deciding_seconds": won.deciding_seconds, "differences": won.differences,
+        },
         "total_params": total_params,
         "checked": result.checked,
         "chosen": _candidate_json(best) if best else None,
@@ -245,7 +251,10 @@ def render(
             f"{e.tokens_per_s:>10,.0f} {e.step_time_s:>7.2f} {e.mfu:>6.1%} {e.bubble_fraction:>6.1%}"
         )
     if result.best is not None:
+        won = margin(result)
         lines += ["", "chosen: " + result.best.label()] + [f"  {w}" for w in result.best.warnings]
+        if won is not None:
+            lines.append("  " + describe(won))
     lines += [
         "",
         f"why the other layouts lost (best of each dp x {'cp x ' if cp else ''}tp x pp x ZeRO{' x ep' if moe else ''} group):",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dsx3d.errors import UserError
-from dsx3d.estimate import memory, schedules, timing
+from dsx3d.estimate import memory, physical, physical_step, schedules, timing
 from dsx3d.estimate.inputs import GB, Hardware, Setup, sequence_parallel  # noqa: F401
 from dsx3d.estimate.stage_time import _stage_time  # noqa: F401
 from dsx3d.models.shape import ModelShape, ParamCount
@@ -44,6 +44,8 @@ class StageEstimate:
     """Seconds per step by kind: compute, tp, ep, cp, pp (m micro-batches, no bubble) and dp (once per step)."""
     comm_bytes: dict[str, float]
     """Bytes one rank of this stage sends per step, by group type (tp, ep, cp, pp, dp, tied)."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """Physical model (`Hardware.device`): seconds of one micro-batch by term (`dsx3d.estimate.physical`)."""
 
 
 @dataclass
@@ -70,6 +72,11 @@ class Estimate:
     usable_gb: float | None = None
     fits: bool | None = None
     assumptions: list[str] = field(default_factory=list)
+    terms: dict[str, float] = field(default_factory=dict)
+    """Physical model (`Hardware.device`): the step's seconds by term, adding up to `step_time_s`
+    (`dsx3d.estimate.physical_step`); empty otherwise."""
+    device: str | None = None
+    """The device profile's name when the physical model timed the step."""
 
     def overflow_gb(self) -> float:
         """How far the fullest stage is over the usable memory (<= 0 when it fits)."""
@@ -150,7 +157,9 @@ def _stage(
         sequence_parallel=sequence_parallel(shape, setup),
         moe_layers=moe_layers,
         ep=setup.ep,
-        held=schedules.held_micro_batches(setup.schedule, stage, setup.pp, setup.grad_accum, setup.zb_costs),
+        held=schedules.held_micro_batches(
+            setup.schedule, stage, setup.pp, setup.grad_accum, setup.zb_costs, setup.virtual_stages
+        ),
         cp=setup.cp,
         loss_tile_tokens=setup.loss_tile_tokens,
     )
@@ -175,6 +184,9 @@ def _stage(
     micro_batch_time, time_s, comm_bytes = _stage_time(
         shape, setup, hw, stage, layers, (dense, experts), flop_params, moe_layers
     )
+    terms: dict[str, float] = {}
+    if hw.device is not None:
+        micro_batch_time, time_s, comm_bytes, terms = _physical_stage(shape, setup, hw, stage, first, layers, (dense, experts))
     return StageEstimate(
         stage=stage,
         layers=layers,
@@ -192,7 +204,23 @@ def _stage(
         micro_batch_time_s=micro_batch_time,
         time_s=time_s,
         comm_bytes=comm_bytes,
+        terms=terms,
     )
+
+
+def _physical_stage(
+    shape: ModelShape, setup: Setup, hw: Hardware, stage: int, first: int, layers: int, per_device: tuple[float, float]
+) -> tuple[float, dict[str, float], dict[str, float], dict[str, float]]:
+    """`_stage_time`'s answer from the physical model, plus its terms per micro-batch."""
+    assert hw.device is not None
+    terms = physical.stage_terms(shape, setup, hw.device, hw.gpus_per_node, stage, first, layers)
+    by_term = terms.by_term()
+    m = setup.grad_accum
+    compute = sum(by_term.get(k, 0.0) for k in ("matmul", "attention", "elementwise", "recompute", "head"))
+    dp, dp_bytes = physical_step.dp_seconds(setup, hw.device, hw.gpus_per_node, stage, per_device)
+    time_s = {"compute": compute * m, **{k: by_term.get(k, 0.0) * m for k in ("tp", "ep", "cp", "pp")}, "dp": dp}
+    sent = {**{k: terms.sent.get(k, 0.0) * m for k in ("tp", "ep", "cp", "pp")}, "dp": dp_bytes}
+    return terms.total_s, time_s, sent, by_term
 
 
 def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) -> Estimate:
@@ -204,7 +232,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
     stages = [_stage(shape, setup, hw, i, firsts[i], n, params[i]) for i, n in enumerate(layers)]
     m, p = setup.grad_accum, setup.pp
     slowest = max(stages, key=lambda st: st.micro_batch_time_s)
-    pipeline = schedules.pipeline_units(setup.schedule, p, m, setup.zb_costs) * slowest.micro_batch_time_s
+    pipeline = schedules.pipeline_units(setup.schedule, p, m, setup.zb_costs, setup.virtual_stages) * slowest.micro_batch_time_s
     dp_time = max(st.time_s["dp"] for st in stages)
     tied_time = 0.0
     if shape.tie_word_embeddings and p > 1:
@@ -218,6 +246,19 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         for st in (stages[0], stages[-1]):
             st.comm_bytes["tied"] = tied_bytes
     step = pipeline + dp_time + tied_time
+    step_terms: dict[str, float] = {}
+    if hw.device is not None:
+        per_device = [(st.params_per_device - st.expert_params_per_device, st.expert_params_per_device) for st in stages]
+        step, step_terms, sent = physical_step.step_time(
+            shape, setup, hw.device, hw.gpus_per_node, [physical.stage_terms(
+                shape, setup, hw.device, hw.gpus_per_node, i, firsts[i], n) for i, n in enumerate(layers)], per_device
+        )
+        units = schedules.pipeline_units(setup.schedule, p, m, setup.zb_costs, setup.virtual_stages)
+        pipeline = units * slowest.micro_batch_time_s
+        dp_time, tied_time = step_terms["dp"], step_terms["tied"]
+        if sent["tied"]:
+            for st in (stages[0], stages[-1]):
+                st.comm_bytes["tied"] = sent["tied"]
     tokens = setup.global_batch * setup.seq_len
     flops = (
         timing.model_flops_per_token(
@@ -237,8 +278,8 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         total_gb=peak.total_gb,
         peak_stage=peak.stage,
         step_time_s=step,
-        bubble_fraction=schedules.schedule_bubble(setup.schedule, p, m, setup.zb_costs),
-        mfu=flops / (step * setup.world_size * hw.peak_tflops * 1e12),
+        bubble_fraction=schedules.schedule_bubble(setup.schedule, p, m, setup.zb_costs, setup.virtual_stages),
+        mfu=flops / (step * setup.world_size * (hw.device.peak_tflops if hw.device else hw.peak_tflops) * 1e12),
         tokens_per_s=tokens / step,
         tokens_per_step=tokens,
         model_flops_per_step=flops,
@@ -254,6 +295,8 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
         usable_gb=usable,
         fits=None if usable is None else peak.total_gb <= usable,
         assumptions=_assumptions(shape, setup),
+        terms=step_terms,
+        device=hw.device.name if hw.device is not None else None,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsx3d.estimate.devices import DeviceProfile
 from dsx3d.models.shape import ModelShape
 from dsx3d.pipeline.registry import DEFAULT_SCHEDULE
 from dsx3d.plan.degrees import HasDegrees
@@ -31,6 +32,9 @@ class Hardware:
     optimizer_temporaries: float = 1.0
     """Partition-sized fp32 temporaries of torch's AdamW step: 1 with its foreach kernels (GPUs), 2 with the
     per-tensor path it takes on CPU."""
+    device: DeviceProfile | None = None
+    """A device profile: the step time then comes from the physical model (`dsx3d.estimate.physical`), each
+    kernel and collective timed on it; None: FLOPs over `peak_tflops` x `efficiency` and bytes over the links."""
 
     @property
     def usable_gb(self) -> float | None:
@@ -76,6 +80,19 @@ class Setup(HasDegrees):
     attention); ZeRO states are partitioned over dp x cp (`dsx3d.estimate.context_parallel`)."""
     loss_tile_tokens: int = 0
     """train.loss_tile_tokens: 0 keeps the last stage's logits whole; N computes them N tokens at a time."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedules): v times the stage-boundary messages."""
+    attention_dropout: bool = False
+    """Dropout on the attention probabilities and the two residual branches (GPT-2/Megatron's GPT; physical
+    model only: memory passes over the s x s scores of an unfused attention)."""
+    scatter_gather: bool = False
+    """Pipeline messages split over the TP ranks, each sending 1/t over its own link and the receivers
+    all-gathering inside the node (Megatron's scatter/gather, Narayanan et al. 2021, Sec. 4.1; physical
+    model only). Sequence parallelism already sends 1/t."""
+    dp_overlap: bool = False
+    """Whether the DP gradient reduction overlaps the last micro-batch's backward (torch DDP, Megatron's
+    overlapped reduction); DeepSpeed's pipeline engine reduces after the pipeline drains (False). Physical
+    model only."""
 
     @property
     def local_seq_len(self) -> int:

@@ -1,25 +1,47 @@
 """What the pipeline schedule (`parallel.schedule`) changes in the estimate: the step's length in micro-batch
 times, its idle fraction, and how many micro-batches a stage holds activations for. Each schedule's model is
-its entry in `dsx3d.pipeline.registry` (1F1B: m + p - 1 and min(p - s, m); zb-h1: its simulated order)."""
+its entry in `dsx3d.pipeline.registry` (1F1B: m + p - 1 and min(p - s, m); zb-h1: its simulated order);
+interleaved 1F1B, until the registry has it, `dsx3d.estimate.interleaved`."""
 
 from __future__ import annotations
 
+from dsx3d.estimate import interleaved
 from dsx3d.pipeline.registry import SCHEDULE_NAMES, get_schedule
 from dsx3d.pipeline.spec import Ratios
 
 SCHEDULES = SCHEDULE_NAMES
+ESTIMATED_SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES + (
+    () if interleaved.NAME in SCHEDULE_NAMES else (interleaved.NAME,)
+)
+"""Every schedule the estimator and planner can model: the registry's, and interleaved 1F1B."""
 
 
-def pipeline_units(schedule: str, pp: int, micro_batches: int, costs: Ratios | None = None) -> float:
+def _estimator_only(schedule: str) -> bool:
+    return schedule == interleaved.NAME and schedule not in SCHEDULE_NAMES
+
+
+def pipeline_units(
+    schedule: str, pp: int, micro_batches: int, costs: Ratios | None = None, virtual_stages: int = 1
+) -> float:
     """A step's pipeline time in micro-batch times of the slowest stage."""
+    if _estimator_only(schedule):
+        return interleaved.pipeline_units(pp, micro_batches, virtual_stages)
     return get_schedule(schedule).pipeline_units(pp, micro_batches, costs)
 
 
-def schedule_bubble(schedule: str, pp: int, micro_batches: int, costs: Ratios | None = None) -> float:
+def schedule_bubble(
+    schedule: str, pp: int, micro_batches: int, costs: Ratios | None = None, virtual_stages: int = 1
+) -> float:
     """Idle fraction of balanced stages."""
+    if _estimator_only(schedule):
+        return interleaved.bubble(pp, micro_batches, virtual_stages)
     return get_schedule(schedule).bubble(pp, micro_batches, costs)
 
 
-def held_micro_batches(schedule: str, stage: int, pp: int, micro_batches: int, costs: Ratios | None = None) -> int:
+def held_micro_batches(
+    schedule: str, stage: int, pp: int, micro_batches: int, costs: Ratios | None = None, virtual_stages: int = 1
+) -> int:
     """Micro-batches whose activations `stage` holds at its peak."""
+    if _estimator_only(schedule):
+        return interleaved.held_micro_batches(stage, pp, micro_batches, virtual_stages)
     return get_schedule(schedule).held_micro_batches(stage, pp, micro_batches, costs)

@@ -1,0 +1,34 @@
+"""The planner's margin: by how much its choice beats the runner-up and which term decides it. No processes."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from dsx3d.estimate import Hardware, Setup, shape_from_hf_config
+from dsx3d.estimate.devices import get_profile
+from dsx3d.planner.margin import describe, margin, step_terms
+from dsx3d.planner.search import Cluster, plan_layouts
+
+SHAPE = shape_from_hf_config(
+    LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16, vocab_size=32000)
+)
+
+
+@pytest.mark.parametrize("device", [None, "h100-sxm"])
+def test_margin_names_the_runner_up_and_the_deciding_term(device):
+    hw = Hardware(device=get_profile(device) if device else None)
+    result = plan_layouts(
+        SHAPE, Cluster(nodes=2, gpus_per_node=8, gpu_memory_gb=80), global_batch=64, seq_len=2048,
+        hardware=hw, base=Setup(flash_attention=True), use_checker=False, max_micro_batch=4,
+    )
+    won = margin(result)
+    assert won is not None
+    assert won.speedup >= 1.0
+    assert won.runner_up.group_key != result.ranked[0].group_key
+    assert won.deciding_term in step_terms(won.runner_up.estimate)
+    assert won.deciding_seconds == max(won.differences.values())
+    assert sum(won.differences.values()) == pytest.approx(
+        won.runner_up.estimate.step_time_s - result.ranked[0].estimate.step_time_s, rel=1e-6, abs=1e-9
+    )
+    assert "decided by" in describe(won)
