@@ -148,6 +148,9 @@ def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
             "pass OUTPUT_DIR/checkpoints or one of its tag directories",
         )
     if tag is None and is_tag_dir(path):
+        from dsx3d.checkpoint.training.tags import check_complete
+
+        check_complete(path, "CHECKPOINT_DIR")
         return path
     if tag is None:
         tag = read_latest(path)
@@ -166,6 +169,9 @@ def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
             "no DeepSpeed model-states files there",
             "pick a complete tag (see the `latest` file)",
         )
+    from dsx3d.checkpoint.training.tags import check_complete
+
+    check_complete(tag_dir, "CHECKPOINT_DIR")  # its manifest: every file's size and checksum as written
     return tag_dir
 
 
