@@ -30,6 +30,7 @@ from deepspeed.utils import logger as ds_logger
 from dsx3d.checkpoint.hf.export import export_hf
 from dsx3d.checkpoint.hf.lora_export import export_adapter
 from dsx3d.checkpoint.training.checkpointer import Checkpointer
+from dsx3d.checkpoint.training.disk_format import tag_for
 from dsx3d.data import MicroBatchStream
 from dsx3d.data.prepare import build_rank_data
 from dsx3d.data.stream import EvalBatches
@@ -52,6 +53,7 @@ from dsx3d.run.outputs import (
     start_run_directory,
 )
 from dsx3d.run.plot import plot_loss
+from dsx3d.run.preempt import StopRequest, preempted_message
 from dsx3d.run.progress import Reporter, TqdmHandler
 from dsx3d.run.ranks import (
     PeerDied,
@@ -77,6 +79,8 @@ class TrainResult:
     end_step: int
     losses: list[float] = field(default_factory=list)
     """The loss of every step this call trained, steps start_step+1 .. end_step."""
+    stopped_by: int | None = None
+    """The signal after which the ranks saved end_step's checkpoint and stopped (dsx3d.run.preempt)."""
 
 
 def train(
@@ -86,12 +90,14 @@ def train(
     overwrite: bool = False,
     stop_at: int | None = None,
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+    stop: StopRequest | None = None,
 ) -> TrainResult:
     """Train `recipe` on the ranks of the current process group (a collective: every rank calls it).
 
     `stop_at` ends the call after that step, with a checkpoint, as if the job had been preempted; the LR
     schedule still spans train.steps. A peer on this host whose heartbeat is silent for `hang_timeout_s`
-    is named as hung and ends the job (0: no heartbeats).
+    is named as hung and ends the job (0: no heartbeats). With `stop`, the ranks agree once per step whether
+    a stop signal arrived, and then save that step's checkpoint and return (`stopped_by`).
     """
     info = RankInfo.from_env(comm.get_rank(), comm.get_world_size())
     peers = gather_rank_infos(info)
@@ -113,7 +119,9 @@ def train(
             resume=resume,
         )
         end = max(start, min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps))
-        losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info, eval_batches)
+        losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info, eval_batches, stop)
+        if stop is not None and stop.stopped_at is not None:
+            return TrainResult(start, stop.stopped_at, losses, stopped_by=stop.agreed_signal)
         if end == recipe.train.steps:
             _finish(engine, paths, tokenizer, info, recipe)
         return TrainResult(start, end, losses)
@@ -188,6 +196,7 @@ def _train_steps(
     end: int,
     info: RankInfo,
     eval_batches: EvalBatches | None = None,
+    stop: StopRequest | None = None,
 ) -> list[float]:
     train = recipe.train
     reporter = Reporter(
@@ -225,9 +234,14 @@ def _train_steps(
                 step, loss, lr, grad_norm, seconds, eval_loss, padding=stream.padding_fraction(step - 1), memory=memory
             )
             losses.append(loss)
-            if train.save_interval and step % train.save_interval == 0:
+            halt = stop.agreed() if stop is not None else 0  # every rank stops after the same step
+            if halt or (train.save_interval and step % train.save_interval == 0):
                 ckpt.save(step, _client_state(step, stream, engine))
                 saved = step
+            if halt and stop is not None:
+                stop.cancel()
+                stop.stopped_at = end = step
+                break
         if saved != end:  # the last step, or where stop_at ended the call
             ckpt.save(end, _client_state(end, stream, engine))
     finally:
@@ -343,8 +357,17 @@ def main(argv: list[str] | None = None) -> int:
     info = RankInfo.from_env(rank, world)
     try:
         recipe = load_recipe(args.recipe)
+        stop = None
+        if recipe.train.save_on_signal:  # from here on a stop signal means: save, then stop
+            stop = StopRequest(recipe.train.signal_deadline_s, RunPaths.of(recipe).checkpoints, loud=rank == 0).install()
         _init_process_group(args.pg_timeout_s)
-        train(recipe, resume=args.resume, overwrite=args.overwrite, hang_timeout_s=args.hang_timeout_s)
+        result = train(recipe, resume=args.resume, overwrite=args.overwrite, hang_timeout_s=args.hang_timeout_s, stop=stop)
+        if result.stopped_by:
+            if rank == 0:
+                saved = RunPaths.of(recipe).checkpoints / tag_for(result.end_step)
+                log.warning("%s", preempted_message(result.stopped_by, result.end_step, saved, args.recipe))
+            comm.barrier()
+            return _exit_now(128 + result.stopped_by)
         comm.barrier()  # every rank is done with every collective and file
         return _exit_now(0)
     except UserError as err:

@@ -181,6 +181,12 @@ class TrainSection(_Section):
     save_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: Annotated[StrictInt, Field(ge=1, le=10_000)] = 2
+    save_on_signal: StrictBool = True
+    """On SIGTERM, SIGINT or SIGUSR1 every rank finishes its step, a checkpoint is saved and the job stops
+    (a second signal stops at once). False: a signal stops the job at once, without a checkpoint."""
+    signal_deadline_s: Annotated[StrictFloat | StrictInt, Field(ge=0, le=7 * 86400)] = 0
+    """With save_on_signal: stop at once this many seconds after the signal if the checkpoint is not written
+    by then (for clusters that SIGKILL after a grace period; 0: no deadline)."""
     eval_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Evaluate on the held-out data (data.eval_source or data.eval_fraction) every N steps, and always after
     the last step (0: only after the last step)."""
