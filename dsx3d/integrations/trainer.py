@@ -52,6 +52,7 @@ from dsx3d.integrations.peft_model import lora_from_peft_model
 from dsx3d.integrations.trainer_args import reconcile, unsupported_args
 from dsx3d.integrations.trainer_data import DataLoadersMixin
 from dsx3d.integrations.trainer_eval import EvaluationMixin
+from dsx3d.integrations.trainer_preempt import PreemptionCallback
 from dsx3d.integrations.trainer_saving import SavingMixin
 from dsx3d.integrations.trainer_setup import (  # noqa: F401
     _align_accelerate_state,
@@ -195,6 +196,8 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         )
         if _is_meta(model):
             _refuse_save_pretrained(model)
+        self.preemption = PreemptionCallback()  # a stop signal saves a checkpoint and ends train()
+        self.add_callback(self.preemption)
 
     # -- the engine ----------------------------------------------------------------------------------------
 

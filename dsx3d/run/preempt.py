@@ -119,7 +119,9 @@ class StopRequest:
             kept = self._last_complete()
             log.error(
                 "%s: stopping at once without a new checkpoint; %s", why,
-                f"the last complete checkpoint {kept} is kept (resume with --resume)" if kept else "no checkpoint was saved yet",
+                f"the last complete checkpoint {kept} is kept (resume with --resume)"
+                if kept
+                else "the checkpoints saved so far are kept",
             )
         self._exit_now(128 + signum)
 

@@ -83,7 +83,7 @@ class SignalRelay:
         took = f" {time.monotonic() - self.first_at:.1f} s after the signal" if self.first_at is not None else ""
         if self.saving and len(self.received) == 1 and code == 128 + self._forwarded():
             return f"dsx3d train: stopped ({name}){took}, after saving a checkpoint (named above)", 128 + self.received[0]
-        return f"dsx3d train: stopped ({name}){took}", 128 + self.received[0]
+        return f"dsx3d train: stopped ({name}){took}; launcher exit code {code}", 128 + self.received[0]
 
     def _forwarded(self) -> int:
         first = self.received[0]
