@@ -21,18 +21,26 @@ RANK_MODULE = "dsx3d.train"
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
+def is_rank_command(cmdline: list[str]) -> bool:
+    """`python [-u] -m dsx3d.train ...`; not the launcher's agent, whose arguments hold `--module dsx3d.train`
+    too (a signal to the agent makes it SIGTERM every rank: a second signal, which stops them at once)."""
+    return "-m" in cmdline and cmdline[cmdline.index("-m") + 1 :][:1] == [RANK_MODULE]
+
+
 def rank_processes(launcher_pid: int) -> list[psutil.Process]:
-    """The ranks started below the launcher on this node (`python -m dsx3d.train ...`)."""
+    """The ranks started below the launcher on this node, without processes a rank forked (those share
+    its command line)."""
     try:
         below = psutil.Process(launcher_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    out = []
+    ranks: dict[int, psutil.Process] = {}
+    parents: dict[int, int] = {}
     for p in below:
         with contextlib.suppress(psutil.Error):
-            if RANK_MODULE in p.cmdline():
-                out.append(p)
-    return out
+            if is_rank_command(p.cmdline()):
+                ranks[p.pid], parents[p.pid] = p, p.ppid()
+    return [p for pid, p in ranks.items() if parents[pid] not in ranks]
 
 
 class SignalRelay:

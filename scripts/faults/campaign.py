@@ -1,7 +1,7 @@
 """A fault campaign against real `dsx3d train` jobs: each fault at seeded random moments, each outcome checked.
 
-The job: the tiny Llama at dp 1 x tp 1 x pp 2 (two ranks through the deepspeed launcher), STEPS steps, a
-checkpoint every 2, two kept. One uninterrupted run is the reference. Each trial starts the job, waits for
+The job: the tiny Llama at dp 1 x tp 1 x pp 2 (two ranks through the deepspeed launcher), 24 steps of 8
+micro-batches (long enough for a fault to land mid-run), a checkpoint every 4, two kept. One uninterrupted run is the reference. Each trial starts the job, waits for
 a random step (and a random fraction of a second more), injects its fault, and checks:
 - the job ended within BOUND_S of the fault, and no process of it is left;
 - its output names the cause and holds no Python traceback;
@@ -36,7 +36,8 @@ from typing import Any
 import psutil
 import yaml
 
-STEPS = 8
+STEPS = 24
+SAVE_INTERVAL = 4
 BOUND_S = 120.0
 LAUNCH_TIMEOUT_S = 600.0
 KINDS = ("sigterm-owner", "sigterm-twice", "sigkill-owner", "sigkill-rank", "truncated", "bitflip", "missing")
@@ -48,7 +49,7 @@ def _recipe(path: Path, out: Path, cache: Path) -> Path:
     data = tiny_recipe_dict(
         parallel={"dp": 1, "tp": 1, "pp": 2},
         cluster={"nodes": 1, "gpus_per_node": 2},
-        train={"steps": STEPS, "save_interval": 2, "keep_checkpoints": 2},
+        train={"steps": STEPS, "save_interval": SAVE_INTERVAL, "keep_checkpoints": 2, "gradient_accumulation_steps": 8},
         data={"cache_dir": str(cache)},
         output_dir=str(out),
     )

@@ -18,7 +18,7 @@ from dsx3d.checkpoint.training.tags import check_complete, choose_tag, tag_probl
 from dsx3d.errors import UserError
 from dsx3d.fsio import write_atomic
 from dsx3d.run.preempt import StopRequest, preempted_message
-from dsx3d.run.relay import SignalRelay
+from dsx3d.run.relay import SignalRelay, is_rank_command
 
 
 def _tag(ckpt: Path, step: int, world: int = 2) -> Path:
@@ -182,3 +182,11 @@ def test_a_deletion_a_kill_interrupted_is_finished_by_the_next_prune(tmp_path: P
     (tmp_path / f".deleting-{tag_for(2)}" / "layer_00-model_00-model_states.pt").unlink()  # and one file
     assert prune(tmp_path, keep=2) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, tag_for(4), tag_for(6)]
+
+
+def test_the_owner_signals_the_ranks_and_not_the_launchers_agent() -> None:
+    """The agent's command line names `--module dsx3d.train` too; signalled, it would SIGTERM every rank."""
+    agent = ["python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "--module", "dsx3d.train", "r.yaml"]
+    rank = ["/venv/bin/python", "-u", "-m", "dsx3d.train", "r.yaml", "--overwrite", "--local_rank=0"]
+    assert is_rank_command(rank) and not is_rank_command(agent)
+    assert not is_rank_command(["python", "-m"]) and not is_rank_command(["dsx3d", "train", "dsx3d.train"])
