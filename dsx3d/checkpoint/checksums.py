@@ -46,7 +46,9 @@ def write_sums(directory: Path, sums: dict[str, tuple[int, str]], kind: str = KI
         "files": sorted(sums),
         "sums": {rel: [int(size), str(h)] for rel, (size, h) in sorted(sums.items())},
     }
-    return write_atomic(manifest_path(directory, kind), json.dumps(data, indent=1) + "\n")
+    # Atomic (renamed into place) but not fsynced, like DeepSpeed's own files: `latest`, written next with an
+    # fsync, may outlive it in a power cut, and then --resume finds the tag incomplete and falls back.
+    return write_atomic(manifest_path(directory, kind), json.dumps(data, indent=1) + "\n", fsync=False)
 
 
 def read_sums(directory: Path, kind: str = KIND) -> dict[str, tuple[int, str]] | None:
