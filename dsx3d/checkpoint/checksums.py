@@ -2,8 +2,8 @@
 
 A training-checkpoint tag carries `dsx3d_checkpoint.json` (kind "checkpoint" of dsx3d.checkpoint.manifest,
 so its "files" list is read like any other dsx3d manifest), with `"hash": "xxh3_64"` and
-`"sums": {path: [size, hex digest]}`. Each rank computes the sums of the files it wrote, in its own process,
-right after writing them (the data is still in the page cache); rank 0 writes the manifest once every rank's
+`"sums": {path: [size, hex digest]}`. Each rank computes the sums of the files it writes, in its own process:
+DeepSpeed's torch.save writes through a hashing file (`save_hashed`), other files are read back once; rank 0 writes the manifest once every rank's
 files are written, and only then moves `latest`. A tag whose manifest is missing was never completed; a file
 whose size or checksum differs from its manifest entry is truncated or corrupt, and is named.
 
@@ -16,7 +16,9 @@ dsx3d.checkpoint.safe_load).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 import xxhash
 
@@ -36,6 +38,29 @@ def digest(path: Path) -> tuple[int, str]:
             h.update(chunk)
             size += len(chunk)
     return size, h.hexdigest()
+
+
+class _HashingWriter:
+    """A write-only binary file that hashes what passes through it (torch.save writes its zip through it)."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.h, self.size = f, xxhash.xxh3_64(), 0
+
+    def write(self, data: Any) -> int:
+        self.h.update(data)
+        self.size += len(memoryview(data).cast("B"))
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_hashed(save: Callable[[Any], None], path: Path) -> tuple[int, str]:
+    """Write `path` with `save(file)` and return its (size, digest) as `digest` would, without reading it back."""
+    with path.open("wb") as f:
+        writer = _HashingWriter(f)
+        save(writer)
+    return writer.size, writer.h.hexdigest()
 
 
 def write_sums(directory: Path, sums: dict[str, tuple[int, str]], kind: str = KIND) -> Path:

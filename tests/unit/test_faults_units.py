@@ -190,3 +190,12 @@ def test_the_owner_signals_the_ranks_and_not_the_launchers_agent() -> None:
     rank = ["/venv/bin/python", "-u", "-m", "dsx3d.train", "r.yaml", "--overwrite", "--local_rank=0"]
     assert is_rank_command(rank) and not is_rank_command(agent)
     assert not is_rank_command(["python", "-m"]) and not is_rank_command(["dsx3d", "train", "dsx3d.train"])
+
+
+def test_hashing_while_torch_saves_equals_reading_the_file_back(tmp_path: Path) -> None:
+    from dsx3d.checkpoint.checksums import save_hashed
+
+    path = tmp_path / "x.pt"
+    got = save_hashed(lambda f: torch.save({"w": torch.arange(100_000.0)}, f), path)
+    assert got == digest(path) and got[0] == path.stat().st_size
+    assert torch.equal(torch.load(path, weights_only=True, mmap=True)["w"], torch.arange(100_000.0))

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dsx3d.checkpoint.checksums import digest, write_sums
+from dsx3d.checkpoint.checksums import digest, save_hashed, write_sums
 from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
 from dsx3d.checkpoint.training.disk_format import (
@@ -134,10 +134,11 @@ class _SaveLog:
 
     def attempt(self, path: Path, write: Callable[[], Any]) -> None:
         try:
-            write()
+            hashed = write()  # (size, digest) when the write hashed what it wrote
             self.written.append(path)
             if path.is_relative_to(self.tag_dir):  # not DeepSpeed's scripts beside the tags
-                self.sums[path.relative_to(self.tag_dir).as_posix()] = digest(path)
+                rel = path.relative_to(self.tag_dir).as_posix()
+                self.sums[rel] = hashed if isinstance(hashed, tuple) else digest(path)
         except Exception as err:
             self.failed.append((str(path), write_failure(path, err)))
             with contextlib.suppress(OSError):
@@ -162,7 +163,15 @@ def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
     save, copy_scripts = checkpoint_engine.save, engine._copy_recovery_script
 
     def recorded_save(state_dict: object, path: str) -> None:
-        save_log.attempt(Path(path), lambda: save(state_dict, path))
+        if type(checkpoint_engine).__name__ == "TorchCheckpointEngine":  # hash while writing: no read-back
+            zipped = getattr(checkpoint_engine, "zipfile_serialization", True)
+
+            def write(f: Any) -> None:
+                torch.save(state_dict, f, _use_new_zipfile_serialization=zipped)
+
+            save_log.attempt(Path(path), lambda: save_hashed(write, Path(path)))
+        else:
+            save_log.attempt(Path(path), lambda: save(state_dict, path))
 
     def recorded_copy(save_path: str) -> None:
         save_log.attempt(Path(save_path) / "zero_to_fp32.py", lambda: copy_scripts(save_path))
