@@ -9,7 +9,6 @@ dsx3d/run/.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import io
@@ -20,7 +19,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -31,6 +29,7 @@ from dsx3d.boundary_types import HFProcessor
 from dsx3d.checkpoint.hf.export import export_hf
 from dsx3d.checkpoint.hf.lora_export import export_adapter
 from dsx3d.checkpoint.training.checkpointer import Checkpointer
+from dsx3d.checkpoint.training.disk_format import tag_for
 from dsx3d.data import MicroBatchStream
 from dsx3d.data.prepare import build_rank_data
 from dsx3d.data.stream import EvalBatches
@@ -45,14 +44,15 @@ from dsx3d.run.memory import PeakMemory, gather_peaks
 from dsx3d.run.metrics import Throughput
 from dsx3d.run.outputs import (
     RunPaths,
-    add_start_mode,
     check_start,
     save_run_files,
     save_tokenizer,
     start_run_directory,
 )
 from dsx3d.run.plot import plot_loss
-from dsx3d.run.progress import Reporter, TqdmHandler
+from dsx3d.run.preempt import StopRequest, preempted_message
+from dsx3d.run.progress import Reporter
+from dsx3d.run.rank_entry import parse_args, setup_logging
 from dsx3d.run.ranks import (
     PeerDied,
     RankInfo,
@@ -67,7 +67,6 @@ from dsx3d.run.tracking import Tracker
 
 log = logging.getLogger("dsx3d")
 
-DEFAULT_PG_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -77,6 +76,8 @@ class TrainResult:
     end_step: int
     losses: list[float] = field(default_factory=list)
     """The loss of every step this call trained, steps start_step+1 .. end_step."""
+    stopped_by: int | None = None
+    """The signal after which the ranks saved end_step's checkpoint and stopped (dsx3d.run.preempt)."""
 
 
 def train(
@@ -86,12 +87,14 @@ def train(
     overwrite: bool = False,
     stop_at: int | None = None,
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+    stop: StopRequest | None = None,
 ) -> TrainResult:
     """Train `recipe` on the ranks of the current process group (a collective: every rank calls it).
 
     `stop_at` ends the call after that step, with a checkpoint, as if the job had been preempted; the LR
     schedule still spans train.steps. A peer on this host whose heartbeat is silent for `hang_timeout_s`
-    is named as hung and ends the job (0: no heartbeats).
+    is named as hung and ends the job (0: no heartbeats). With `stop`, the ranks agree once per step whether
+    a stop signal arrived, and then save that step's checkpoint and return (`stopped_by`).
     """
     info = RankInfo.from_env(comm.get_rank(), comm.get_world_size())
     peers = gather_rank_infos(info)
@@ -113,7 +116,9 @@ def train(
             resume=resume,
         )
         end = max(start, min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps))
-        losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info, eval_batches)
+        losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info, eval_batches, stop)
+        if stop is not None and stop.stopped_at is not None:
+            return TrainResult(start, stop.stopped_at, losses, stopped_by=stop.agreed_signal)
         if end == recipe.train.steps:
             _finish(engine, paths, tokenizer, info, recipe)
         return TrainResult(start, end, losses)
@@ -188,6 +193,7 @@ def _train_steps(
     end: int,
     info: RankInfo,
     eval_batches: EvalBatches | None = None,
+    stop: StopRequest | None = None,
 ) -> list[float]:
     train = recipe.train
     reporter = Reporter(
@@ -225,9 +231,14 @@ def _train_steps(
                 step, loss, lr, grad_norm, seconds, eval_loss, padding=stream.padding_fraction(step - 1), memory=memory
             )
             losses.append(loss)
-            if train.save_interval and step % train.save_interval == 0:
+            halt = stop.agreed() if stop is not None else 0  # every rank stops after the same step
+            if halt or (train.save_interval and step % train.save_interval == 0):
                 ckpt.save(step, _client_state(step, stream, engine))
                 saved = step
+            if halt and stop is not None:
+                stop.cancel()
+                stop.stopped_at = end = step
+                break
         if saved != end:  # the last step, or where stop_at ended the call
             ckpt.save(end, _client_state(end, stream, engine))
     finally:
@@ -291,48 +302,6 @@ def _quietly(fn: Any, *args: Any) -> Any:
 # --- the process entry point ---------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m dsx3d.train", description="One rank of a dsx3d training job.", allow_abbrev=False
-    )
-    p.add_argument("recipe", help="recipe YAML")
-    add_start_mode(p)
-    p.add_argument(
-        "--pg-timeout-s",
-        type=float,
-        default=DEFAULT_PG_TIMEOUT_S,
-        help="process-group timeout: the longest a collective may wait",
-    )
-    p.add_argument(
-        "--hang-timeout-s",
-        type=float,
-        default=DEFAULT_HANG_TIMEOUT_S,
-        help="a peer on this host silent this long is named as hung and ends the job (0: off)",
-    )
-    p.add_argument(
-        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
-    )  # appended by the deepspeed launcher; LOCAL_RANK wins
-    return p.parse_args(argv)
-
-
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs progress (above its bar); the other ranks only warnings and errors, tagged with their rank."""
-    handler: logging.Handler = TqdmHandler() if rank == 0 else logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("[dsx3d] %(message)s" if rank == 0 else f"[dsx3d rank {rank}] %(message)s")
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    # DeepSpeed's ZeRO-1/2/3 call torch collectives that torch has renamed; once per rank is noise.
-    warnings.filterwarnings(
-        "ignore",
-        message=".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated",
-        category=FutureWarning,
-    )
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    ds_logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     watch_owner()  # started by `dsx3d train`: end with it, whatever ends it
@@ -343,8 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     info = RankInfo.from_env(rank, world)
     try:
         recipe = load_recipe(args.recipe)
+        stop = None
+        if recipe.train.save_on_signal:  # from here on a stop signal means: save, then stop
+            stop = StopRequest(recipe.train.signal_deadline_s, RunPaths.of(recipe).checkpoints, loud=rank == 0).install()
         _init_process_group(args.pg_timeout_s)
-        train(recipe, resume=args.resume, overwrite=args.overwrite, hang_timeout_s=args.hang_timeout_s)
+        result = train(recipe, resume=args.resume, overwrite=args.overwrite, hang_timeout_s=args.hang_timeout_s, stop=stop)
+        if result.stopped_by:
+            if rank == 0:
+                saved = RunPaths.of(recipe).checkpoints / tag_for(result.end_step)
+                log.warning("%s", preempted_message(result.stopped_by, result.end_step, saved, args.recipe))
+            comm.barrier()
+            return _exit_now(128 + result.stopped_by)
         comm.barrier()  # every rank is done with every collective and file
         return _exit_now(0)
     except UserError as err:

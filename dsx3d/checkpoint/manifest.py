@@ -16,7 +16,12 @@ from pathlib import Path
 from dsx3d.errors import UserError
 from dsx3d.fsio import write_atomic
 
-MANIFESTS = {"export": "dsx3d_export.json", "universal": "dsx3d_universal.json", "run": "dsx3d_run.json"}
+MANIFESTS = {
+    "export": "dsx3d_export.json",
+    "universal": "dsx3d_universal.json",
+    "run": "dsx3d_run.json",
+    "checkpoint": "dsx3d_checkpoint.json",  # a training-checkpoint tag, with sizes and checksums: dsx3d.checkpoint.checksums
+}
 SHOWN = 8
 """Unknown files named in an error message (then a count)."""
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import shlex
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, re
 from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S, OWNER_ENV, Owner, set_parent_death_signal
 from dsx3d.run.outputs import RunPaths, add_start_mode, check_start, describe_removal
 from dsx3d.run.ports import with_master_port
+from dsx3d.run.relay import SignalRelay
 
 log = logging.getLogger("dsx3d")
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if opts.dry_run:
         print(shlex.join(cmd))
         return 0
-    return _run_launcher(cmd)
+    return _run_launcher(cmd, save_on_signal=recipe.train.save_on_signal)
 
 
 def _preview_resume(recipe: Recipe, paths: RunPaths) -> None:
@@ -119,29 +119,24 @@ def _preview_resume(recipe: Recipe, paths: RunPaths) -> None:
     log.info("--resume: continuing from %s", paths.checkpoints / tag)
 
 
-def _run_launcher(cmd: list[str]) -> int:
-    # The launcher, its per-node agent and the ranks form their own process group, and Ctrl-C, SIGTERM or
-    # SIGHUP (a closed terminal) sent to us stops all of them with a SIGTERM: the deepspeed runner itself
-    # dies of a SIGTERM without passing it on (leaving the ranks running) and prints a traceback on SIGINT.
+def _run_launcher(cmd: list[str], save_on_signal: bool = False) -> int:
+    # The launcher, its per-node agent and the ranks form their own process group. Ctrl-C, SIGTERM, SIGUSR1
+    # or SIGHUP (a closed terminal) sent to us goes to the ranks, which save and stop (train.save_on_signal,
+    # dsx3d.run.relay); a second one, or any without save_on_signal, stops all of them with a SIGTERM: the
+    # deepspeed runner itself dies of a SIGTERM without passing it on (leaving the ranks running) and prints
+    # a traceback on SIGINT.
     # A SIGKILL cannot be caught: the launcher gets a parent-death signal, and the ranks watch this process
     # (dsx3d.run.lifeline), so nothing outlives us.
     env = {**rank_environment(), OWNER_ENV: Owner.me().token()}
     proc = subprocess.Popen(
         cmd, env=env, start_new_session=True, preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL)
     )
-    stopped_by: list[int] = []
-
-    def stop(signum: int, frame: object) -> None:
-        stopped_by.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
+    relay = SignalRelay(proc.pid, save_on_signal).install()
     code = proc.wait()
-    if stopped_by:
-        print(f"dsx3d train: stopped ({signal.Signals(stopped_by[0]).name})", file=sys.stderr)
-        return 128 + stopped_by[0]
+    stopped = relay.outcome(code)
+    if stopped is not None:
+        print(stopped[0], file=sys.stderr)
+        return stopped[1]
     if code != 0:
         print(
             f"dsx3d train: the job failed ({describe_exit(code)}); the failing rank's message is above",

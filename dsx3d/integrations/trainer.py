@@ -53,6 +53,7 @@ from dsx3d.integrations.train_batches import pad_step
 from dsx3d.integrations.trainer_args import reconcile, unsupported_args
 from dsx3d.integrations.trainer_data import DataLoadersMixin
 from dsx3d.integrations.trainer_eval import EvaluationMixin
+from dsx3d.integrations.trainer_preempt import PreemptionCallback
 from dsx3d.integrations.trainer_saving import SavingMixin
 from dsx3d.integrations.trainer_setup import (  # noqa: F401
     _align_accelerate_state,
@@ -196,6 +197,8 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         )
         if _is_meta(model):
             _refuse_save_pretrained(model)
+        self.preemption = PreemptionCallback()  # a stop signal saves a checkpoint and ends train()
+        self.add_callback(self.preemption)
 
     # -- the engine ----------------------------------------------------------------------------------------
 

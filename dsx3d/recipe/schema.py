@@ -28,13 +28,14 @@ from pydantic import (
     model_validator,
 )
 
-from dsx3d.errors import Problem, UserError
+from dsx3d.errors import UserError
 from dsx3d.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES
 from dsx3d.pipeline.split import with_layout_counts
 from dsx3d.plan.degrees import Degrees
 from dsx3d.plan.layout import Layout
 from dsx3d.recipe.json_values import MAX_MAPPING_VALUES, _check_json  # noqa: F401
 from dsx3d.recipe.strict_yaml import StrictYamlLoader, parse_yaml  # noqa: F401
+from dsx3d.recipe.validation_errors import _problems_from
 
 # Bounds on sizes. Above them no real job exists, and some commands would do work proportional to the
 # value (a placement table per rank, a stage split over every layer), so they are refused up front.
@@ -197,6 +198,12 @@ class TrainSection(_Section):
     save_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: Annotated[StrictInt, Field(ge=1, le=10_000)] = 2
+    save_on_signal: StrictBool = True
+    """On SIGTERM, SIGINT or SIGUSR1 every rank finishes its step, a checkpoint is saved and the job stops
+    (a second signal stops at once). False: a signal stops the job at once, without a checkpoint."""
+    signal_deadline_s: Annotated[StrictFloat | StrictInt, Field(ge=0, le=7 * 86400)] = 0
+    """With save_on_signal: stop at once this many seconds after the signal if the checkpoint is not written
+    by then (for clusters that SIGKILL after a grace period; 0: no deadline)."""
     eval_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Evaluate on the held-out data (data.eval_source or data.eval_fraction) every N steps, and always after
     the last step (0: only after the last step)."""
@@ -313,43 +320,6 @@ class Recipe(_Section):
     def layout(self, world_size: int | None = None) -> Layout:
         """The layout; call only after `dsx3d.checks` accepted the recipe."""
         return Layout.of(self.degrees(world_size), self.cluster.gpus_per_node)
-
-
-# The fix for each kind of bad value pydantic reports, by its error type.
-_FIXES = {
-    "int_type": "write a whole number, unquoted (not true/false, not a string)",
-    "bool_type": "write true or false",
-    "float_type": "write a number such as 3.0e-4, unquoted",
-    "finite_number": "write a finite number",
-    "string_type": "write a string (quote it)",
-    "literal_error": "use one of the values listed",
-    "tuple_type": "write a list such as [0.9, 0.95]",
-    "list_type": "write a list",
-    "dict_type": "write a mapping",
-}
-
-
-def _problems_from(err: ValidationError) -> list[Problem]:
-    by_key: dict[str, Problem] = {}
-    for e in err.errors():
-        # Drop pydantic's union-branch markers from the path: parallel.dp, not parallel.dp.constrained-int.
-        loc = [p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or "constrained" in p or "function-" in p))]
-        key = ".".join(str(p) for p in loc) or "(recipe)"
-        if e["type"] == "extra_forbidden":
-            problem = Problem(key, e.get("input"), "unknown key", "remove it or fix its spelling (see README: recipe keys)")
-        elif e["type"] == "missing":
-            problem = Problem(key, None, "required key is missing", f"add {key}")
-        else:
-            value = e.get("input")
-            shown = "(section)" if isinstance(value, dict) else value
-            reason = e["msg"].removeprefix("Value error, ")
-            fix = _FIXES.get(e["type"], "use a value in the range given (see README: recipe keys)")
-            problem = Problem(key, shown, reason, fix)
-        if key in by_key and by_key[key].value == problem.value:  # the branches of a union (int or "auto")
-            first = by_key[key]
-            problem = Problem(key, first.value, f"{first.reason}, or {problem.reason[0].lower()}{problem.reason[1:]}", first.fix)
-        by_key[key] = problem
-    return list(by_key.values())
 
 
 def recipe_from_dict(data: Any, source: str = "recipe") -> Recipe:

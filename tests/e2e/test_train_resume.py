@@ -263,10 +263,18 @@ def test_the_universal_converter_never_runs_a_pickle_payload(
     _, ref_out = reference
     tag_dir = tmp_path / tag_for(STEPS)
     shutil.copytree(ref_out / "checkpoints" / tag_for(STEPS), tag_dir)
-    write_pickle_payload(next(tag_dir.glob("zero_pp_rank_1_*optim_states.pt")), tmp_path / "marker")
+    victim = next(tag_dir.glob("zero_pp_rank_1_*optim_states.pt"))
+    write_pickle_payload(victim, tmp_path / "marker")
+    with pytest.raises(UserError, match=f"{victim.name}: .*truncated"):  # the manifest knows the file
+        universal.to_universal(tag_dir, tmp_path / "uni")
+    # a forger who also rewrites the manifest still meets the weights-only check, and below that the load
+    from dsx3d.checkpoint.checksums import digest, read_sums, write_sums
+
+    write_sums(tag_dir, {**(read_sums(tag_dir) or {}), victim.name: digest(victim)})
     with pytest.raises(UserError, match="weights-only load refuses"):
         universal.to_universal(tag_dir, tmp_path / "uni")
     monkeypatch.setattr(universal, "file_problem", lambda path: None)
+    monkeypatch.setattr("dsx3d.checkpoint.training.tags.file_problem", lambda path: None)
     with pytest.raises(UnsafeCheckpoint):
         universal.to_universal(tag_dir, tmp_path / "uni")
     assert not (tmp_path / "marker").exists() and not (tmp_path / "uni").exists()

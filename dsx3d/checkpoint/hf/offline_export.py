@@ -43,8 +43,9 @@ from dsx3d.checkpoint.hf.writer import (
     write_index,
 )
 from dsx3d.checkpoint.manifest import check_replaceable
-from dsx3d.checkpoint.training.disk_format import LAYOUT_FILE, RECIPE_FILE, check_tag, is_tag_dir, read_latest
+from dsx3d.checkpoint.training.disk_format import LAYOUT_FILE, RECIPE_FILE
 from dsx3d.checkpoint.training.item_locations import ItemFiles, locate
+from dsx3d.checkpoint.training.tags import resolve_tag_dir  # noqa: F401 (dsx3d export's and the tests' import)
 from dsx3d.distributed.expert_parallel.experts import ExpertContext
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.errors import Problem, UserError
@@ -136,37 +137,6 @@ def pipeline_items(config: PretrainedConfig, tp: int, ep: int = 1) -> list[Item]
         }
         items.append(Item(item, buffers))
     return items
-
-
-def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
-    """A tag directory as is; a checkpoints directory through `tag` or its `latest` file."""
-    if not path.is_dir():
-        raise UserError.single(
-            "CHECKPOINT_DIR",
-            str(path),
-            "not a directory",
-            "pass OUTPUT_DIR/checkpoints or one of its tag directories",
-        )
-    if tag is None and is_tag_dir(path):
-        return path
-    if tag is None:
-        tag = read_latest(path)
-        if tag is None:
-            raise UserError.single(
-                "CHECKPOINT_DIR",
-                str(path),
-                "neither a tag directory (DeepSpeed *model_states.pt files) nor a checkpoints directory with a `latest` file",
-                "pass OUTPUT_DIR/checkpoints or one of its tag directories",
-            )
-    tag_dir = path / check_tag(tag, "--tag")
-    if not is_tag_dir(tag_dir):
-        raise UserError.single(
-            "CHECKPOINT_DIR",
-            str(tag_dir),
-            "no DeepSpeed model-states files there",
-            "pick a complete tag (see the `latest` file)",
-        )
-    return tag_dir
 
 
 def run_config(tag_dir: Path, trust_remote_code: bool = False) -> tuple[Recipe, PretrainedConfig]:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dsx3d.boundary_types import DSEngine
+from dsx3d.checkpoint.checksums import digest, save_hashed, write_sums
 from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
 from dsx3d.checkpoint.training.disk_format import (
@@ -130,11 +131,16 @@ class _SaveLog:
         self.tag_dir = tag_dir
         self.written: list[Path] = []
         self.failed: list[tuple[str, str]] = []
+        self.sums: dict[str, tuple[int, str]] = {}
+        """Size and checksum of each file written into the tag, computed here, right after writing it."""
 
     def attempt(self, path: Path, write: Callable[[], Any]) -> None:
         try:
-            write()
+            hashed = write()  # (size, digest) when the write hashed what it wrote
             self.written.append(path)
+            if path.is_relative_to(self.tag_dir):  # not DeepSpeed's scripts beside the tags
+                rel = path.relative_to(self.tag_dir).as_posix()
+                self.sums[rel] = hashed if isinstance(hashed, tuple) else digest(path)
         except Exception as err:
             self.failed.append((str(path), write_failure(path, err)))
             with contextlib.suppress(OSError):
@@ -147,7 +153,7 @@ class _SaveLog:
             with contextlib.suppress(ValueError, OSError):
                 sizes[p.relative_to(self.tag_dir).as_posix()] = p.stat().st_size
         path = files_path(self.tag_dir, rank)
-        text = json.dumps({"rank": rank, "files": sizes}, indent=1, sort_keys=True) + "\n"
+        text = json.dumps({"rank": rank, "files": sizes, "format": 2}, indent=1, sort_keys=True) + "\n"
         self.attempt(path, lambda: write_atomic(path, text))
 
 
@@ -159,7 +165,15 @@ def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
     save, copy_scripts = checkpoint_engine.save, engine._copy_recovery_script
 
     def recorded_save(state_dict: object, path: str) -> None:
-        save_log.attempt(Path(path), lambda: save(state_dict, path))
+        if type(checkpoint_engine).__name__ == "TorchCheckpointEngine":  # hash while writing: no read-back
+            zipped = getattr(checkpoint_engine, "zipfile_serialization", True)
+
+            def write(f: Any) -> None:
+                torch.save(state_dict, f, _use_new_zipfile_serialization=zipped)
+
+            save_log.attempt(Path(path), lambda: save_hashed(write, Path(path)))
+        else:
+            save_log.attempt(Path(path), lambda: save(state_dict, path))
 
     def recorded_copy(save_path: str) -> None:
         save_log.attempt(Path(save_path) / "zero_to_fp32.py", lambda: copy_scripts(save_path))
@@ -193,6 +207,9 @@ class Checkpointer:
     def save(self, step: int, client_state: dict[str, object]) -> str:
         tag, rank = tag_for(step), comm.get_rank()
         tag_dir = self.dir / tag
+        if rank == 0 and tag_dir.exists():  # a save of this step that did not finish, or one a resume repeats
+            remove_tag(self.dir, tag)
+        comm.barrier()  # nobody writes into the tag before its stale files (and manifest) are gone
         if self._universal is None:  # how each parameter splits over TP: lets a tag become universal
             from dsx3d.checkpoint.training.universal import universal_client_state
 
@@ -214,8 +231,8 @@ class Checkpointer:
                 str(self.dir), tag=tag, client_state={CLIENT_KEY: client_state, **self._universal}, save_latest=False
             )
         record.write_list(rank)
-        gathered = comm.all_gather_object((rank, record.failed))  # every rank's files are written
-        failed = [(r, f) for r, fails in gathered for f in fails]
+        gathered = comm.all_gather_object((rank, record.failed, record.sums))  # every rank's files are written
+        failed = [(r, f) for r, fails, _ in gathered for f in fails]
         if failed:
             self._fail(tag, failed)
         # DeepSpeed writes with the process umask (and copies its zero_to_fp32 scripts beside the tags);
@@ -225,6 +242,7 @@ class Checkpointer:
         problem: str | None = None
         if rank == 0:
             try:
+                write_sums(tag_dir, {rel: s for _, _, sums in gathered for rel, s in sums.items()})  # then `latest`
                 write_atomic(self.dir / LATEST, tag)
                 deleted = prune(self.dir, self.keep)
                 log.info("checkpoint %s saved%s", tag_dir, f"; deleted {', '.join(deleted)}" if deleted else "")

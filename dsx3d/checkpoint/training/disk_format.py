@@ -21,6 +21,8 @@ Written by `dsx3d.checkpoint.training.checkpointer` (every rank, through DeepSpe
                                                 resume must match them or go through a universal copy)
     checkpoints/step-000020/rng/rank-00003.pt   each rank's python, numpy, torch (and CUDA) RNG states
     checkpoints/step-000020/files/rank-00003.json   the files rank 3 wrote and their sizes
+    checkpoints/step-000020/dsx3d_checkpoint.json   every file's size and checksum, written last: a tag without it
+                                                is incomplete (dsx3d.checkpoint.checksums)
     checkpoints/step-000020/universal/          a universal copy, made when a resume changes the layout
     checkpoints/step-000020/latest_universal    "universal" (written by DeepSpeed's converter)
     checkpoints/zero_to_fp32.py, zero_to_torch.py   DeepSpeed's converter scripts, copied at each save
@@ -88,8 +90,8 @@ _OWNED = [
         r"(\.deleting-)?step-\d{6,}/mp_rank_\d+_model_states\.pt",
         # pp > 1 and ZeRO-1/2: optimizer partitions; pp = 1 with ZeRO-3 also per-DP-rank module states
         r"(\.deleting-)?step-\d{6,}/(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(optim|model)_states\.pt",
-        r"(\.deleting-)?step-\d{6,}/dsx3d_(recipe\.yaml|layout\.json)",
-        r"(\.deleting-)?step-\d{6,}/\.dsx3d_(recipe\.yaml|layout\.json)\.[^/]*\.tmp",
+        r"(\.deleting-)?step-\d{6,}/dsx3d_(recipe\.yaml|layout\.json|checkpoint\.json)",
+        r"(\.deleting-)?step-\d{6,}/\.dsx3d_(recipe\.yaml|layout\.json|checkpoint\.json)\.[^/]*\.tmp",
         r"(\.deleting-)?step-\d{6,}/rng/rank-\d+\.pt",
         r"(\.deleting-)?step-\d{6,}/files/(\.)?rank-\d+\.json(\.[^/]*\.tmp)?",
         r"(\.deleting-)?step-\d{6,}/\.?universal(\.tmp[^/]*)?/.+",

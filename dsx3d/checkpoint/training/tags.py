@@ -7,10 +7,12 @@ import logging
 import os
 from pathlib import Path
 
+from dsx3d.checkpoint.checksums import has_manifest, sum_problems
 from dsx3d.checkpoint.safe_load import file_problem
 from dsx3d.checkpoint.training.disk_format import (
     FILES_DIR,
     LAYOUT_FILE,
+    check_tag,
     files_path,
     foreign_files,
     is_tag_dir,
@@ -62,6 +64,9 @@ def prune(ckpt_dir: Path, keep: int) -> list[str]:
     latest = read_latest(ckpt_dir)
     if latest is None:
         return []
+    for trash in sorted(ckpt_dir.glob(".deleting-step-*")):  # a deletion that a kill interrupted: finish it
+        if not (ckpt_dir / trash.name.removeprefix(".deleting-")).exists():
+            remove_tag(ckpt_dir, trash.name.removeprefix(".deleting-"))
     doomed = tags_to_delete(step_tags(ckpt_dir), latest, keep)
     for tag in doomed:
         left = remove_tag(ckpt_dir, tag)
@@ -77,6 +82,11 @@ def tag_problems(tag_dir: Path) -> list[str]:
     if not tag_dir.is_dir():
         return [f"{tag_dir}: missing"]
     lists = sorted((tag_dir / FILES_DIR).glob("rank-*.json"))
+    if has_manifest(tag_dir) or any(_listed_format(p) >= 2 for p in lists):  # sizes and checksums, written last
+        problems = sum_problems(tag_dir)
+        if problems:
+            return problems
+        return [f"{p}: {why}" for p in sorted(tag_dir.glob("*.pt")) if (why := file_problem(p))]
     if not lists:  # written before dsx3d listed its files: check DeepSpeed's files as they are
         files = [p for p in tag_dir.glob("*.pt")]
         if not is_tag_dir(tag_dir):  # any engine's model-states files (pipeline, pp = 1, pp = 1 ZeRO-3)
@@ -103,6 +113,29 @@ def tag_problems(tag_dir: Path) -> list[str]:
             elif path.suffix == ".pt" and (why := file_problem(path)):
                 problems.append(f"{path}: {why}")
     return problems
+
+
+def _listed_format(listing: Path) -> int:
+    try:
+        return int(json.loads(listing.read_text()).get("format", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
+
+
+def check_complete(tag_dir: Path, key: str) -> None:
+    """UserError naming the damaged files when a tag dsx3d wrote (one with file lists or a manifest) is
+    incomplete or corrupt; a DeepSpeed tag written elsewhere passes unchecked here."""
+    if not (has_manifest(tag_dir) or (tag_dir / FILES_DIR).is_dir()):
+        return
+    problems = tag_problems(tag_dir)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise UserError.single(
+            key,
+            str(tag_dir),
+            f"the checkpoint is incomplete or corrupt: {'; '.join(problems[:3])}{more}",
+            "pick a complete tag (--tag; `dsx3d train --resume` falls back to one itself), or restore it from a copy",
+        )
 
 
 def choose_tag(ckpt_dir: Path) -> tuple[str | None, list[str]]:
@@ -137,3 +170,36 @@ def choose_tag(ckpt_dir: Path) -> tuple[str | None, list[str]]:
             for tag, p in damaged
         ]
     )
+
+
+def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
+    """A tag directory as is; a checkpoints directory through `tag` or its `latest` file."""
+    if not path.is_dir():
+        raise UserError.single(
+            "CHECKPOINT_DIR",
+            str(path),
+            "not a directory",
+            "pass OUTPUT_DIR/checkpoints or one of its tag directories",
+        )
+    if tag is None and is_tag_dir(path):
+        check_complete(path, "CHECKPOINT_DIR")
+        return path
+    if tag is None:
+        tag = read_latest(path)
+        if tag is None:
+            raise UserError.single(
+                "CHECKPOINT_DIR",
+                str(path),
+                "neither a tag directory (DeepSpeed *model_states.pt files) nor a checkpoints directory with a `latest` file",
+                "pass OUTPUT_DIR/checkpoints or one of its tag directories",
+            )
+    tag_dir = path / check_tag(tag, "--tag")
+    if not is_tag_dir(tag_dir):
+        raise UserError.single(
+            "CHECKPOINT_DIR",
+            str(tag_dir),
+            "no DeepSpeed model-states files there",
+            "pick a complete tag (see the `latest` file)",
+        )
+    check_complete(tag_dir, "CHECKPOINT_DIR")  # its manifest: every file's size and checksum as written
+    return tag_dir

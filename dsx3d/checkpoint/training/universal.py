@@ -101,6 +101,9 @@ def to_universal(tag_dir: str | Path, out_dir: str | Path, *, workers: int = 1) 
     from deepspeed.checkpoint import ds_to_universal
 
     tag_dir, out = Path(tag_dir), Path(out_dir).absolute()
+    from dsx3d.checkpoint.training.tags import check_complete
+
+    check_complete(tag_dir, "CHECKPOINT_DIR")  # its manifest: every file's size and checksum as written
     problems = [f"{p.name}: {why}" for p in sorted(tag_dir.glob("*.pt")) if (why := file_problem(p))]
     if problems:
         raise UserError.single(

@@ -1,0 +1,201 @@
+"""Verified checkpoint manifests and the stop-signal logic, without processes: a corrupt, truncated or missing
+file is named and skipped by --resume, refused by export and the universal conversion; a first signal asks
+for a save, a second one (or the deadline) stops at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsx3d.checkpoint.checksums import digest, read_sums, sum_problems, write_sums
+from dsx3d.checkpoint.training.disk_format import LATEST, files_path, foreign_files, tag_for
+from dsx3d.checkpoint.training.tags import check_complete, choose_tag, tag_problems
+from dsx3d.errors import UserError
+from dsx3d.fsio import write_atomic
+from dsx3d.run.preempt import StopRequest, preempted_message
+from dsx3d.run.relay import SignalRelay, is_rank_command
+
+
+def _tag(ckpt: Path, step: int, world: int = 2) -> Path:
+    """A tag as dsx3d writes it now: per-rank file lists (format 2), real torch files, the manifest last."""
+    tag_dir = ckpt / tag_for(step)
+    write_atomic(tag_dir / "dsx3d_layout.json", json.dumps({"dp": 1, "tp": 1, "pp": world, "world_size": world}))
+    sums = {"dsx3d_layout.json": digest(tag_dir / "dsx3d_layout.json")}
+    for rank in range(world):
+        name = f"layer_{rank:02d}-model_00-model_states.pt"
+        torch.save({"w": torch.arange(4096, dtype=torch.float32) * (step + rank)}, tag_dir / name)
+        write_atomic(files_path(tag_dir, rank), json.dumps({"rank": rank, "files": {name: 0}, "format": 2}))
+        for p in (tag_dir / name, files_path(tag_dir, rank)):
+            sums[p.relative_to(tag_dir).as_posix()] = digest(p)
+    write_sums(tag_dir, sums)
+    return tag_dir
+
+
+def _flip_a_tensor_bit(path: Path) -> None:
+    """One bit of the tensor data: the zip and its pickle stay intact (the old checks pass it)."""
+    raw = bytearray(path.read_bytes())
+    at = raw.rfind(b"\x00\x00\x80\x45")  # float 4096.0 * k lies in the data region; any data byte would do
+    at = at if at > 0 else len(raw) // 2
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_complete_tag_has_no_problems_and_its_manifest_is_a_dsx3d_file(tmp_path: Path) -> None:
+    tag_dir = _tag(tmp_path, 2)
+    assert tag_problems(tag_dir) == []
+    assert set(read_sums(tag_dir) or {}) == {p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file()} - {"dsx3d_checkpoint.json"}
+    assert foreign_files(tmp_path) == []  # pruning and --overwrite may delete it
+
+
+@pytest.mark.parametrize("fault", ["bitflip", "truncated", "missing", "no-manifest", "extra-bytes"])
+def test_a_damaged_file_is_named(tmp_path: Path, fault: str) -> None:
+    tag_dir = _tag(tmp_path, 2)
+    victim = tag_dir / "layer_01-model_00-model_states.pt"
+    if fault == "bitflip":
+        _flip_a_tensor_bit(victim)
+    elif fault == "truncated":
+        victim.write_bytes(victim.read_bytes()[:-100])
+    elif fault == "missing":
+        victim.unlink()
+    elif fault == "extra-bytes":
+        victim.write_bytes(victim.read_bytes() + b"\0")
+    else:
+        (tag_dir / "dsx3d_checkpoint.json").unlink()
+    problems = tag_problems(tag_dir)
+    named = tag_dir / "dsx3d_checkpoint.json" if fault == "no-manifest" else victim
+    assert len(problems) == 1 and problems[0].startswith(f"{named}: "), problems
+    words = {"bitflip": "checksum differs", "truncated": "truncated", "missing": "missing", "extra-bytes": "bytes"}
+    assert words.get(fault, "did not finish") in problems[0]
+
+
+def test_resume_skips_a_corrupt_latest_and_names_the_file(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        _tag(tmp_path, step)
+    write_atomic(tmp_path / LATEST, tag_for(6))
+    victim = tmp_path / tag_for(6) / "layer_00-model_00-model_states.pt"
+    _flip_a_tensor_bit(victim)
+    (tmp_path / tag_for(4) / "dsx3d_checkpoint.json").unlink()  # a save that died before its manifest
+    tag, notes = choose_tag(tmp_path)
+    assert tag == tag_for(2)
+    assert str(victim) in notes[0] and "corrupt" in notes[0]
+    assert "dsx3d_checkpoint.json: missing" in notes[1] and "resuming from step-000002 instead" in notes[2]
+    _flip_a_tensor_bit(tmp_path / tag_for(2) / "layer_01-model_00-model_states.pt")
+    with pytest.raises(UserError, match="step-000002"):  # nothing complete is left: exit 2, no traceback
+        choose_tag(tmp_path)
+
+
+def test_export_and_universal_conversion_refuse_a_corrupt_tag(tmp_path: Path) -> None:
+    from dsx3d.checkpoint.hf.offline_export import resolve_tag_dir
+    from dsx3d.checkpoint.training.universal import to_universal
+
+    tag_dir = _tag(tmp_path, 2)
+    write_atomic(tmp_path / LATEST, tag_for(2))
+    assert resolve_tag_dir(tmp_path) == tag_dir
+    check_complete(tag_dir, "CHECKPOINT_DIR")
+    victim = tag_dir / "layer_00-model_00-model_states.pt"
+    _flip_a_tensor_bit(victim)
+    for call in (lambda: resolve_tag_dir(tmp_path), lambda: resolve_tag_dir(tag_dir), lambda: to_universal(tag_dir, tmp_path / "u")):
+        with pytest.raises(UserError) as err:
+            call()
+        assert str(victim) in str(err.value) and "corrupt" in str(err.value)
+    assert not (tmp_path / "u").exists()
+
+
+def test_a_manifest_naming_a_path_outside_the_tag_is_a_problem(tmp_path: Path) -> None:
+    tag_dir = _tag(tmp_path, 2)
+    write_sums(tag_dir, {"../../etc/passwd": (1, "0")})
+    assert "outside the tag" in sum_problems(tag_dir)[0]
+
+
+# --- stop signals ----------------------------------------------------------------------------------------
+
+
+class _Exits:
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+
+
+def test_a_first_signal_asks_for_a_save_and_a_second_stops_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _tag(tmp_path, 4)
+    write_atomic(tmp_path / LATEST, tag_for(4))
+    exits = _Exits()
+    stop = StopRequest(ckpt_dir=tmp_path, exit_now=exits)
+    with stop.installed(), caplog.at_level("WARNING", logger="dsx3d"):
+        signal.raise_signal(signal.SIGUSR1)
+        assert (stop.signum, exits.codes) == (signal.SIGUSR1, [])
+        assert "SIGUSR1 received: finishing this step" in caplog.text
+        signal.raise_signal(signal.SIGTERM)
+        assert exits.codes == [128 + signal.SIGTERM]
+    assert "a second signal (SIGTERM): stopping at once" in caplog.text
+    assert f"the last complete checkpoint {tmp_path / tag_for(4)} is kept" in caplog.text
+    assert signal.getsignal(signal.SIGUSR1) is not stop._handle  # the handlers are given back
+
+
+def test_the_deadline_stops_at_once_unless_the_save_finished(caplog: pytest.LogCaptureFixture) -> None:
+    exits = _Exits()
+    stop = StopRequest(deadline_s=0.05, exit_now=exits)
+    stop.request(signal.SIGTERM)
+    time.sleep(0.3)
+    assert exits.codes == [128 + signal.SIGTERM]
+    assert "train.signal_deadline_s = 0.05 s passed since SIGTERM" in caplog.text
+    saved = StopRequest(deadline_s=0.05, exit_now=(exits := _Exits()))
+    saved.request(signal.SIGTERM)
+    saved.cancel()
+    time.sleep(0.3)
+    assert exits.codes == []
+
+
+def test_after_the_save_a_signal_only_ends_the_rank_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """The launcher ends the slower ranks with SIGTERM once one rank exits: not a 'second signal'."""
+    exits = _Exits()
+    stop = StopRequest(exit_now=exits)
+    stop.agreed_signal, stop.stopped_at = signal.SIGUSR1, 6
+    stop.request(signal.SIGTERM)
+    assert exits.codes == [128 + signal.SIGUSR1] and "stopping at once" not in caplog.text
+
+
+def test_the_messages_name_the_signal_and_the_checkpoint(tmp_path: Path) -> None:
+    text = preempted_message(signal.SIGTERM, 12, tmp_path / tag_for(12), "r.yaml")
+    assert text == f"stopped by SIGTERM after step 12: checkpoint {tmp_path / tag_for(12)} saved; continue with dsx3d train r.yaml --resume"
+    relay = SignalRelay(launcher_pid=-1, save_on_signal=True)
+    relay.received, relay.saving, relay.first_at = [signal.SIGHUP], True, time.monotonic()
+    message, code = relay.outcome(128 + signal.SIGTERM) or ("", 0)
+    assert "stopped (SIGHUP)" in message and "after saving a checkpoint" in message and code == 128 + signal.SIGHUP
+    assert SignalRelay(-1, True).outcome(0) is None
+
+
+def test_a_deletion_a_kill_interrupted_is_finished_by_the_next_prune(tmp_path: Path) -> None:
+    from dsx3d.checkpoint.training.tags import prune
+
+    for step in (2, 4, 6):
+        _tag(tmp_path, step)
+    write_atomic(tmp_path / LATEST, tag_for(6))
+    (tmp_path / tag_for(2)).rename(tmp_path / f".deleting-{tag_for(2)}")  # killed right after the rename
+    (tmp_path / f".deleting-{tag_for(2)}" / "layer_00-model_00-model_states.pt").unlink()  # and one file
+    assert prune(tmp_path, keep=2) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, tag_for(4), tag_for(6)]
+
+
+def test_the_owner_signals_the_ranks_and_not_the_launchers_agent() -> None:
+    """The agent's command line names `--module dsx3d.train` too; signalled, it would SIGTERM every rank."""
+    agent = ["python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "--module", "dsx3d.train", "r.yaml"]
+    rank = ["/venv/bin/python", "-u", "-m", "dsx3d.train", "r.yaml", "--overwrite", "--local_rank=0"]
+    assert is_rank_command(rank) and not is_rank_command(agent)
+    assert not is_rank_command(["python", "-m"]) and not is_rank_command(["dsx3d", "train", "dsx3d.train"])
+
+
+def test_hashing_while_torch_saves_equals_reading_the_file_back(tmp_path: Path) -> None:
+    from dsx3d.checkpoint.checksums import save_hashed
+
+    path = tmp_path / "x.pt"
+    got = save_hashed(lambda f: torch.save({"w": torch.arange(100_000.0)}, f), path)
+    assert got == digest(path) and got[0] == path.stat().st_size
+    assert torch.equal(torch.load(path, weights_only=True, mmap=True)["w"], torch.arange(100_000.0))
