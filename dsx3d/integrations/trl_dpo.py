@@ -24,6 +24,9 @@ _REFUSED: list[tuple[str, Any, str, str]] = [
     ("padding_free", False, "DPO micro-batches are padded pairs", "set padding_free=False"),
     ("activation_offloading", False, "it wraps DPOTrainer's training step, which dsx3d's replaces",
      "set it to False (train.activation_checkpointing in the recipe saves activation memory)"),
+    ("precompute_ref_log_probs", False, "DPOTrainer would run its precompute pass with the whole model on every rank, "
+     "in a DeepSpeed engine of its own", "precompute once elsewhere and keep the ref_chosen_logps / ref_rejected_logps "
+     "columns in the dataset (dsx3d then skips its reference pass), or leave it False"),
     ("use_liger_kernel", False, "its kernels replace the model's forward, which dsx3d's stages run instead", "set use_liger_kernel=False"),
 ]  # fmt: skip
 
@@ -44,7 +47,8 @@ def dpo_refusals(args: object, trl_kwargs: dict[str, Any]) -> list[Problem]:
                 "DPOTrainer(ref_model=...)", type(trl_kwargs["ref_model"]).__name__,
                 "dsx3d's reference is the policy's initial weights on the same pipeline (a frozen copy), the base "
                 "model of a LoRA policy, or precomputed log-probs; another model's weights are not loaded",
-                "omit ref_model (the model's own weights are the reference), or set precompute_ref_log_probs=True",
+                "omit ref_model (the model's initial weights are the reference), or put its log-probs in the dataset's "
+                "ref_chosen_logps / ref_rejected_logps columns",
             )
         )  # fmt: skip
     if trl_kwargs.get("peft_config") is not None:
@@ -66,11 +70,9 @@ def dpo_objective(args: object) -> DirectPreference:
 
 
 def reference_mode(trainer: Any) -> str:
-    """precomputed (precompute_ref_log_probs); adapters_off (a LoRA policy whose adapters are fresh: every lora_B
+    """adapters_off (a LoRA policy whose adapters are fresh: every lora_B
     zero, so the base model is its initial self); else copy (the initial trainable weights: TRL's "ref" adapter
     of a trained adapter, or the whole model)."""
-    if getattr(trainer.args, "precompute_ref_log_probs", False):
-        return "precomputed"
     model = trainer.model
     if is_peft_model(model):
         fresh = all(not bool(p.detach().any()) for n, p in model.named_parameters() if ".lora_B." in n)
