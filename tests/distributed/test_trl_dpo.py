@@ -131,6 +131,24 @@ def test_pipelined_dpo_matches_plain_dpo(tmp_path: Path, layout: tuple[int, int,
     assert abs(step_values(ref, "rewards/margins")[-1]) > 1e-3  # the policy moved: the comparison is not of zeros
 
 
+@pytest.mark.skipif(not os.environ.get("DSX3D_DPO_SWEEP"), reason="DSX3D_DPO_SWEEP=1: TRL's other per-pair loss types")
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"loss_type": ["sigmoid", "ipo", "robust"], "loss_weights": [1.0, 0.5, 0.25], "label_smoothing": 0.1},
+        {"loss_type": ["hinge", "exo_pair", "sigmoid_norm"], "label_smoothing": 0.2, "f_divergence_type": "js_divergence"},
+        {"loss_type": ["nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "discopop"]},
+    ],
+    ids=["sigmoid-ipo-robust", "hinge-exo-norm-js", "nca-bco-sppo-apo-discopop"],
+)
+def test_dpo_loss_types_match_plain_dpo(tmp_path: Path, overrides: dict[str, Any]) -> None:
+    ds_config = write_ds_config(tmp_path / "ds.json", 1, 2, 2)
+    saved_model(tmp_path)
+    ref = run_ranks(_run, 1, tmp_path, None, False, None, overrides, timeout_s=600)[0]
+    ours = run_ranks(_run, 4, tmp_path, ds_config, False, None, overrides, timeout_s=600)
+    _compare(ours[0], ref)
+
+
 def test_reference_from_the_policy_is_caught(tmp_path: Path) -> None:
     """The fault: the reference pass runs the policy's current weights. Rewards are then 0 at step 1 and the
     loss log(2); from step 2 on they differ from TRL's."""
