@@ -27,8 +27,8 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def slice_micro_batch(micro: tuple[Any, Any], cp: int, cp_rank: int) -> tuple[Any, Any]:
-    """(input_ids | (input_ids, position_ids), labels | (labels, norm)) -> this CP rank's
-    ((ids, position_ids), (shifted targets, norm / cp)), every tensor cut to its rows."""
+    """(input_ids | (input_ids, position_ids), labels | (labels, norm, *per_row)) -> this CP rank's
+    ((ids, position_ids), (shifted targets, norm / cp, *per_row)), every (b, s) tensor cut to its positions."""
     inputs, labels = micro
     if isinstance(inputs, torch.Tensor):
         ids, positions = inputs, None
@@ -39,14 +39,15 @@ def slice_micro_batch(micro: tuple[Any, Any], cp: int, cp_rank: int) -> tuple[An
         raise ValueError(f"sequence length {s} is not divisible by cp = {cp}")
     if positions is None:
         positions = torch.arange(s, dtype=torch.long).expand(b, s).contiguous()
-    labels, norm = labels if isinstance(labels, (tuple, list)) else (labels, None)
+    labels, norm, *rest = labels if isinstance(labels, (tuple, list)) else (labels, None)
     targets = shifted_targets(labels)
     if norm is None:
         norm = (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float64).reshape(1)
     part = s // cp
     rows = slice(cp_rank * part, (cp_rank + 1) * part)
     cut_norm = norm.to(torch.float64).reshape(1) / cp
-    return (ids[:, rows].contiguous(), positions[:, rows].contiguous()), (targets[:, rows].contiguous(), cut_norm)
+    cut = (targets[:, rows].contiguous(), cut_norm, *rest)  # rest: per-row values (DPO's), kept whole
+    return (ids[:, rows].contiguous(), positions[:, rows].contiguous()), cut
 
 
 def sliced(micro_batches: Iterator[tuple[Any, Any]], cp: int, cp_rank: int) -> Iterator[tuple[Any, Any]]:

@@ -102,11 +102,18 @@ class LastStageLoss:
         self.stats: list[torch.Tensor] | None = None
         """When a list, training appends each micro-batch's statistics for the objective's metrics."""
         self.objective: Objective = LanguageModeling()
-        """The training objective (`dsx3d.objectives`): what its metrics keep of each micro-batch."""
+        """The training objective (`dsx3d.objectives`): what its metrics keep of each micro-batch; one with
+        `own_loss` computes the whole loss (`Objective.last_stage_loss`, given this object)."""
+        self.cp = CPContext()
+        """This rank's CP group (set by `_install_loss`)."""
+        self.reference_pass = False
+        """An `own_loss` objective's forward-only reference pass: the loss returns per-sequence values."""
 
     def __call__(self, outputs: torch.Tensor, labels: Labels) -> torch.Tensor:
         """`outputs`: the logits shard, or under `train.loss_tile_tokens` what the tiled loss computes them from
         (`dsx3d.models.tiled_loss`); whatever needs the logits themselves gets them computed whole."""
+        if self.objective.own_loss:
+            return self.objective.last_stage_loss(outputs, labels, self)
         if isinstance(labels, tuple | list):
             return self._slice_loss(outputs, labels)
         if self.training:

@@ -7,6 +7,9 @@ Patches, each applied by an explicit, idempotent call (`install()` applies them 
 - DeepSpeed: `deepspeed.comm.torch.build_shm_op` does nothing on CPU. DeepSpeed JIT-compiles a shared-memory
   all-reduce op there (minutes; concurrent ranks race at link time) that only inference all-reduce uses.
   Needed before anything calls `deepspeed.init_distributed` (dsx3d, or accelerate under `accelerate launch`).
+- trl: `dpo_trainer.create_model_from_path` yields no model inside `no_trl_reference()`: dsx3d.Trainer wraps
+  DPOTrainer.__init__ in it, so TRL neither loads a second copy of the model on every rank nor wraps it in a
+  DeepSpeed engine of its own (dsx3d computes the reference on the pipeline, dsx3d.engine.reference).
 - accelerate: `Accelerator.prepare` refuses a dsx3d layout with tp > 1 or pp > 1 (a plain accelerate loop runs
   one whole model replica per process, which such a layout is not), saying what to use instead.
 
@@ -20,9 +23,10 @@ against the installed versions, so an upgrade that changes one fails there, loud
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -52,6 +56,8 @@ PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
     ("transformers", "trainer.SCHEDULER_NAME", None),
     ("transformers", "trainer.TRAINING_ARGS_NAME", None),
     ("transformers", "integrations.deepspeed.HfTrainerDeepSpeedConfig.__init__", ("self", "config_file_or_dict")),
+    # trl: DPOTrainer's reference model loader (no_trl_reference)
+    ("trl", "trainer.dpo_trainer.create_model_from_path", None),
     # accelerate
     ("accelerate", "state.AcceleratorState._reset_state", ("reset_partial_state",)),
     ("accelerate", "Accelerator.prepare", ("self", "args", "device_placement")),
@@ -196,3 +202,27 @@ def refuse_model_parallel_prepare(ds_config: Mapping[str, object] | None, source
         "(dsx3d.engine.build_engine(recipe).train_step(micro_batches), scripts/examples/accelerate_engine_loop.py); "
         "a layout with tp 1 and pp 1 (dp and ZeRO only) works with the plain accelerate loop",
     )
+
+
+_SKIP_TRL_REFERENCE = [False]
+
+
+@contextlib.contextmanager
+def no_trl_reference() -> Iterator[None]:
+    """Inside, TRL's DPOTrainer builds no reference model of its own (`ref_model` stays None)."""
+    from trl.trainer import dpo_trainer
+
+    original = dpo_trainer.create_model_from_path
+    if not getattr(original, "_dsx3d", False):
+
+        @functools.wraps(original)
+        def create(*args: Any, **kwargs: Any) -> Any:
+            return None if _SKIP_TRL_REFERENCE[0] else original(*args, **kwargs)
+
+        create._dsx3d = True  # type: ignore[attr-defined]
+        dpo_trainer.create_model_from_path = create
+    _SKIP_TRL_REFERENCE[0] = True
+    try:
+        yield
+    finally:
+        _SKIP_TRL_REFERENCE[0] = False

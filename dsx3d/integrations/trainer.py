@@ -41,7 +41,6 @@ from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
 from dsx3d.integrations import patches, trainer_optim, trl_face
 from dsx3d.integrations.batches import (
-    count_targets,
     to_micro_batch,
     with_norm,
 )
@@ -75,6 +74,7 @@ from dsx3d.recipe.schema import Recipe
 
 if TYPE_CHECKING:
     from dsx3d.engine.builder import Engine3D, MicroBatch
+    from dsx3d.engine.reference import Reference
     from dsx3d.models.weights import WeightSource
 
 log = logging.getLogger("dsx3d")
@@ -105,6 +105,8 @@ class _State:
     """With TRL's SFTTrainer: the tokens of this step's batches so far, as it counts them (trl_face)."""
     rows: int = 0
     """The micro-batch rows the pipeline last exchanged activations for (train and eval sizes may differ)."""
+    reference: Reference | None = None
+    """A preference objective's reference model (dsx3d.engine.reference)."""
 
 
 class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
@@ -133,6 +135,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
         optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, object]] | None = None,
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        **trl_kwargs: Any,
     ):
         given = {
             "model_init": model_init,
@@ -155,7 +158,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         hidden = getattr(model.config.get_text_config(), "hidden_size", None)
         recipe, claims = load_layout(layout_source(args.deepspeed), _model_section(model), hidden)
         recipe, disagreements = reconcile(args, recipe, claims)
-        problems += disagreements + unsupported_args(args) + trl_face.refusals(type(self), args)
+        problems += disagreements + unsupported_args(args) + trl_face.refusals(type(self), args, trl_kwargs)
         problems += context_parallel_refusals(recipe.parallel.cp, compute_loss_func, preprocess_logits_for_metrics)
         world = comm.get_world_size()
         layout = recipe.layout(world)
@@ -183,18 +186,20 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
             raise UserError(problems)
         _align_accelerate_state(args)
         self._dsx3d = _State(recipe, layout, layout.placement(comm.get_rank()), _weight_source(model, args.seed))
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            compute_loss_func=compute_loss_func,
-            compute_metrics=compute_metrics,
-            callbacks=callbacks,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
+        with trl_face.init_context(type(self)):
+            super().__init__(
+                model=model,
+                args=args,
+                data_collator=data_collator,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                compute_metrics=compute_metrics,
+                callbacks=callbacks,
+                **trl_face.hf_kwargs(type(self), compute_loss_func, preprocess_logits_for_metrics),
+                **trl_kwargs,
+            )
+        trl_face.drop_trl_ref_adapter(self.model)
         if _is_meta(model):
             _refuse_save_pretrained(model)
         self.preemption = PreemptionCallback()  # a stop signal saves a checkpoint and ends train()
@@ -233,8 +238,9 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
             )
             state.source = None  # the weights are in the engine now; a state-dict source can go
             state.loss = _install_loss(state.engine, self.compute_loss_func)
-            state.loss.objective = trl_face.objective_for(type(self))
+            state.loss.objective = trl_face.objective_for(type(self), self.args)
             state.rows = state.recipe.train.micro_batch_size
+            state.reference = trl_face.reference_for(self, state.engine, state.loss)
         return state.engine
 
     def _shape_rows(self, rows: int) -> None:
@@ -320,24 +326,33 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
     ) -> torch.Tensor:
         """Buffer micro-batches up to the accumulation boundary, then run the whole step in the pipeline. The
         step's loss is returned at the boundary and 0 before it, so HF's running sum is the per-step loss."""
+        model.train()  # as transformers' training_step: callbacks (and TRL's metric bucket) see a training model
         state, train = self._dsx3d, self._dsx3d.recipe.train
-        state.pending.append(to_micro_batch(inputs, train.micro_batch_size, train.seq_len))  # whole sequences
         objective = state.loss.objective if state.loss is not None else None
+        own = objective.micro_batch(inputs, train.micro_batch_size, train.seq_len) if objective is not None else None
+        state.pending.append(own if own is not None else to_micro_batch(inputs, train.micro_batch_size, train.seq_len))
         if objective is not None:
             state.batch_tokens += objective.batch_tokens(inputs)
-        model.train()  # as transformers' training_step: callbacks (and TRL's metric bucket) see a training model
         real = min(self.current_gradient_accumulation_steps, train.gradient_accumulation_steps)  # HF: this step's
         if len(state.pending) < real:
             return torch.zeros((), device=self.args.device)
+        if own is not None and objective is not None and len(state.pending) < train.gradient_accumulation_steps:
+            raise UserError.single(
+                "TrainingArguments.dataloader_drop_last", self.args.dataloader_drop_last,
+                f"the {objective.name} objective's micro-batches cannot be padded: this step has {len(state.pending)} of "
+                f"{train.gradient_accumulation_steps} micro-batches", "set dataloader_drop_last=True, or a dataset size the batch divides",
+            )
         micro, state.pending = pad_step(state.pending, train.gradient_accumulation_steps, train.micro_batch_size, train.seq_len), []
         engine = self._engine()
         self._shape_rows(train.micro_batch_size)
         assert state.loss is not None and objective is not None
+        if state.reference is not None:  # the reference's log-probs of exactly these micro-batches
+            micro = state.reference.fill(micro)
         state.loss.training = True
-        state.loss.step_tokens = self._count_over_dp(sum(count_targets(labels) for _, labels in micro))
+        state.loss.step_tokens = self._count_over_dp(sum(objective.scored_tokens(labels) for _, labels in micro))
         state.loss.scale = train.gradient_accumulation_steps * self.layout.dp
         state.loss.stats = [] if objective.token_statistics else None
-        if self.layout.cp > 1:  # each CP slice's sum over N / (m * dp): DeepSpeed's mean is then HF's token mean
+        if self.layout.cp > 1 and not objective.own_loss:  # each CP slice's sum over N / (m * dp): HF's token mean
             micro = [with_norm(mb, max(state.loss.step_tokens, 1) / state.loss.scale) for mb in micro]
         loss = engine.train_step(iter(micro))
         if objective.token_statistics:
@@ -381,8 +396,3 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
     # -- evaluation ----------------------------------------------------------------------------------------
 
     # -- saving and resuming -------------------------------------------------------------------------------
-
-
-
-
-

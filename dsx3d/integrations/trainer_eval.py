@@ -11,6 +11,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify
 
 from dsx3d.distributed import comm
 from dsx3d.errors import UserError
+from dsx3d.integrations import trl_face
 from dsx3d.integrations.batches import (
     count_targets,
     empty_micro_batch,
@@ -32,6 +33,10 @@ class EvaluationMixin(EngineTrainerBase):
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
+        objective = trl_face.objective_for(type(self), self.args)
+        if objective.own_loss:
+            raise UserError.single("evaluate()", objective.name, "dsx3d.Trainer does not evaluate this objective yet",
+                                   "set eval_strategy='no' and evaluate the exported model with TRL on one process")  # fmt: skip
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, dict):
             return (

@@ -115,6 +115,7 @@ def _weight_source(model: HFModel, seed: int) -> WeightSource | None:
 def _install_loss(engine: Engine3D, compute_loss_func: Callable[..., torch.Tensor] | None) -> LastStageLoss:
     """Put dsx3d.Trainer's loss in the engine's place: it wraps the engine's own (vocab-parallel) loss."""
     loss = LastStageLoss(engine.module.loss_fn, _vocab_shard(engine), compute_loss_func)
+    loss.cp = _cp_context(engine)
     engine.module.loss_fn = loss
     return loss
 

@@ -82,14 +82,39 @@ def head_inputs(
     return HeadInputs(builder, anchored, grads, input_ids, aux, training)
 
 
-def tiled_loss_sum(inputs: HeadInputs, target: torch.Tensor) -> torch.Tensor:
-    """Sum of the per-token losses of the micro-batch (float32 scalar); `target`: (b * s,) shifted labels."""
+def _entered_rows(inputs: HeadInputs) -> torch.Tensor:
+    """The hidden states as (tokens, h) rows inside the TP region (entered once: its backward sums the tiles'
+    per-column gradients over TP)."""
+    tp, hidden = inputs.builder.tp, inputs.hidden
+    if tp.size > 1:
+        hidden = gather_from_sequence(hidden, tp.group) if tp.sequence_parallel else copy_to_tp(hidden, tp.group)
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def logit_tiles(inputs: HeadInputs) -> Iterator[tuple[slice, torch.Tensor]]:
+    """(rows, logits shard (n, V/tp)) of each tile of `loss_tile_tokens` tokens, without gradients (for metrics and
+    for losses that need every token's value before their gradient, `tiled_loss_sum(weights=...)`)."""
+    builder = inputs.builder
+    head = head_module(builder)
+    with torch.no_grad():
+        rows = _entered_rows(inputs)
+        ids = inputs.input_ids.reshape(-1)
+        tile = builder.loss_tile_tokens
+        for a in range(0, rows.shape[0], tile):
+            sl = slice(a, min(a + tile, rows.shape[0]))
+            with _plain(head):
+                logits = builder.skeleton.head(rows[sl].unsqueeze(0), ids[sl].unsqueeze(0), None)
+            assert isinstance(logits, torch.Tensor)
+            yield sl, logits.reshape(-1, logits.shape[-1])
+
+
+def tiled_loss_sum(inputs: HeadInputs, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of the per-token losses of the micro-batch (float32 scalar); `target`: (b * s,) shifted labels;
+    `weights` (b * s,): each token's loss multiplied by its weight (a loss that is not a sum of token losses
+    differentiates through it with its gradient for each token as the weight)."""
     builder = inputs.builder
     tp, head = builder.tp, head_module(builder)
-    hidden = inputs.hidden
-    if tp.size > 1:  # enter the region once: its backward sums the tiles' per-column gradients over TP
-        hidden = gather_from_sequence(hidden, tp.group) if tp.sequence_parallel else copy_to_tp(hidden, tp.group)
-    rows = hidden.reshape(-1, hidden.shape[-1])
+    rows = _entered_rows(inputs)
     ids = inputs.input_ids.reshape(-1)
     if rows.shape[0] != target.shape[0]:
         raise RuntimeError(f"tiled loss: {rows.shape[0]} hidden rows for {target.shape[0]} labels")
@@ -98,8 +123,9 @@ def tiled_loss_sum(inputs: HeadInputs, target: torch.Tensor) -> torch.Tensor:
         with _plain(head):
             logits = builder.skeleton.head(h.unsqueeze(0), ids[sl].unsqueeze(0), None)
         assert isinstance(logits, torch.Tensor)
-        return vocab_parallel_cross_entropy(
+        losses = vocab_parallel_cross_entropy(
             logits.reshape(-1, logits.shape[-1]), target[sl], builder.vocab_start, builder.vocab, tp.group
         )
+        return losses if weights is None else losses * weights[sl]
 
     return tiled_head_loss(run, builder.loss_tile_tokens, rows, inputs.grads)

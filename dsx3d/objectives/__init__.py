@@ -6,9 +6,10 @@ picks one for its class (a TRL SFTTrainer trains SFT), `dsx3d train` one for its
 """
 
 from dsx3d.objectives.base import Objective
+from dsx3d.objectives.dpo import DirectPreference
 from dsx3d.objectives.language_model import LanguageModeling
 from dsx3d.objectives.sft import SupervisedFineTuning
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (LanguageModeling, SupervisedFineTuning)}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (LanguageModeling, SupervisedFineTuning, DirectPreference)}
 
-__all__ = ["OBJECTIVES", "LanguageModeling", "Objective", "SupervisedFineTuning"]
+__all__ = ["OBJECTIVES", "DirectPreference", "LanguageModeling", "Objective", "SupervisedFineTuning"]

@@ -20,12 +20,16 @@ class Objective:
       (`dsx3d.integrations.last_stage.LastStageLoss`, `dsx3d.models.pipe_layers`);
     - `token_statistics`: whether the last stage also keeps each micro-batch's token statistics for
       `record_step` (accuracy and entropy);
-    - `reference`: what it needs of a reference model (None: nothing).
+    - `reference`: what it needs of a reference model (None: nothing; "log_probs": the reference's per-sequence
+      log-prob sums of each micro-batch, from a forward-only pass on the same pipeline, `dsx3d.engine.reference`);
+    - `own_loss`: the last stage calls `last_stage_loss` instead of the language-modelling loss, and the faces
+      build micro-batches with `micro_batch` (DPO: `dsx3d.objectives.dpo`).
     """
 
     name: ClassVar[str] = "lm"
     token_statistics: ClassVar[bool] = False
     reference: ClassVar[str | None] = None
+    own_loss: ClassVar[bool] = False
 
     def batch_tokens(self, batch: Mapping[str, object]) -> int:
         """The tokens of one collator batch that the objective's metrics count (0: none counted)."""
@@ -37,3 +41,15 @@ class Objective:
 
     def record_step(self, trainer: Any, stats: list[torch.Tensor], micro_batches: int, tokens: int, contributes: bool) -> None:
         """Log one optimizer step's metrics on `trainer` (a collective over every rank where it logs any)."""
+
+    def micro_batch(self, batch: Mapping[str, object], rows: int, seq_len: int) -> tuple[Any, Any] | None:
+        """One collator batch as a fixed-shape micro-batch of `rows` examples (None: the face's own conversion)."""
+        return None
+
+    def scored_tokens(self, labels: Any) -> int:
+        """The positions a micro-batch's labels score (token t+1 predicted at t)."""
+        return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+    def last_stage_loss(self, outputs: Any, labels: Any, stage: Any) -> torch.Tensor:
+        """With `own_loss`: what the pipeline's loss function returns for one micro-batch."""
+        raise NotImplementedError

@@ -104,7 +104,7 @@ def _refused(rank: int, work: Path, ds_config: Path, base: str, overrides: dict[
     [
         ("SFTTrainer", {"loss_type": "dft"}, ["SFTConfig.loss_type"]),
         ("SFTTrainer", {"activation_offloading": True}, ["SFTConfig.activation_offloading"]),
-        ("DPOTrainer", {}, ["DPOTrainer"]),
+        ("RewardTrainer", {}, ["RewardTrainer"]),
         # SFTConfig's default counts as given: against a layout without activation checkpointing it disagrees
         # (bf16=True, its other default, meets the layout's dtype the same way; HF refuses it on a CPU first)
         ("SFTTrainer", {"gradient_checkpointing": True}, ["gradient_checkpointing"]),
