@@ -11,37 +11,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from dsx3d.models.known_families import tiny_config
 from dsx3d.pipeline.interleaved import VIRTUAL_STAGES, rank_program
+from tests.helpers.interleaved import model as _model
+from tests.helpers.interleaved import reference as _reference
+from tests.helpers.interleaved import stage_forward as _stage_forward
 
 Route = Callable[[int, int], int]
 """(receiving stage, micro-batch) -> the micro-batch whose activation it is handed."""
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = tiny_config("llama")
-    config.num_hidden_layers = 4
-    config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config).float()
-
-
-def _stage_forward(model: torch.nn.Module, s: int, stages: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Stage s of `stages`: the embedding on stage 0, decoder layer(s) spread evenly, norm + head + loss last."""
-    inner = model.model
-    layers = len(inner.layers)
-    h = inner.embed_tokens(x) if s == 0 else x
-    pos = torch.arange(ids.shape[1]).unsqueeze(0)
-    cos_sin = inner.rotary_emb(h, pos)
-    for i in range(s * layers // stages, (s + 1) * layers // stages):
-        out = inner.layers[i](h, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
-        h = out[0] if isinstance(out, tuple) else out
-    if s < stages - 1:
-        return h
-    logits = model.lm_head(inner.norm(h))
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
 def run_interleaved(model: torch.nn.Module, micro: list[torch.Tensor], pp: int, route: Route | None = None) -> float:
@@ -86,15 +63,6 @@ def run_interleaved(model: torch.nn.Module, micro: list[torch.Tensor], pp: int, 
         assert moved, "deadlock"
     assert not held and not messages
     return sum(losses) / m
-
-
-def _reference(model: torch.nn.Module, micro: list[torch.Tensor]) -> float:
-    total = 0.0
-    for ids in micro:
-        loss = model(input_ids=ids, labels=ids).loss
-        (loss / len(micro)).backward()
-        total += float(loss.detach())
-    return total / len(micro)
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
