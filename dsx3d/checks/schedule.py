@@ -1,5 +1,6 @@
 """Checker rules for `parallel.schedule` (the pipeline schedule): each schedule's own rules come from its entry
-in `dsx3d.pipeline.registry`; `parallel.zb_costs: auto` needs a schedule that times its passes."""
+in `dsx3d.pipeline.registry`; `parallel.zb_costs: auto` needs a schedule that times its passes; `parallel.virtual_stages` > 1 needs a schedule
+that runs chunks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 
 from dsx3d.boundary_types import HFConfig
 from dsx3d.errors import Problem
+from dsx3d.pipeline.interleaved import virtual_stage_problems
 from dsx3d.pipeline.registry import get_schedule, measured_cost_schedules
 from dsx3d.recipe.schema import Recipe
 
@@ -23,4 +25,5 @@ def schedule_problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Pr
             "W passes to measure and no order to build",
             f"set parallel.schedule: {timed}, or remove parallel.zb_costs",
         )
+    yield from virtual_stage_problems(recipe)
     yield from spec.problems(recipe, hf_config)

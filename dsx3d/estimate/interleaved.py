@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-NAME = "interleaved-1f1b"
+from dsx3d.pipeline.interleaved import NAME  # noqa: F401 (the key this model answers to)
 
 
 def pipeline_units(pp: int, micro_batches: int, virtual_stages: int) -> float:

@@ -23,6 +23,7 @@ from dsx3d.estimate.estimator import Estimate, estimate
 from dsx3d.estimate.inputs import Hardware, Setup
 from dsx3d.estimate.interleaved import NAME as INTERLEAVED
 from dsx3d.models.shape import ModelShape, shape_from_hf_config
+from dsx3d.pipeline.one_f_one_b import NAME as ONE_F_ONE_B
 
 MEGATRON_SOURCE = "Narayanan et al., SC'21 (arXiv:2104.04473), Table 1"
 MEGATRON_SCRIPT = "Megatron-LM examples/sc21/run_table_1.sh (micro-batch, virtual stages, DDP implementation)"
@@ -102,7 +103,7 @@ def megatron_setup(row: MegatronRow) -> Setup:
         activation_checkpointing=True,
         split="even",
         sequence_parallel=False,
-        schedule=INTERLEAVED if row.virtual_stages > 1 else "1f1b",
+        schedule=INTERLEAVED if row.virtual_stages > 1 else ONE_F_ONE_B,
         virtual_stages=row.virtual_stages,
         dp_overlap=row.torch_ddp,
         attention_dropout=True,

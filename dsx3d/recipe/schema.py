@@ -141,6 +141,8 @@ class ParallelSection(_Section):
     schedule: ScheduleName = DEFAULT_SCHEDULE
     """Pipeline schedule (pp > 1): DeepSpeed's 1F1B, or zero bubble ZB-H1, which splits each backward into the
     input gradient (sent upstream at once) and the weight gradients (run later, where 1F1B idles)."""
+    virtual_stages: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    """Model chunks per pipeline rank (chunk c of rank r is stage c*pp + r); > 1 refused (`pipeline.interleaved`)."""
     zb_costs: tuple[PositiveFloat, PositiveFloat, PositiveFloat] | Literal["auto"] | None = None
     """zb-h1: relative durations of a micro-batch's F, B (input gradient) and W (weight gradients) passes, e.g.
     measured [1.0, 1.35, 0.6]; the order is built for them (`dsx3d.pipeline.zb_greedy`). Unset: [1, 1, 1], the

@@ -1,0 +1,215 @@
+"""Interleaved 1F1B over looped virtual stages (Narayanan et al., "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", SC 2021; torch.distributed.pipelining's `ScheduleInterleaved1F1B`): each of
+the p ranks holds v model chunks, chunk c of rank r being pipeline stage c p + r of v p, so a micro-batch passes
+every rank v times and the last stage of chunk c (rank p - 1) feeds chunk c + 1 on rank 0 (the wrap-around link).
+
+The order (`rank_program`), Megatron's: rank r's k-th forward runs chunk (k // p) mod v on micro-batch
+(k // (p v)) p + k mod p; its k-th backward the same micro-batch on chunk v - 1 - (k // p) mod v. It runs
+(v - 1) p + 2 (p - 1 - r) forwards (at most m v) before its first backward, then alternates one forward and one
+backward, then drains the backwards. m must be a multiple of p. `simulate` runs the v p stages' programs against
+each other (every dependency: a chunk's forward after the previous stage's, its backward after the next stage's
+and its own forward) and reports a deadlock, the step's length and each rank's peak of held chunk activations.
+
+Model: a step lasts m + (p - 1) / v micro-batch times of a whole stage, idle (p - 1) / (v m + p - 1) (the
+paper's bubble, v times smaller than 1F1B's); rank r holds at its peak 2 (p - 1 - r) + (v - 1) p + 1 chunks'
+activations, each 1/v of a stage's: at rank 0 p + (p - 1) / v micro-batches' worth, more than 1F1B's p.
+
+Status: the order, its model and the checker's rules. No runtime inside DeepSpeed's PipelineEngine is built yet,
+so this schedule is not in `dsx3d.pipeline.registry` and the checker refuses `parallel.virtual_stages` > 1
+(`virtual_stage_problems`); `tests/unit/test_interleaved.py` checks the order and a single-process numerical run
+of it (every chunk of a tiny Llama exchanging activations and gradients as the ranks would) against plain HF.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dsx3d.errors import Problem
+from dsx3d.pipeline.spec import Ratios, ScheduleSpec
+
+if TYPE_CHECKING:
+    from dsx3d.boundary_types import HFConfig
+    from dsx3d.recipe.schema import Recipe
+
+NAME = "interleaved-1f1b"
+KEY = "parallel.virtual_stages"
+VIRTUAL_STAGES = 2
+"""The v the model below describes (the only one the schedule is built for)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One pass of rank-local chunk `chunk` on micro-batch `micro_batch`: "F" forward, "B" backward."""
+
+    kind: str
+    chunk: int
+    micro_batch: int
+
+    def stage(self, rank: int, pp: int) -> int:
+        return self.chunk * pp + rank
+
+
+def _op(kind: str, k: int, pp: int, v: int) -> Op:
+    group = (k // pp) % v
+    chunk = group if kind == "F" else v - 1 - group
+    return Op(kind, chunk, (k // (pp * v)) * pp + k % pp)
+
+
+def warmup_forwards(rank: int, pp: int, micro_batches: int, v: int) -> int:
+    """Forwards rank `rank` runs before its first backward (Megatron's num_warmup_microbatches)."""
+    return min((v - 1) * pp + 2 * (pp - 1 - rank), micro_batches * v)
+
+
+def rank_program(rank: int, pp: int, micro_batches: int, v: int = VIRTUAL_STAGES) -> list[Op]:
+    """Rank `rank`'s passes in the order it runs them: warm-up forwards, one forward one backward, cool-down."""
+    if micro_batches % pp:
+        raise ValueError(f"interleaved 1F1B needs micro-batches ({micro_batches}) to be a multiple of pp ({pp})")
+    total = micro_batches * v
+    warm = warmup_forwards(rank, pp, micro_batches, v)
+    program = [_op("F", k, pp, v) for k in range(warm)]
+    for i in range(total - warm):
+        program += [_op("F", warm + i, pp, v), _op("B", i, pp, v)]
+    program += [_op("B", k, pp, v) for k in range(total - warm, total)]
+    return program
+
+
+@dataclass(frozen=True)
+class Simulation:
+    finish: float
+    """The step's length, in time units of the given F and B durations (of one chunk)."""
+    peak_held: tuple[int, ...]
+    """Per rank, the most chunk activations held at once (forwards run whose backward has not)."""
+
+
+def simulate(pp: int, micro_batches: int, v: int = VIRTUAL_STAGES, f: float = 1.0, b: float = 2.0) -> Simulation:
+    """Run every rank's program, each pass as soon as its rank is free and its inputs exist (the previous
+    stage's forward, the next stage's backward, its own forward; transfers free). Raises RuntimeError on a
+    deadlock (no rank can start its next pass) or a pass that runs twice or never."""
+    programs = [rank_program(r, pp, micro_batches, v) for r in range(pp)]
+    last = v * pp - 1
+    done: dict[tuple[str, int, int], float] = {}
+    position, free = [0] * pp, [0.0] * pp
+    held, peak = [0] * pp, [0] * pp
+    while any(position[r] < len(programs[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            if position[r] == len(programs[r]):
+                continue
+            op = programs[r][position[r]]
+            s, j = op.stage(r, pp), op.micro_batch
+            if (op.kind, s, j) in done:
+                raise RuntimeError(f"rank {r} runs {op.kind} of stage {s}, micro-batch {j} twice")
+            needs = [("F", s - 1, j)] if op.kind == "F" and s > 0 else []
+            if op.kind == "B":
+                needs = [("F", s, j)] + ([("B", s + 1, j)] if s < last else [])
+            if any(n not in done for n in needs):
+                continue
+            start = max([free[r], *(done[n] for n in needs)])
+            free[r] = done[(op.kind, s, j)] = start + (f if op.kind == "F" else b)
+            held[r] += 1 if op.kind == "F" else -1
+            peak[r] = max(peak[r], held[r])
+            position[r] += 1
+            progressed = True
+        if not progressed:
+            waiting = {r: programs[r][position[r]] for r in range(pp) if position[r] < len(programs[r])}
+            raise RuntimeError(f"deadlock: every rank waits, next passes {waiting}")
+    expected = {(k, s, j) for k in "FB" for s in range(v * pp) for j in range(micro_batches)}
+    if set(done) != expected:
+        raise RuntimeError(f"passes never run: {sorted(expected - set(done))[:5]}")
+    return Simulation(max(free), tuple(peak))
+
+
+def pipeline_units(pp: int, micro_batches: int, costs: Ratios | None = None) -> float:
+    return micro_batches + (pp - 1) / VIRTUAL_STAGES
+
+
+def idle(pp: int, micro_batches: int, costs: Ratios | None = None) -> float:
+    return (pp - 1) / (VIRTUAL_STAGES * micro_batches + pp - 1)
+
+
+def held_chunks(stage: int, pp: int, micro_batches: int, v: int = VIRTUAL_STAGES) -> int:
+    """Chunk activations rank `stage` holds at its peak (each 1/v of a whole stage's)."""
+    warm = warmup_forwards(stage, pp, micro_batches, v)
+    return warm + 1 if warm < micro_batches * v else warm
+
+
+def held_micro_batches(stage: int, pp: int, micro_batches: int, costs: Ratios | None = None) -> int:
+    """Whole-stage micro-batches' worth of activations, rounded up: rank 0 holds p + (p - 1) / v."""
+    return math.ceil(held_chunks(stage, pp, micro_batches) / VIRTUAL_STAGES)
+
+
+def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
+    """What the checker refuses with this schedule, once it has a runtime: everything but dp x pp with
+    v = 2, untied embeddings, fp32, ZeRO-0/1 and m a multiple of pp."""
+    p = recipe.parallel
+    fix = "set parallel.schedule: 1f1b and parallel.virtual_stages: 1"
+    if p.virtual_stages != VIRTUAL_STAGES:
+        yield Problem(KEY, p.virtual_stages, f"{NAME} is built for {VIRTUAL_STAGES} chunks per rank", f"set {KEY}: {VIRTUAL_STAGES}")
+    if p.pp < 2:
+        yield Problem("parallel.pp", p.pp, f"{NAME} interleaves the chunks of a pipeline; pp = 1 has none", f"set parallel.pp >= 2, or {fix}")
+    m = recipe.train.gradient_accumulation_steps
+    if p.pp > 1 and m % p.pp:
+        yield Problem(
+            "train.gradient_accumulation_steps",
+            m,
+            f"the interleaved order sends micro-batches round the ranks in groups of pp = {p.pp}",
+            f"use a multiple of {p.pp}",
+        )
+    unsupported: list[tuple[str, object, bool, str]] = [
+        ("parallel.tp", p.tp, p.tp > 1, "tensor parallelism inside a chunk is not verified"),
+        ("parallel.cp", p.cp, p.cp > 1, "context parallelism is not verified with chunks"),
+        ("parallel.ep", p.ep, p.ep > 1, "expert parallelism is not verified with chunks"),
+        ("train.dtype", recipe.train.dtype, recipe.train.dtype != "fp32", "only fp32 is verified"),
+        ("zero.stage", recipe.zero.stage, recipe.zero.stage > 1, "the pipeline engine runs ZeRO-0/1 only"),
+        ("model.lora", "set", recipe.model.lora is not None, "LoRA's frozen base is not verified with chunks"),
+        (
+            "train.activation_checkpointing",
+            True,
+            recipe.train.activation_checkpointing,
+            "checkpointing per chunk is not verified",
+        ),
+    ]
+    for key, value, bad, reason in unsupported:
+        if bad:
+            yield Problem(key, value, f"{NAME}: {reason}", f"turn it off, or {fix}")
+    if hf_config is not None:
+        from dsx3d.models.moe import experts_per_layer
+
+        if experts_per_layer(hf_config) is not None:
+            yield Problem("model", hf_config.model_type, f"{NAME}: mixture-of-experts models are not verified", fix)
+        if getattr(hf_config.get_text_config(), "tie_word_embeddings", False):
+            yield Problem(
+                "model.config.tie_word_embeddings",
+                True,
+                f"{NAME}: the embedding (chunk 0 of rank 0) and the head (chunk {VIRTUAL_STAGES - 1} of rank p - 1) "
+                "tied across chunks is not built",
+                f"untie the embeddings, or {fix}",
+            )
+
+
+def virtual_stage_problems(recipe: Recipe) -> Iterator[Problem]:
+    """`parallel.virtual_stages` > 1: refused while no registered schedule runs virtual stages (the interleaved
+    order above has no DeepSpeed runtime yet)."""
+    v = recipe.parallel.virtual_stages
+    if v > 1:
+        yield Problem(
+            KEY,
+            v,
+            f"virtual stages need the {NAME} schedule, whose order is built but whose runtime inside DeepSpeed's "
+            f"PipelineEngine is not, so no schedule of parallel.schedule ({recipe.parallel.schedule}) runs chunks",
+            f"set {KEY}: 1",
+        )
+
+
+SPEC = ScheduleSpec(
+    name=NAME,
+    summary=f"interleaved 1F1B over {VIRTUAL_STAGES} looped virtual stages per rank (order and model only)",
+    pipeline_units=pipeline_units,
+    held_micro_batches=held_micro_batches,
+    problems=problems,
+    idle=idle,
+    with_activation_checkpointing=False,
+)

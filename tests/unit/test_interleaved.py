@@ -1,0 +1,112 @@
+"""Interleaved 1F1B's order over looped virtual stages (`dsx3d.pipeline.interleaved`): every (chunk, micro-batch)
+forward and backward exactly once per rank, dependencies respected, no deadlock, the paper's bubble and held
+activations; the checker's refusals of `parallel.virtual_stages`."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsx3d.checks import check_recipe
+from dsx3d.pipeline import interleaved
+from dsx3d.pipeline.interleaved import Op, rank_program, simulate
+from dsx3d.recipe.schema import recipe_from_dict
+
+GRID = [(p, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize(("pp", "m"), GRID)
+def test_every_chunk_and_micro_batch_runs_forward_and_backward_once_per_rank(pp: int, m: int) -> None:
+    v = interleaved.VIRTUAL_STAGES
+    for r in range(pp):
+        program = rank_program(r, pp, m)
+        expected = {Op(k, c, j) for k in "FB" for c in range(v) for j in range(m)}
+        assert len(program) == len(expected) and set(program) == expected
+        # each op's backward after its forward; a chunk's micro-batches in order (tagged FIFO channels)
+        seen = {(o.kind, o.chunk, o.micro_batch): i for i, o in enumerate(program)}
+        assert all(seen[("F", c, j)] < seen[("B", c, j)] for c in range(v) for j in range(m))
+        for kind in "FB":
+            for c in range(v):
+                order = [o.micro_batch for o in program if o.kind == kind and o.chunk == c]
+                assert order == sorted(order)
+
+
+def test_the_first_ranks_order_is_megatrons() -> None:
+    """p 2, m 4, rank 0: (v - 1) p + 2 (p - 1) = 4 warm-up forwards, chunk 0 then chunk 1 in groups of p."""
+    got = [f"{o.kind}{o.chunk}.{o.micro_batch}" for o in rank_program(0, 2, 4)]
+    assert got == [
+        "F0.0", "F0.1", "F1.0", "F1.1",
+        "F0.2", "B1.0", "F0.3", "B1.1", "F1.2", "B0.0", "F1.3", "B0.1",
+        "B1.2", "B1.3", "B0.2", "B0.3",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("pp", "m"), GRID)
+def test_simulated_run_has_no_deadlock_and_the_papers_bubble(pp: int, m: int) -> None:
+    """F costs 1/v, B 2/v of a whole stage's: the step lasts (m + (p - 1) / v) stage micro-batch times."""
+    v = interleaved.VIRTUAL_STAGES
+    sim = simulate(pp, m, f=1 / v, b=2 / v)
+    assert sim.finish / 3 == pytest.approx(interleaved.pipeline_units(pp, m))
+    assert interleaved.SPEC.bubble(pp, m) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    assert interleaved.SPEC.bubble(pp, m) < (pp - 1) / (m + pp - 1)  # 1F1B's
+    assert list(sim.peak_held) == [interleaved.held_chunks(r, pp, m) for r in range(pp)]
+    # the paper's rank-0 memory: p + (p - 1) / v micro-batches' worth of a stage, all m v chunks when fewer
+    assert sim.peak_held[0] / v == pytest.approx(min(pp + (pp - 1) / v, m))
+
+
+def test_a_broken_order_deadlocks_in_the_simulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks swapped in the backward (chunk 0 before chunk 1): the last stage's backward waits forever."""
+    real = interleaved._op
+
+    def swapped(kind: str, k: int, pp: int, v: int) -> Op:
+        op = real(kind, k, pp, v)
+        return Op(kind, v - 1 - op.chunk, op.micro_batch) if kind == "B" else op
+
+    monkeypatch.setattr(interleaved, "_op", swapped)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(2, 4)
+
+
+def test_micro_batches_must_be_a_multiple_of_pp() -> None:
+    with pytest.raises(ValueError, match="multiple of pp"):
+        rank_program(0, 2, 3)
+
+
+def _recipe(**parallel: object) -> object:
+    return recipe_from_dict(
+        {
+            "model": {"config": {"model_type": "llama"}},
+            "parallel": {"dp": 1, "pp": 2, **parallel},
+            "cluster": {"nodes": 1, "gpus_per_node": 2},
+            "train": {"gradient_accumulation_steps": 4, "dtype": "fp32"},
+        }
+    )
+
+
+def test_virtual_stages_default_to_one_and_pass() -> None:
+    recipe = _recipe()
+    assert recipe.parallel.virtual_stages == 1  # type: ignore[attr-defined]
+    assert not [p for p in interleaved.virtual_stage_problems(recipe) if p.severity == "error"]  # type: ignore[arg-type]
+
+
+def test_the_checker_refuses_virtual_stages_naming_key_value_reason_and_fix() -> None:
+    problems = [p for p in check_recipe(_recipe(virtual_stages=2), world_size=2) if p.key == interleaved.KEY]  # type: ignore[arg-type]
+    assert len(problems) == 1
+    (p,) = problems
+    assert p.value == 2 and p.severity == "error" and interleaved.NAME in p.reason and "virtual_stages: 1" in p.fix
+
+
+def test_the_schedules_own_rules_name_what_it_does_not_run() -> None:
+    recipe = recipe_from_dict(
+        {
+            "model": {"config": {"model_type": "llama"}},
+            "parallel": {"dp": 1, "tp": 2, "pp": 2, "virtual_stages": 3},
+            "cluster": {"nodes": 1, "gpus_per_node": 4},
+            "train": {"gradient_accumulation_steps": 3, "dtype": "bf16"},
+            "zero": {"stage": 1},
+        }
+    )
+    keys = {p.key: p for p in interleaved.problems(recipe, None)}
+    assert set(keys) == {interleaved.KEY, "train.gradient_accumulation_steps", "parallel.tp", "train.dtype"}
+    assert all(p.reason and p.fix for p in keys.values())
+    ok = _recipe(virtual_stages=2)
+    assert list(interleaved.problems(ok, None)) == []  # type: ignore[arg-type]
