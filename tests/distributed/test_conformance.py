@@ -60,3 +60,12 @@ def test_client_optimizers_equal_transformers(tmp_path: Path, optim: str) -> Non
     case["args"] |= {"label_smoothing_factor": 0.1}
     verdict, details = run_draw(tmp_path, save_tiny_model(tmp_path / "model"), case)
     assert verdict == "equal", details
+
+
+def test_evaluation_whose_batches_are_all_dropped_logs_no_loss(tmp_path: Path) -> None:
+    """Sweep seed 1049 (tp2 pp2): 3 eval rows, per_device_eval_batch_size 4 and dataloader_drop_last leave no
+    evaluation batch; HF then logs no eval_loss (dsx3d logged 0 until this was fixed)."""
+    case = draw(1049)
+    assert case["eval_rows"] < case["args"]["per_device_eval_batch_size"] and case["args"]["dataloader_drop_last"]
+    verdict, details = run_draw(tmp_path, save_tiny_model(tmp_path / "model"), case)
+    assert verdict == "equal", details
