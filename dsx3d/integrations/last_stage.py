@@ -32,6 +32,7 @@ from dsx3d.distributed.context_parallel import CPContext
 from dsx3d.distributed.tensor_parallel.mappings import gather_last_dim
 from dsx3d.errors import Problem
 from dsx3d.integrations.batches import count_targets
+from dsx3d.integrations.label_smoothing import smoothed
 from dsx3d.models.tiled_loss import HeadInputs
 from dsx3d.objectives import LanguageModeling, Objective
 
@@ -108,6 +109,8 @@ class LastStageLoss:
         """This rank's CP group (set by `_install_loss`)."""
         self.reference_pass = False
         """An `own_loss` objective's forward-only reference pass: the loss returns per-sequence values."""
+        self.label_smoothing = 0.0
+        """TrainingArguments.label_smoothing_factor: HF's LabelSmoother on the default loss (not on compute_loss_func)."""
 
     def __call__(self, outputs: torch.Tensor, labels: Labels) -> torch.Tensor:
         """`outputs`: the logits shard, or under `train.loss_tile_tokens` what the tiled loss computes them from
@@ -120,17 +123,25 @@ class LastStageLoss:
             if self.stats is not None:
                 self.stats.append(self.objective.step_statistics(whole_logits(outputs), labels, self.shard))
             if self.compute_loss_func is None:
-                return self.mean_loss(outputs, labels) * (count_targets(labels) * self.scale / max(self.step_tokens, 1))
+                return self._mean(outputs, labels) * (count_targets(labels) * self.scale / max(self.step_tokens, 1))
             return self._user_loss(whole_logits(outputs), labels, self.step_tokens) * self.scale
         n = count_targets(labels)
         if self.compute_loss_func is None:
-            loss = self.mean_loss(outputs, labels)
+            loss = self._mean(outputs, labels)
         else:
             loss = self._user_loss(whole_logits(outputs), labels, n)
         if self.capture is not None:
             self.captured.append(self.capture(whole_logits(outputs), labels))
         weight = self.eval_rows.pop(0) if self.eval_rows else 1
         return loss * weight if n > 0 else loss * 0  # a batch scoring nothing: NaN under HF, filtered out
+
+    def _mean(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's mean loss over its scored tokens: the engine's cross-entropy, label-smoothed as HF's
+        LabelSmoother when asked (dsx3d.integrations.label_smoothing)."""
+        loss = self.mean_loss(outputs, labels)
+        if not self.label_smoothing:
+            return loss
+        return smoothed(loss, whole_logits(outputs), labels, self.shard, self.label_smoothing)
 
     def _slice_loss(self, outputs: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """cp > 1: (targets, norm) of this CP rank's slice; the Trainer set norm so that the engine's loss, the

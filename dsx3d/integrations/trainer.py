@@ -158,10 +158,10 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         hidden = getattr(model.config.get_text_config(), "hidden_size", None)
         recipe, claims = load_layout(layout_source(args.deepspeed), _model_section(model), hidden)
         recipe, disagreements = reconcile(args, recipe, claims)
-        problems += disagreements + unsupported_args(args) + trl_face.refusals(type(self), args, trl_kwargs)
-        problems += context_parallel_refusals(recipe.parallel.cp, compute_loss_func, preprocess_logits_for_metrics)
         world = comm.get_world_size()
         layout = recipe.layout(world)
+        problems += disagreements + unsupported_args(args, layout.dp, layout.cp) + trl_face.refusals(type(self), args, trl_kwargs)
+        problems += context_parallel_refusals(recipe.parallel.cp, compute_loss_func, preprocess_logits_for_metrics)
         if layout.world_size != world:
             problems.append(
                 Problem(
@@ -239,6 +239,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
             state.source = None  # the weights are in the engine now; a state-dict source can go
             state.loss = _install_loss(state.engine, self.compute_loss_func)
             state.loss.objective = trl_face.objective_for(type(self), self.args)
+            state.loss.label_smoothing = self.args.label_smoothing_factor  # HF's LabelSmoother, on the vocab shards
             state.rows = state.recipe.train.micro_batch_size
             state.reference = trl_face.reference_for(self, state.engine, state.loss)
         return state.engine

@@ -220,15 +220,18 @@ def _recipe_train(train: TrainSection, agreed: dict[str, object]) -> tuple[Train
     return TrainSection.model_validate(values), problems
 
 
-def unsupported_args(args: HFTrainingArguments) -> list[Problem]:
-    """TrainingArguments dsx3d.Trainer cannot honour; each would otherwise be ignored or train differently."""
+def unsupported_args(args: HFTrainingArguments, dp: int, cp: int) -> list[Problem]:
+    """TrainingArguments dsx3d.Trainer cannot honour at `dp` data-parallel and `cp` context-parallel ranks; each
+    would otherwise be ignored or train differently."""
     optim = str(getattr(args.optim, "value", args.optim))
     optim_refusal = trainer_optim.refusal_reason(args)
     include = [str(getattr(v, "value", v)) for v in (args.include_for_metrics or [])]
     unsupported = [
         ("optim", optim, optim_refusal is not None, optim_refusal, f"use one of {trainer_optim.supported()}"),
-        ("label_smoothing_factor", args.label_smoothing_factor, args.label_smoothing_factor != 0,
-         "the pipeline's own loss is plain cross-entropy", "set it to 0, or pass compute_loss_func= with the loss you want"),
+        # HF's LabelSmoother runs on vocab shards (dsx3d.integrations.label_smoothing), not on CP slices
+        ("label_smoothing_factor", args.label_smoothing_factor, cp > 1 and args.label_smoothing_factor != 0,
+         f"at parallel.cp = {cp} the loss is computed on slices of each sequence, which label smoothing does not take",
+         "set it to 0, or set parallel.cp: 1"),
         ("neftune_noise_alpha", args.neftune_noise_alpha, args.neftune_noise_alpha is not None,
          "NEFTune hooks the HF model's embedding, which the pipeline does not run", "unset it"),
         ("use_liger_kernel", args.use_liger_kernel, bool(args.use_liger_kernel),
@@ -242,8 +245,10 @@ def unsupported_args(args: HFTrainingArguments) -> list[Problem]:
          "evaluation runs in the training dtype", "set both to False"),
         ("activation_checkpointing_kwargs", args.activation_checkpointing_kwargs, bool(args.activation_checkpointing_kwargs),
          "the layout's activation checkpointing recomputes every decoder layer, with no options", "unset it"),
-        ("average_tokens_across_devices", args.average_tokens_across_devices, not args.average_tokens_across_devices,
-         "dsx3d weights the loss by the tokens of the whole step over all data-parallel ranks", "set it to True (HF's default)"),
+        # at dp = 1 there is one device's tokens to average over: the same run either way
+        ("average_tokens_across_devices", args.average_tokens_across_devices, dp > 1 and not args.average_tokens_across_devices,
+         f"at dp = {dp} dsx3d weights the loss by the tokens of the whole step over all data-parallel ranks",
+         "set it to True (HF's default)"),
         ("batch_eval_metrics", args.batch_eval_metrics, bool(args.batch_eval_metrics),
          "dsx3d.Trainer gathers the predictions of the whole evaluation before compute_metrics", "set it to False"),
         ("include_for_metrics", include, "loss" in include,

@@ -133,7 +133,8 @@ class EvaluationMixin(EngineTrainerBase):
                     predictions=preds, label_ids=labels, inputs=inputs if "inputs" in include else None
                 )
                 metrics = denumpify_detensorize(self.compute_metrics(prediction))
-        metrics[f"{metric_key_prefix}_loss"] = total_loss / max(tokens, 1)
+        if dataloader.batch_sampler.num_micro_batches:  # as HF: no batch (all dropped), no loss; none scoring: NaN
+            metrics[f"{metric_key_prefix}_loss"] = total_loss / tokens if tokens else float("nan")
         for key in list(metrics):
             if not key.startswith(f"{metric_key_prefix}_"):
                 metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)

@@ -1,6 +1,7 @@
-"""TRL's SFTTrainer as a face of dsx3d.Trainer (`class PipelinedSFT(dsx3d.Trainer, trl.SFTTrainer)`): with
-packing=True at dp1 x tp2 x pp2 and cp2 x tp2, per-step loss, gradient norm, mean_token_accuracy, entropy and num_tokens
-equal plain SFTTrainer with packing=True on one process; SFTConfig options that would be skipped and other
+"""TRL's SFTTrainer as a face of dsx3d.Trainer (`class PipelinedSFT(dsx3d.Trainer, trl.SFTTrainer)`): with a
+model from `from_pretrained` (eval mode at load), packed at dp1 x tp2 x pp2 and cp2 x tp2 and unpacked (padded) at
+dp1 x tp2 x pp2, per-step loss, gradient norm, mean_token_accuracy, entropy and num_tokens equal plain SFTTrainer
+on one process; SFTConfig options that would be skipped and other
 TRL trainers are refused by name, and SFTConfig's bf16 / gradient_checkpointing defaults meet the layout's
 values like any TrainingArguments value."""
 
@@ -56,7 +57,11 @@ def _config(out: Path, **overrides: Any) -> Any:
     return trl.SFTConfig(**kwargs)
 
 
-def _run(rank: int, work: Path, ds_config: Path | None) -> list[dict[str, Any]]:
+def _run(rank: int, work: Path, ds_config: Path | None, packing: bool) -> list[dict[str, Any]]:
+    """A model loaded as users load one (AutoModelForCausalLM.from_pretrained: in eval mode until the trainer's
+    training step sets it training, and TRL picks its metric bucket by model.training)."""
+    from transformers import AutoModelForCausalLM
+
     import dsx3d
 
     class PipelinedSFT(dsx3d.Trainer, trl.SFTTrainer):
@@ -64,21 +69,28 @@ def _run(rank: int, work: Path, ds_config: Path | None) -> list[dict[str, Any]]:
 
     if ds_config is None:
         cls: Any = trl.SFTTrainer
-        args = _config(work / "ref")
+        args = _config(work / "ref", packing=packing)
     else:
-        cls, args = PipelinedSFT, _config(work / "3d", deepspeed=str(ds_config))
-    trainer = cls(model=tiny_llama(), args=args, train_dataset=_dataset(), processing_class=_tokenizer())
+        cls, args = PipelinedSFT, _config(work / "3d", deepspeed=str(ds_config), packing=packing)
+    model = AutoModelForCausalLM.from_pretrained(work / "model")
+    assert not model.training
+    trainer = cls(model=model, args=args, train_dataset=_dataset(), processing_class=_tokenizer())
     trainer.train()
     return trainer.state.log_history
 
 
-# (dp, cp, tp, pp); with cp each rank's slice of every packed row, its token statistics summed over the slices
-@pytest.mark.parametrize("layout", [(1, 1, 2, 2), (1, 2, 2, 1)], ids=lambda t: "dp{}-cp{}-tp{}-pp{}".format(*t))
-def test_pipelined_sft_with_packing_matches_plain_sft(tmp_path: Path, layout: tuple[int, int, int, int]) -> None:
-    dp, cp, tp, pp = layout
+# (dp, cp, tp, pp, packing); with cp each rank's slice of every packed row, its token statistics summed over the
+# slices; unpacked: right-padded rows with an attention mask (num_tokens counts its ones)
+@pytest.mark.parametrize(
+    "case", [(1, 1, 2, 2, True), (1, 2, 2, 1, True), (1, 1, 2, 2, False)],
+    ids=lambda t: "dp{}-cp{}-tp{}-pp{}-{}".format(*t[:4], "packed" if t[4] else "padded"),
+)  # fmt: skip
+def test_pipelined_sft_matches_plain_sft(tmp_path: Path, case: tuple[int, int, int, int, bool]) -> None:
+    dp, cp, tp, pp, packing = case
+    tiny_llama().save_pretrained(tmp_path / "model")
     ds_config = write_ds_config(tmp_path / "ds.json", dp, tp, pp, cp=cp)
-    ours = run_ranks(_run, dp * cp * tp * pp, tmp_path, ds_config)
-    ref = run_ranks(_run, 1, tmp_path, None)[0]
+    ours = run_ranks(_run, dp * cp * tp * pp, tmp_path, ds_config, packing)
+    ref = run_ranks(_run, 1, tmp_path, None, packing)[0]
     for key, tol in (("loss", 1e-5), ("grad_norm", 1e-4), ("mean_token_accuracy", 1e-9), ("entropy", 1e-5), ("num_tokens", 0)):
         a, b = step_values(ours[0], key), step_values(ref, key)
         assert len(a) == len(b) == 4, (key, a, b)

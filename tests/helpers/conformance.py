@@ -70,8 +70,9 @@ def _interval(rng: random.Random, steps: int) -> float:
     return rng.choice([1, 2, 3, round(rng.uniform(0.1, 0.6), 2)]) if steps else 1
 
 
-def draw(seed: int, optims: list[str] | None = None) -> dict[str, Any]:
-    """One draw: the layout, the data sizes and TrainingArguments overrides from transformers' own spaces."""
+def draw(seed: int, optims: list[str] | None = None, small: bool = False) -> dict[str, Any]:
+    """One draw: the layout, the data sizes and TrainingArguments overrides from transformers' own spaces.
+    `small` (CI): the same arguments on at most 16 training and 6 evaluation rows."""
     from transformers.trainer_utils import IntervalStrategy, SaveStrategy
     from transformers.training_args import OptimizerNames
 
@@ -116,7 +117,10 @@ def draw(seed: int, optims: list[str] | None = None) -> dict[str, Any]:
         "optim": rng.choice(optims if optims is not None else [o.value for o in OptimizerNames])
         if optims is not None or rng.random() < 0.25 else "adamw_torch",
     }
-    return {"layout": rng.choice(LAYOUTS), "rows": rng.randint(5, 41), "eval_rows": rng.randint(3, 11), "args": args}
+    layout, rows, eval_rows = rng.choice(LAYOUTS), rng.randint(5, 41), rng.randint(3, 11)
+    if small:  # mapped, not redrawn: the arguments stay those of the seed
+        rows, eval_rows = 5 + rows % 12, 3 + eval_rows % 4
+    return {"layout": layout, "rows": rows, "eval_rows": eval_rows, "args": args}
 
 
 def layout_file(path: Path, layout: tuple[int, int, int]) -> Path:

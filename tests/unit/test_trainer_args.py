@@ -109,3 +109,19 @@ def test_an_hf_config_with_auto_values_takes_its_layout_from_the_recipe_it_names
     path.write_text(json.dumps(bad))
     _, _, problems = _reconciled(path)
     assert len(problems) == 1 and "ds_config_zero1.json: gradient_accumulation_steps = 5" in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    "given,dp,cp,refused",
+    [({"average_tokens_across_devices": False}, 1, 1, False), ({"average_tokens_across_devices": False}, 2, 1, True),
+     ({"label_smoothing_factor": 0.1}, 2, 1, False), ({"label_smoothing_factor": 0.1}, 1, 2, True)],
+    ids=str,
+)  # fmt: skip
+def test_arguments_refused_only_where_they_would_not_be_the_same_run(given: dict[str, Any], dp: int, cp: int, refused: bool) -> None:
+    """average_tokens_across_devices=False at dp 1 averages over one device (the same run); label smoothing runs on
+    the vocab shards, but not on CP slices."""
+    from dsx3d.integrations.trainer_args import unsupported_args
+
+    problems = [str(p) for p in unsupported_args(training_args(Path("unused"), **given), dp, cp)]
+    key = next(iter(given))
+    assert bool(problems) == refused and all(f"TrainingArguments.{key}" in p for p in problems), problems
