@@ -96,6 +96,8 @@ PRIVATE_ATTRIBUTES = {
     "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.create_gradient_handling_hooks": (
         "def grad_handling_hook",
         "self.process_gradients(param, i)",
+        # and keeps their handles, which dsx3d.pipeline.lean_step removes where they only keep books
+        "self._grad_acc_hooks.append(register_grad_hook(param, grad_handling_hook))",
     ),
     # attributes PipelineModule.__init__ sets and dsx3d's _partition_layers reads (checked in its source)
     "deepspeed.pipe.PipelineModule.__init__": ("self._grid", "self._topo", "self._partition_layers("),
