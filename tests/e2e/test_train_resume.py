@@ -137,18 +137,20 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(
     reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 3 dies after writing its first file of checkpoint step 4; its peers have written theirs or are
-    writing them. `latest` must still name step 2, and the resumed run must match the reference."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    writing them. `latest` must still name step 2, and the resumed run must match the reference. (The files
+    are written by the checkpointer's hashing writer, which stands in for DeepSpeed's TorchCheckpointEngine.save:
+    the kill follows the write there.)"""
+    from dsx3d.checkpoint.training import checkpointer
 
-    original = TorchCheckpointEngine.save
+    original = checkpointer.save_hashed
 
-    def dying_save(self: Any, state_dict: Any, path: str) -> Any:
-        result = original(self, state_dict, path)
+    def dying_save(save: Any, path: Path) -> Any:
+        result = original(save, path)
         if os.environ.get("RANK") == "3" and f"/{tag_for(4)}/" in str(path):
             os._exit(9)
         return result
 
-    monkeypatch.setattr(TorchCheckpointEngine, "save", dying_save)
+    monkeypatch.setattr(checkpointer, "save_hashed", dying_save)
     recipe = make_recipe(tmp_path, cache_dir)
     with pytest.raises(RankFailure):
         run(recipe)
