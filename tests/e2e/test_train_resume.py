@@ -331,17 +331,17 @@ def test_a_full_disk_says_so_keeps_the_previous_checkpoint_and_leaves_no_tempora
         finally:
             subprocess.run(["umount", str(mount)], check=False)
         return
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from dsx3d.checkpoint.training import checkpointer
 
-    original = TorchCheckpointEngine.save
+    original = checkpointer.save_hashed  # the checkpointer's writer of every file DeepSpeed saves
 
-    def full_disk(self: Any, state_dict: Any, path: str) -> Any:
+    def full_disk(save: Any, path: Path) -> Any:
         if os.environ.get("RANK") == "3" and f"/{tag_for(4)}/" in str(path):
             Path(path).write_bytes(b"partial")
-            raise OSError(errno.ENOSPC, "No space left on device", path)
-        return original(self, state_dict, path)
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return original(save, path)
 
-    monkeypatch.setattr(TorchCheckpointEngine, "save", full_disk)
+    monkeypatch.setattr(checkpointer, "save_hashed", full_disk)
     with pytest.raises(RankFailure) as info:
         run(make_recipe(tmp_path / "run", cache_dir))
     _check_disk_full_outcome(info.value, tmp_path / "run", "rank 3: no space left on device")
