@@ -9,7 +9,6 @@ from dsx3d.estimate import interleaved
 from dsx3d.pipeline.registry import SCHEDULE_NAMES, get_schedule
 from dsx3d.pipeline.spec import Ratios
 
-SCHEDULES = SCHEDULE_NAMES
 ESTIMATED_SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES + (
     () if interleaved.NAME in SCHEDULE_NAMES else (interleaved.NAME,)
 )

@@ -37,7 +37,6 @@ Claim = tuple[str, object]
 # for the same curve; HF has more, which the recipe cannot name
 RECIPE_TO_HF_SCHEDULE = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
 HF_TO_RECIPE_SCHEDULE = {v: k for k, v in RECIPE_TO_HF_SCHEDULE.items()}
-SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 SUPPORTED_SAMPLING = ("random", "sequential")
 
 
