@@ -13,4 +13,4 @@ lint-imports
 echo "[test] mkdocs build --strict (site/ is gitignored)" >&2
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir site
 echo "[test] pytest" >&2
-python -m pytest -q "$@"
+python -m pytest -q --durations=30 "$@"
