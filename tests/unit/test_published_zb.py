@@ -18,8 +18,8 @@ from dsx3d.estimate.published_zb import MODELS, SCHEDULES, ZB_TABLE_4, ZBForecas
 PROFILE = get_profile("a100-80")
 """One profile for the whole table: the datasheet A100 80 GB with the default efficiencies, nothing fitted."""
 OPEN_MODEL = "14.6B"
-"""The model whose rows the forecast puts 9-14% too fast: 8 of its 12 rows have a step-time ratio of 0.86-0.90
-(docs/design/physical-time-model.md), the other 41 rows of the table are within 10%."""
+"""The model whose rows the forecast puts 9-14% too fast: 9 of its 12 rows have a step-time ratio of 0.86-0.90
+(docs/design/physical-time-model.md), the other 39 rows of the table are within 10%."""
 RANK_OPEN = {("6.2B", 64)}
 """Groups the forecast orders differently: 6.2B at 64 micro-batches puts 1F1B-I (published 4.19) above ZB-1p (4.20)."""
 
