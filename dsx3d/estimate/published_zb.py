@@ -17,10 +17,10 @@ stages' layer count, ZB-2p by `dsx3d.estimate.zero_bubble` (estimator only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsx3d.estimate import zero_bubble
-from dsx3d.estimate.devices import DeviceProfile
+from dsx3d.estimate.devices import DeviceProfile, get_profile
 from dsx3d.estimate.estimator import Estimate, estimate
 from dsx3d.estimate.inputs import Hardware, Setup
 from dsx3d.estimate.interleaved import NAME as INTERLEAVED
@@ -31,6 +31,16 @@ from dsx3d.pipeline.zb_h1 import NAME as ZB_H1
 ZB_SOURCE = "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024 (arXiv:2401.10241)"
 SCHEDULES = {"1F1B": ONE_F_ONE_B, "1F1B-I": INTERLEAVED, "ZB-1p": ZB_H1, "ZB-2p": zero_bubble.NAME}
 """The paper's method names and the estimator's schedule for each."""
+ROCE_GBPS = 12.5
+"""GB/s across a node boundary: one 100 Gb/s RoCE port. The paper names a RoCE RDMA network but not its speed;
+this is a common port speed, an assumption, not a figure of the paper."""
+
+
+def zb_profile() -> DeviceProfile:
+    """The table's one profile: the datasheet A100 80 GB, the network across nodes `ROCE_GBPS`."""
+    base = get_profile("a100-80")
+    sources = {**base.sources, "inter_node_gbps": f"assumed: one 100 Gb/s RoCE port per node boundary ({ZB_SOURCE} names RoCE RDMA, no speed)"}
+    return replace(base, name="a100-80+roce100", inter_node_gbps=ROCE_GBPS, sources=sources)
 
 
 @dataclass(frozen=True)
