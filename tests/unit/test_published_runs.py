@@ -9,7 +9,13 @@ import functools
 import pytest
 
 from dsx3d.estimate.devices import get_profile
-from dsx3d.estimate.published import MEGATRON_TABLE_1, Forecast, discordant_pairs, forecast_megatron, rank_correlation
+from dsx3d.estimate.published import (
+    MEGATRON_TABLE_1,
+    Forecast,
+    discordant_pairs,
+    forecast_megatron,
+    rank_correlation,
+)
 
 PROFILE = get_profile("a100-80")
 """One profile for the whole table: the datasheet A100 80 GB with the default efficiencies, nothing fitted."""
