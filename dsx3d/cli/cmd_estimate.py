@@ -124,17 +124,18 @@ def _from_recipe(args: argparse.Namespace) -> tuple[ModelShape, Setup, int]:
     hf_config = load_hf_config(recipe.model)
     raise_for_errors(check_recipe(recipe, hf_config=hf_config))
     t, par = recipe.train, recipe.parallel
-    dp = recipe.resolved_dp()
+    deg = recipe.degrees()  # the one degrees record: dp, tp, pp, cp, ep and virtual stages
     if par.dp == "auto" and args.dp is None:  # "auto" fills the recipe's cluster with the degrees as overridden
-        per_replica = (args.tp or par.tp) * (args.pp or par.pp) * (args.cp or par.cp)
+        per_replica = (args.tp or deg.tp) * (args.pp or deg.pp) * (args.cp or deg.cp)
         world = recipe.cluster_world_size
-        dp = world // per_replica if world % per_replica == 0 else 0
+        deg = replace(deg, dp=world // per_replica if world % per_replica == 0 else 0)
     setup = Setup(
-        dp=dp,
-        tp=par.tp,
-        pp=par.pp,
-        ep=par.ep,
-        cp=par.cp,
+        dp=deg.dp,
+        tp=deg.tp,
+        pp=deg.pp,
+        ep=deg.ep,
+        cp=deg.cp,
+        virtual_stages=deg.virtual_stages,
         loss_tile_tokens=t.loss_tile_tokens,
         zero_stage=recipe.zero.stage,
         dtype=t.dtype,

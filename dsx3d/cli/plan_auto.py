@@ -25,7 +25,7 @@ from dsx3d.errors import UserError
 from dsx3d.estimate import Setup, shape_from_hf_config
 from dsx3d.fsio import write_atomic
 from dsx3d.pipeline.registry import SCHEDULE_NAMES
-from dsx3d.planner.margin import describe, margin
+from dsx3d.planner.margin import describe, describe_alternative, estimator_only_alternatives, margin
 from dsx3d.planner.search import Candidate, Cluster, PlanResult, plan_layouts, recipe_for
 from dsx3d.recipe.schema import (
     MAX_BATCH,
@@ -128,10 +128,21 @@ def run(args: argparse.Namespace) -> int:
         log.warning("no model config given (bare --params): candidates were not checked by dsx3d check")
     if args.write_recipe and result.best is not None:
         _write_recipe(args.write_recipe, result.best, cluster, model, recipe)
+    others = [] if result.best is None else estimator_only_alternatives(shape, result.best, hw, cluster.gpu_memory_gb)
     if args.json:
-        emit(_as_json(result, args.top, shape.total_params))
+        data = _as_json(result, args.top, shape.total_params)
+        data["estimator_only"] = [
+            {"schedule": a.schedule, "virtual_stages": a.virtual_stages, "speedup": a.speedup, "fits": a.fits,
+             "step_time_s": a.estimate.step_time_s, "total_gb": a.estimate.total_gb}
+            for a in others
+        ]
+        emit(data)
     else:
-        print(render(result, args.top, cluster, shape.total_params, args.global_batch, seq_len))
+        text = render(result, args.top, cluster, shape.total_params, args.global_batch, seq_len)
+        if others:
+            text += "\n\nschedules dsx3d's engine does not run, on the chosen layout (reported, never picked):"
+            text += "".join(f"\n  {describe_alternative(a)}" for a in others[:3])
+        print(text)
     if result.best is None:
         raise UserError.single(
             "dsx3d plan --auto",

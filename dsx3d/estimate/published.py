@@ -44,6 +44,9 @@ class MegatronRow:
     torch_ddp: bool
     tflops_per_gpu: float
     """Published achieved TFLOP/s per GPU."""
+    aggregate_pflops: float
+    """Published aggregate PFLOP/s (the table's last column): over the GPUs, a finer per-GPU figure than the
+    rounded TFLOP/s column, which ties 3.6B with 39.1B and 529.6B with 1T."""
     source: str
 
     @property
@@ -57,6 +60,14 @@ class MegatronRow:
         return 96 * b * s * lay * h * h * (1 + s / (6 * h) + v / (16 * lay * h))
 
     @property
+    def ranked_tflops_per_gpu(self) -> float:
+        """The figure rows are ranked by: the middle of the range both rounded published figures allow (the
+        TFLOP/s column +- 0.5, the aggregate column +- 0.05 PFLOP/s over the GPUs)."""
+        low = max(self.tflops_per_gpu - 0.5, (self.aggregate_pflops - 0.05) * 1e3 / self.gpus)
+        high = min(self.tflops_per_gpu + 0.5, (self.aggregate_pflops + 0.05) * 1e3 / self.gpus)
+        return (low + high) / 2
+
+    @property
     def published_step_s(self) -> float:
         return self.flops_per_iteration / (self.tflops_per_gpu * 1e12 * self.gpus)
 
@@ -66,17 +77,17 @@ def _row(i: int, name: str, *values: float | bool) -> MegatronRow:
 
 
 MEGATRON_TABLE_1: tuple[MegatronRow, ...] = (
-    #      name      heads  hidden layers tp  pp  gpus  batch mbs v  torch_ddp TFLOP/s
-    _row(1, "1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 1, True, 137),
-    _row(2, "3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 1, True, 138),
-    _row(3, "7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 1, True, 142),
-    _row(4, "18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, True, 135),
-    _row(5, "39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, False, 138),
-    _row(6, "76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, False, 140),
-    _row(7, "145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, False, 148),
-    _row(8, "310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, False, 155),
-    _row(9, "529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, False, 163),
-    _row(10, "1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, False, 163),
+    #      name      heads  hidden layers tp  pp  gpus  batch mbs v  torch_ddp TFLOP/s PFLOP/s
+    _row(1, "1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 1, True, 137, 4.4),
+    _row(2, "3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 1, True, 138, 8.8),
+    _row(3, "7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 1, True, 142, 18.2),
+    _row(4, "18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, True, 135, 34.6),
+    _row(5, "39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, False, 138, 70.8),
+    _row(6, "76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, False, 140, 143.8),
+    _row(7, "145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, False, 148, 227.1),
+    _row(8, "310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, False, 155, 297.4),
+    _row(9, "529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, False, 163, 410.2),
+    _row(10, "1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, False, 163, 502.0),
 )
 
 
@@ -154,3 +165,14 @@ def rank_correlation(xs: list[float], ys: list[float]) -> float:
     vx = sum((a - mx) ** 2 for a in rx) ** 0.5
     vy = sum((b - my) ** 2 for b in ry) ** 0.5
     return cov / (vx * vy) if vx and vy else 0.0
+
+
+def discordant_pairs(names: list[str], forecast: list[float], published: list[float]) -> list[tuple[str, str]]:
+    """Pairs the record orders strictly that the forecast orders the other way (or ties): (published faster,
+    published slower)."""
+    out = []
+    for i in range(len(names)):
+        for j in range(len(names)):
+            if published[i] > published[j] and forecast[i] <= forecast[j]:
+                out.append((names[i], names[j]))
+    return out

@@ -1,28 +1,36 @@
 """What the pipeline schedule (`parallel.schedule`) changes in the estimate: the step's length in micro-batch
 times, its idle fraction, and how many micro-batches a stage holds activations for. Each schedule's model is
 its entry in `dsx3d.pipeline.registry` (1F1B: m + p - 1 and min(p - s, m); zb-h1: its simulated order);
-interleaved 1F1B, until the registry has it, `dsx3d.estimate.interleaved`."""
+interleaved 1F1B, until the registry has it, `dsx3d.estimate.interleaved`; ZB-2p, `dsx3d.estimate.zero_bubble`.
+The last two are ESTIMATOR ONLY (the engine does not run them): `runnable` says which a planner may pick."""
 
 from __future__ import annotations
 
-from dsx3d.estimate import interleaved
+from dsx3d.estimate import interleaved, zero_bubble
 from dsx3d.pipeline.registry import SCHEDULE_NAMES, get_schedule
 from dsx3d.pipeline.spec import Ratios
 
-ESTIMATED_SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES + (
-    () if interleaved.NAME in SCHEDULE_NAMES else (interleaved.NAME,)
-)
-"""Every schedule the estimator and planner can model: the registry's, and interleaved 1F1B."""
+ESTIMATOR_ONLY: tuple[str, ...] = tuple(n for n in (interleaved.NAME, zero_bubble.NAME) if n not in SCHEDULE_NAMES)
+"""Schedules the estimator models but the engine does not run (not in the registry)."""
+ESTIMATED_SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES + ESTIMATOR_ONLY
+"""Every schedule the estimator and planner can model: the registry's, interleaved 1F1B and ZB-2p."""
+
+
+def runnable(schedule: str) -> bool:
+    """Whether the engine runs `schedule` (the registry has it): only those may a planner pick."""
+    return schedule in SCHEDULE_NAMES
 
 
 def _estimator_only(schedule: str) -> bool:
-    return schedule == interleaved.NAME and schedule not in SCHEDULE_NAMES
+    return schedule in ESTIMATOR_ONLY
 
 
 def pipeline_units(
     schedule: str, pp: int, micro_batches: int, costs: Ratios | None = None, virtual_stages: int = 1
 ) -> float:
     """A step's pipeline time in micro-batch times of the slowest stage."""
+    if schedule == zero_bubble.NAME and _estimator_only(schedule):
+        return zero_bubble.pipeline_units(pp, micro_batches, costs)
     if _estimator_only(schedule):
         return interleaved.pipeline_units(pp, micro_batches, virtual_stages)
     return get_schedule(schedule).pipeline_units(pp, micro_batches, costs)
@@ -32,6 +40,8 @@ def schedule_bubble(
     schedule: str, pp: int, micro_batches: int, costs: Ratios | None = None, virtual_stages: int = 1
 ) -> float:
     """Idle fraction of balanced stages."""
+    if schedule == zero_bubble.NAME and _estimator_only(schedule):
+        return zero_bubble.bubble(pp, micro_batches, costs)
     if _estimator_only(schedule):
         return interleaved.bubble(pp, micro_batches, virtual_stages)
     return get_schedule(schedule).bubble(pp, micro_batches, costs)
@@ -41,6 +51,8 @@ def held_micro_batches(
     schedule: str, stage: int, pp: int, micro_batches: int, costs: Ratios | None = None, virtual_stages: int = 1
 ) -> int:
     """Micro-batches whose activations `stage` holds at its peak."""
+    if schedule == zero_bubble.NAME and _estimator_only(schedule):
+        return zero_bubble.held_micro_batches(stage, pp, micro_batches)
     if _estimator_only(schedule):
         return interleaved.held_micro_batches(stage, pp, micro_batches, virtual_stages)
     return get_schedule(schedule).held_micro_batches(stage, pp, micro_batches, costs)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from dsx3d.estimate import Estimate
+from dsx3d.estimate import Estimate, Hardware, ModelShape, Setup, estimate, schedules
+from dsx3d.estimate.interleaved import NAME as INTERLEAVED
 from dsx3d.planner.search import Candidate, PlanResult
 
 
@@ -50,4 +51,54 @@ def describe(m: Margin) -> str:
     return (
         f"beats the runner-up ({m.runner_up.label()}, {m.runner_up.setup.schedule}, {m.runner_up.estimate.step_time_s:.3f} s) by "
         f"{m.speedup - 1:.1%}; decided by {m.deciding_term} ({m.deciding_seconds:+.3f} s per step in its favour)"
+    )
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """What a schedule the engine does not run (`schedules.ESTIMATOR_ONLY`) would give the chosen layout: reported,
+    never picked."""
+
+    schedule: str
+    virtual_stages: int
+    speedup: float
+    """The choice's step time over this one's: 1.05 = 5% faster than the choice."""
+    fits: bool
+    """Whether its peak memory stays within the usable memory."""
+    estimate: Estimate
+
+
+def _virtual_stage_options(shape: ModelShape, setup: Setup, limit: int = 4) -> list[int]:
+    """Chunks per rank interleaved 1F1B could use: equal chunks of whole layers, m a multiple of pp (Megatron's rule)."""
+    if setup.grad_accum % setup.pp:
+        return []
+    return [v for v in range(2, limit + 1) if shape.num_layers % (setup.pp * v) == 0]
+
+
+def estimator_only_alternatives(shape: ModelShape, chosen: Candidate, hardware: Hardware, memory_gb: float) -> list[Alternative]:
+    """The chosen layout under every estimator-only schedule (and, interleaved, every virtual-stage count it
+    allows) on devices of `memory_gb`, fastest first; empty without a pipeline."""
+    setup = chosen.setup
+    hardware = replace(hardware, gpu_memory_gb=memory_gb)
+    if setup.pp == 1:
+        return []
+    tries: list[tuple[str, int]] = []
+    for name in schedules.ESTIMATOR_ONLY:
+        if name == INTERLEAVED:
+            tries += [(name, v) for v in _virtual_stage_options(shape, setup)]
+        else:
+            tries.append((name, 1))
+    out = []
+    for name, v in tries:
+        est = estimate(shape, replace(setup, schedule=name, virtual_stages=v, stage_layers=None), hardware)
+        out.append(Alternative(name, v, chosen.estimate.step_time_s / est.step_time_s, est.fits is not False, est))
+    return sorted(out, key=lambda a: -a.speedup)
+
+
+def describe_alternative(a: Alternative) -> str:
+    v = f" v={a.virtual_stages}" if a.virtual_stages > 1 else ""
+    fit = "" if a.fits else f", but {a.estimate.total_gb:.1f} GB does not fit"
+    return (
+        f"{a.schedule}{v} (estimator only: dsx3d's engine does not run it) would take "
+        f"{a.estimate.step_time_s:.3f} s, {a.speedup - 1:+.1%} against the choice{fit}"
     )

@@ -317,7 +317,9 @@ class Recipe(_Section):
     def degrees(self, world_size: int | None = None) -> Degrees:
         """The parallel degrees, dp "auto" resolved against `world_size` (default: the cluster's)."""
         par = self.parallel
-        return Degrees(dp=self.resolved_dp(world_size), tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
+        return Degrees(
+            dp=self.resolved_dp(world_size), tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, virtual_stages=par.virtual_stages
+        )
 
     def layout(self, world_size: int | None = None) -> Layout:
         """The layout; call only after `dsx3d.checks` accepted the recipe."""

@@ -252,3 +252,36 @@ def test_cli_recipe(tmp_path, capsys):
 def test_cli_bad_input_exits_2(argv, capsys):
     assert main(argv) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_recipe_setup_reads_the_degrees_record(tmp_path, monkeypatch):
+    """The recipe -> estimate mapping takes dp, tp, pp, cp, ep and the virtual stages from `Recipe.degrees()`."""
+    import argparse
+    from dataclasses import replace as dc_replace
+
+    from dsx3d.cli import cmd_estimate
+    from dsx3d.plan.degrees import Degrees
+    from dsx3d.recipe.schema import Recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "model:\n  config: {model_type: llama, hidden_size: 64, num_hidden_layers: 4, num_attention_heads: 4,"
+        " num_key_value_heads: 2, intermediate_size: 128, vocab_size: 2048}\n"
+        "parallel: {tp: 2, pp: 2}\ncluster: {nodes: 1, gpus_per_node: 8}\n"
+        "train: {micro_batch_size: 2, gradient_accumulation_steps: 4, seq_len: 64}\n"
+    )
+    args = argparse.Namespace(recipe=str(recipe), params=None, dp=None, tp=None, pp=None, cp=None)
+    _, setup, _ = cmd_estimate._from_recipe(args)
+    assert setup.degrees == Degrees(dp=2, tp=2, pp=2)
+    seen = []
+    original = Recipe.degrees
+
+    def spy(self, world_size=None):
+        seen.append(world_size)
+        return dc_replace(original(self, world_size), virtual_stages=2)
+
+    monkeypatch.setattr(Recipe, "degrees", spy)
+    _, setup, _ = cmd_estimate._from_recipe(args)
+    assert seen and setup.virtual_stages == 2
+    _, setup, _ = cmd_estimate._from_recipe(argparse.Namespace(**{**vars(args), "tp": 1}))
+    assert setup.dp == 4  # parallel.dp "auto" over the overridden degrees: 8 / (1 x 2)

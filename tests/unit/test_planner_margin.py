@@ -32,3 +32,24 @@ def test_margin_names_the_runner_up_and_the_deciding_term(device):
         won.runner_up.estimate.step_time_s - result.ranked[0].estimate.step_time_s, rel=1e-6, abs=1e-9
     )
     assert "decided by" in describe(won)
+
+
+def test_estimator_only_schedules_are_reported_never_picked():
+    from dsx3d.estimate.schedules import ESTIMATOR_ONLY, runnable
+    from dsx3d.planner.margin import describe_alternative, estimator_only_alternatives
+
+    hw = Hardware(device=get_profile("a100-80"))
+    result = plan_layouts(
+        SHAPE, Cluster(nodes=1, gpus_per_node=8, gpu_memory_gb=80), global_batch=64, seq_len=2048,
+        hardware=hw, base=Setup(flash_attention=True), use_checker=False, max_micro_batch=2,
+    )
+    assert all(runnable(c.setup.schedule) for c in result.ranked)
+    piped = next(c for c in result.ranked if c.setup.pp > 1)
+    others = estimator_only_alternatives(SHAPE, piped, hw, 80)
+    assert {a.schedule for a in others} <= set(ESTIMATOR_ONLY) and others
+    assert [a.speedup for a in others] == sorted((a.speedup for a in others), reverse=True)
+    for a in others:
+        assert a.speedup == pytest.approx(piped.estimate.step_time_s / a.estimate.step_time_s)
+        assert "estimator only" in describe_alternative(a)
+    zb2 = next(a for a in others if a.schedule == "zb-2p")
+    assert zb2.estimate.bubble_fraction == 0.0 and zb2.speedup > 1  # equal F/B/W: the ZB-H2 bubble is zero
