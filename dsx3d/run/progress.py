@@ -125,7 +125,9 @@ class Reporter:
         eval_loss: float | None = None,
         padding: float | None = None,
         memory: MemoryRecord | None = None,
+        extra: dict[str, float] | None = None,
     ) -> None:
+        """`extra`: the objective's own metrics of the step (DPO: TRL's rewards/*, logps/*, ...), recorded as given."""
         if self.metrics is None:
             return
         self._losses.append(loss)
@@ -156,6 +158,7 @@ class Reporter:
                 record["eval_loss"] = eval_loss
             if memory is not None:
                 record.update(memory.fields())
+            record.update(extra or {})
             self.metrics.write(record)
             if self.tracker is not None:
                 self.tracker.log(record)
