@@ -125,7 +125,7 @@ def train(
         return TrainResult(start, end, losses)
 
 
-def _rank_data(recipe: Recipe, engine: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, EvalBatches | None, Any]:
+def _rank_data(recipe: Recipe, engine: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, Any, Any]:
     prepare_once_per_node(recipe, info.local_rank)
     data = build_rank_data(recipe, engine.layout.dp, engine.placement.dp)
     check_vocab(data.tokenizer, engine.hf_config)
@@ -202,7 +202,7 @@ def _train_steps(
     start: int,
     end: int,
     info: RankInfo,
-    eval_batches: EvalBatches | None = None,
+    eval_batches: Any = None,
     stop: StopRequest | None = None,
     preference: Any = None,
 ) -> list[float]:

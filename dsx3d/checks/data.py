@@ -137,7 +137,8 @@ def _field_problems(data: DataSection, view: SourceView) -> Iterator[Problem]:
             )
             continue
         for i, row in enumerate(view.rows):
-            why = _value_problem(key, row.get(field))
+            value = row.get(field)
+            why = None if data.format == "preference" and isinstance(value, str | list) else _value_problem(key, value)
             if why:
                 yield Problem(key, field, f"record {i} of {data.source}: the field {why}",
                               "point it at a field of [{role, content}, ...] messages" if key == "data.messages_field" else "name a text field")

@@ -72,9 +72,9 @@ def record_problem(prompt: object, chosen: object, rejected: object) -> str | No
         why = message_problem(value)
         if why:
             return f"{name} {why}"
-    if not prompt:
+    if not isinstance(prompt, list) or not prompt:
         return "prompt is an empty list of messages"
-    return message_problem([*prompt, {"role": "assistant", "content": ""}])
+    return message_problem([*list(prompt), {"role": "assistant", "content": ""}])
 
 
 def encode_pair(tokenizer: PreTrainedTokenizerBase, template: str | None, prompt: Any, chosen: Any, rejected: Any) -> tuple[list[int], list[int], list[int]]:

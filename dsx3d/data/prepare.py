@@ -211,9 +211,11 @@ def build_rank_data(
         )
     if prepared.pairs is not None:
         evals = prepared.eval_pairs
-        held = PreferenceEval(evals, train.micro_batch_size, train.gradient_accumulation_steps, dp, dp_rank, train.eval_batches) if evals is not None and len(evals.ids) else None
-        stream = PreferenceStream(prepared.pairs, train.micro_batch_size, train.gradient_accumulation_steps, dp, dp_rank, train.seed, start_step)
-        return RankData(stream, held, prepared.tokenizer)
+        held = None
+        if evals is not None and len(evals.ids):
+            held = PreferenceEval(evals, train.micro_batch_size, train.gradient_accumulation_steps, dp, dp_rank, train.eval_batches)
+        pairs = PreferenceStream(prepared.pairs, train.micro_batch_size, train.gradient_accumulation_steps, dp, dp_rank, train.seed, start_step)
+        return RankData(pairs, held, prepared.tokenizer)
     stream = MicroBatchStream(
         prepared.blocks,
         train.micro_batch_size,

@@ -25,7 +25,6 @@ from typing import TypeAlias
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from dsx3d.distributed import comm
 from dsx3d.distributed.context_parallel import CPContext
 from dsx3d.engine.vocab_shard import VocabShard
 from dsx3d.errors import Problem
