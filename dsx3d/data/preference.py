@@ -52,6 +52,7 @@ class Pairs:
         take = np.where(real, index, 0)
         ids = np.concatenate([self.ids[take, 0], self.ids[take, 1]]).astype(np.int64)
         labels = np.concatenate([self.labels[take, 0], self.labels[take, 1]]).astype(np.int64)
+        ids[np.concatenate([~real, ~real])] = 0
         labels[np.concatenate([~real, ~real])] = IGNORE_INDEX
         tokens = (labels != IGNORE_INDEX).sum(axis=1).astype(np.float64)
         tokens[np.concatenate([~real, ~real])] = -1.0

@@ -73,7 +73,7 @@ def policy_as_reference() -> Iterator[None]:
     from dsx3d.engine.reference import Reference
 
     original = Reference.weights
-    Reference.weights = lambda self: contextlib.nullcontext()  # type: ignore[assignment,method-assign,misc]
+    Reference.weights = lambda self: contextlib.nullcontext()  # type: ignore[assignment,method-assign,misc,return-value]
     try:
         yield
     finally:
