@@ -2,11 +2,13 @@
 step and the held-out pairs' metrics in metrics.jsonl, rewards/accuracies rising from its value at the first step
 (policy = reference: 0) to most pairs right, the held-out log-probs equal to plain HF on the exported model, which
 `from_pretrained` loads. And the recipe face's DPO step against DPO's math on one process (`dsx3d verify --objective
-dpo`'s check), with the fault "reference log-probs from the policy" caught."""
+dpo`'s check), with the fault "reference log-probs from the policy" caught; DSX3D_DPO_SWEEP=1 adds dp2 x pp2, cp2 x pp2,
+the LoRA reference (adapters off), the tiled loss and pp = 1 with ZeRO-2."""
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -82,18 +84,35 @@ def test_tiny_dpo_recipe_trains_evaluates_and_exports(tmp_path: Path, tmp_path_f
     assert last["eval_logps/rejected"] == pytest.approx(rejected, rel=1e-5)
 
 
-def _case() -> Any:
+LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+SWEEP = [  # DSX3D_DPO_SWEEP=1: each passed when written (AdamW, 3 steps); CI runs the first
+    {"tp": 2, "pp": 2},
+    {"tp": 2, "pp": 2, "lora": LORA},
+    {"dp": 2, "pp": 2},
+    {"dp": 2, "pp": 2, "lora": LORA},
+    {"cp": 2, "pp": 2},
+    {"cp": 2, "pp": 2, "lora": LORA},
+    {"tp": 2, "pp": 2, "loss_tile_tokens": 8},
+    {"dp": 2, "tp": 2, "pp": 1},
+    {"dp": 2, "tp": 2, "pp": 1, "zero_stage": 2},
+]
+LAYOUTS = SWEEP if os.environ.get("DSX3D_DPO_SWEEP") == "1" else SWEEP[:1]
+
+
+def _case(**layout: Any) -> Any:
     from dsx3d.models.known_families import tiny_config
     from dsx3d.verify.case import ParityCase
 
-    return ParityCase(tiny_config("llama"), dp=1, tp=2, pp=2, steps=2, micro_batch_size=2, micro_batches=2, seq_len=16,
-                      lr=1e-3, optimizer="adamw")  # fmt: skip
+    steps = 3 if len(LAYOUTS) > 1 else 2
+    return ParityCase(tiny_config("llama"), steps=steps, micro_batch_size=2, micro_batches=2, seq_len=16, lr=1e-3,
+                      optimizer="adamw", **{"dp": 1, "tp": 1, **layout})  # fmt: skip
 
 
-def test_recipe_face_dpo_step_matches_single_process_math() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v if k != 'lora' else ''}" for k, v in d.items()))
+def test_recipe_face_dpo_step_matches_single_process_math(layout: dict[str, Any]) -> None:
     from dsx3d.verify.dpo import run_dpo_parity
 
-    result = run_dpo_parity(_case())
+    result = run_dpo_parity(_case(**layout))
     assert result.ok, [c for c in result.checks if not c.ok]
     assert {c.name for c in result.checks} >= {"loss", "grad_norm", "rewards/margins", "logps/chosen", "weights"}
 
@@ -101,6 +120,6 @@ def test_recipe_face_dpo_step_matches_single_process_math() -> None:
 def test_reference_from_the_policy_is_caught() -> None:
     from dsx3d.verify.dpo import run_dpo_parity
 
-    result = run_dpo_parity(_case(), fault="policy_as_reference")
+    result = run_dpo_parity(_case(tp=2, pp=2), fault="policy_as_reference")
     failed = {c.name for c in result.checks if not c.ok}
     assert not result.ok and {"loss", "rewards/margins", "weights"} <= failed, result.checks
