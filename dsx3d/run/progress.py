@@ -72,7 +72,9 @@ def format_log_line(record: dict[str, Any], total_steps: int) -> str:
         f"eta {format_duration(record['eta_s'])}"
         + (f" | padding {record['padding_fraction']:.1%}" if "padding_fraction" in record else "")
         + (_memory_text(record["peak_mem_gb"], record["peak_mem_rank"], record["peak_mem_gb_by_stage"]) if "peak_mem_gb" in record else "")
+        + (f" | rewards/accuracies {record['rewards/accuracies']:.3f}" if "rewards/accuracies" in record else "")
         + (f" | eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
+        + (f" | eval_rewards/accuracies {record['eval_rewards/accuracies']:.3f}" if "eval_rewards/accuracies" in record else "")
     )
 
 

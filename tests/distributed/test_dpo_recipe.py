@@ -1,5 +1,5 @@
 """`dsx3d train` with `train.objective: dpo` (recipes/tiny-dpo.yaml, shortened, dp1 x tp2 x pp2): TRL's metrics per
-step and the held-out pairs' metrics in metrics.jsonl, rewards/accuracies rising from its value at the first step
+step and the held-out pairs' metrics in metrics.jsonl across a stop and a resume, rewards/accuracies rising from its value at the first step
 (policy = reference: 0) to most pairs right, the held-out log-probs equal to plain HF on the exported model, which
 `from_pretrained` loads. And the recipe face's DPO step against DPO's math on one process (`dsx3d verify --objective
 dpo`'s check), with the fault "reference log-probs from the policy" caught; DSX3D_DPO_SWEEP=1 adds dp2 x pp2, cp2 x pp2,
@@ -35,10 +35,10 @@ def _recipe(tmp: Path, cache: Path) -> Recipe:
     return recipe_from_dict(data)
 
 
-def _train(rank: int, recipe: Recipe) -> list[float]:
+def _train(rank: int, recipe: Recipe, stop_at: int | None = None, resume: bool = False) -> list[float]:
     from dsx3d.train import train
 
-    return train(recipe).losses
+    return train(recipe, stop_at=stop_at, resume=resume).losses
 
 
 def _hf_logps(recipe: Recipe, hf_dir: Path, cache: Path) -> tuple[float, float]:
@@ -65,7 +65,8 @@ def _hf_logps(recipe: Recipe, hf_dir: Path, cache: Path) -> tuple[float, float]:
 def test_tiny_dpo_recipe_trains_evaluates_and_exports(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     cache = tmp_path_factory.mktemp("dpo-cache")
     recipe = _recipe(tmp_path, cache)
-    losses = run_ranks(_train, 4, recipe, timeout_s=600)[0]
+    half = STEPS // 2  # stopped and resumed there: the reference stays the initial model, not the resumed one
+    losses = run_ranks(_train, 4, recipe, half, timeout_s=600)[0] + run_ranks(_train, 4, recipe, None, True, timeout_s=600)[0]
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
@@ -73,6 +74,7 @@ def test_tiny_dpo_recipe_trains_evaluates_and_exports(tmp_path: Path, tmp_path_f
     accuracies = [r["rewards/accuracies"] for r in records]
     assert accuracies[0] == 0.0 and losses[0] == pytest.approx(math.log(2), rel=1e-6)  # the policy is the reference
     assert sum(accuracies[-3:]) / 3 >= 0.7, accuracies
+    assert accuracies[half] > 0 and losses[half] < math.log(2) - 0.01, (accuracies, losses)  # the first step resumed
     assert sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
     evals = {r["step"]: r for r in records if "eval_loss" in r}
     assert sorted(evals) == [STEPS // 2, STEPS]
