@@ -172,3 +172,14 @@ def test_shipped_recipe_is_accepted_and_auto_picks_the_reference() -> None:
     auto = _recipe(train={"dpo": {"reference": "auto"}})
     assert reference_mode(auto, precomputed=False) == "copy" and reference_mode(auto, precomputed=True) == "precomputed"
     assert reference_mode(_recipe(model__lora={"r": 4}, train={"dpo": {"reference": "auto"}}), precomputed=False) == "adapters_off"
+
+
+def test_precomputed_reference_needs_the_columns_before_launch(tmp_path: Path) -> None:
+    import json
+
+    problems = check_recipe(_recipe(train={"dpo": {"reference": "precomputed"}}))
+    assert any(p.key == "train.dpo.reference" and "ref_chosen_logps" in p.reason for p in problems)
+    rows = [{**p, "ref_chosen_logps": -3.0, "ref_rejected_logps": -4.0} for p in tiny_preference_pairs(20)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = _recipe(train={"dpo": {"reference": "precomputed"}}, data__source=str(tmp_path / "pairs.jsonl"))
+    assert not [p for p in check_recipe(recipe) if p.severity == "error"]
