@@ -183,3 +183,10 @@ def test_precomputed_reference_needs_the_columns_before_launch(tmp_path: Path) -
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     recipe = _recipe(train={"dpo": {"reference": "precomputed"}}, data__source=str(tmp_path / "pairs.jsonl"))
     assert not [p for p in check_recipe(recipe) if p.severity == "error"]
+
+
+def test_verify_objective_dpo_refuses_bf16_before_forking(capsys: pytest.CaptureFixture[str]) -> None:
+    from dsx3d.cli import main
+
+    assert main(["verify", "--objective", "dpo", "--dtype", "bf16", "--dp", "1", "--tp", "1", "--pp", "1"]) == 2
+    assert "--dtype = 'bf16'" in capsys.readouterr().err
