@@ -103,6 +103,7 @@ def train(
         removed = check_start(paths, resume=resume, overwrite=overwrite)
         engine = _quietly(functools.partial(build_engine, recipe, check_data=True))
         stream, eval_batches, tokenizer = _rank_data(recipe, engine, info)
+        preference = _preference(engine, recipe, stream)  # before a resume: the frozen reference is the initial model
         ckpt = Checkpointer(engine, paths.checkpoints, recipe, recipe.train.keep_checkpoints)
         start = _resume(ckpt, stream) if resume else 0
         _save_beside_run(
@@ -116,7 +117,7 @@ def train(
             resume=resume,
         )
         end = max(start, min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps))
-        losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info, eval_batches, stop)
+        losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info, eval_batches, stop, preference)
         if stop is not None and stop.stopped_at is not None:
             return TrainResult(start, stop.stopped_at, losses, stopped_by=stop.agreed_signal)
         if end == recipe.train.steps:
@@ -124,11 +125,20 @@ def train(
         return TrainResult(start, end, losses)
 
 
-def _rank_data(recipe: Recipe, engine: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, EvalBatches | None, Any]:
+def _rank_data(recipe: Recipe, engine: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, Any, Any]:
     prepare_once_per_node(recipe, info.local_rank)
     data = build_rank_data(recipe, engine.layout.dp, engine.placement.dp)
     check_vocab(data.tokenizer, engine.hf_config)
     return data.stream, data.eval_batches, data.tokenizer
+
+
+def _preference(engine: Engine3D, recipe: Recipe, stream: MicroBatchStream) -> Any:
+    """train.objective dpo: the DPO objective and its reference pass on the engine (dsx3d.engine.preference_run)."""
+    if recipe.data.format != "preference":
+        return None
+    from dsx3d.engine.preference_run import PreferenceTraining
+
+    return PreferenceTraining(engine, recipe, precomputed=stream.pairs.precomputed)  # type: ignore[attr-defined]
 
 
 def evaluate(engine: Engine3D, batches: EvalBatches) -> float:
@@ -192,8 +202,9 @@ def _train_steps(
     start: int,
     end: int,
     info: RankInfo,
-    eval_batches: EvalBatches | None = None,
+    eval_batches: Any = None,
     stop: StopRequest | None = None,
+    preference: Any = None,
 ) -> list[float]:
     train = recipe.train
     reporter = Reporter(
@@ -216,7 +227,11 @@ def _train_steps(
             # stream, and its checkpointed position, in step.
             micro_batches = [next(stream) for _ in range(train.gradient_accumulation_steps)]
             lr, began = engine.lr, time.perf_counter()
-            loss = engine.train_step(iter(micro_batches))
+            extra: dict[str, float] = {}
+            if preference is not None:  # DPO: the reference pass, the step, TRL's metrics
+                loss, extra = preference.train_step(micro_batches)
+            else:
+                loss = engine.train_step(iter(micro_batches))
             if not math.isfinite(loss):
                 raise RunFailure(
                     f"the loss is {loss} at step {step}: training diverged (lower train.lr, raise "
@@ -225,10 +240,16 @@ def _train_steps(
                 )
             seconds, grad_norm = time.perf_counter() - began, engine.grad_norm
             evaluating = eval_batches is not None and _evaluates_at(recipe, step)
-            eval_loss = evaluate(engine, eval_batches) if evaluating else None  # type: ignore[arg-type]
+            eval_loss = None
+            if evaluating and preference is not None:
+                extra.update(preference.evaluate(eval_batches))
+                eval_loss = extra.pop("eval_loss")
+            elif evaluating:
+                eval_loss = evaluate(engine, eval_batches)  # type: ignore[arg-type]
             memory = gather_peaks(meter, stages) if reporter.due(step, evaluating) else None
             reporter.step(
-                step, loss, lr, grad_norm, seconds, eval_loss, padding=stream.padding_fraction(step - 1), memory=memory
+                step, loss, lr, grad_norm, seconds, eval_loss, padding=stream.padding_fraction(step - 1), memory=memory,
+                extra=extra,
             )
             losses.append(loss)
             halt = stop.agreed() if stop is not None else 0  # every rank stops after the same step
@@ -274,7 +295,8 @@ def _finish(engine: Engine3D, paths: RunPaths, tokenizer: HFProcessor | None, in
 
 def _throughput(recipe: Recipe, engine: Engine3D) -> Throughput:
     train = recipe.train
-    tokens = train.micro_batch_size * train.gradient_accumulation_steps * engine.layout.dp * train.seq_len
+    rows = 2 if recipe.data.format == "preference" else 1  # a preference micro-batch: both sides of each pair
+    tokens = rows * train.micro_batch_size * train.gradient_accumulation_steps * engine.layout.dp * train.seq_len
     return Throughput(tokens, shape_from_hf_config(engine.hf_config).flop_params, engine.layout.world_size)
 
 

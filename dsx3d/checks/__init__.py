@@ -24,6 +24,7 @@ from dsx3d.checks.deepspeed import (
     _scheduler_override,
     _shadowing_overrides,
 )
+from dsx3d.checks.dpo import objective_problems
 from dsx3d.checks.environment import _data_dirs, _monitor_packages, _output_dir, _tracking_packages
 from dsx3d.checks.lora import _lora
 from dsx3d.checks.model import (
@@ -130,6 +131,7 @@ RULES: list[Rule] = [
     _lora,
     _schedule,
     _loss_tiles,
+    objective_problems,
 ]
 
 # Rules about the recipe's own data pipeline (`dsx3d train`); the engine alone (the Trainer, verify) reads none.

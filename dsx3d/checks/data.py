@@ -19,8 +19,10 @@ from pathlib import Path
 from dsx3d.data.chat import message_problem, template_text
 from dsx3d.data.corpus import (
     BUILTIN_CHATS,
+    BUILTIN_PREFERENCES,
     BUILTIN_PREFIX,
     LOADERS,
+    PRECOMPUTED_COLUMNS,
     check_source,
     eval_data,
     is_saved_dataset,
@@ -59,6 +61,10 @@ def view_source(data: DataSection) -> SourceView | None:
         if name in BUILTIN_CHATS:
             chats = BUILTIN_CHATS[name]()
             return SourceView([{data.messages_field: c} for c in chats[:PEEK_ROWS]], len(chats), None)
+        if name in BUILTIN_PREFERENCES:
+            pairs = BUILTIN_PREFERENCES[name]()
+            fields = {"prompt": data.prompt_field, "chosen": data.chosen_field, "rejected": data.rejected_field}
+            return SourceView([{fields[k]: v for k, v in p.items()} for p in pairs[:PEEK_ROWS]], len(pairs), None)
         return None
     path = Path(source).expanduser()
     if is_saved_dataset(path):
@@ -137,7 +143,8 @@ def _field_problems(data: DataSection, view: SourceView) -> Iterator[Problem]:
             )
             continue
         for i, row in enumerate(view.rows):
-            why = _value_problem(key, row.get(field))
+            value = row.get(field)
+            why = None if data.format == "preference" and isinstance(value, str | list) else _value_problem(key, value)
             if why:
                 yield Problem(key, field, f"record {i} of {data.source}: the field {why}",
                               "point it at a field of [{role, content}, ...] messages" if key == "data.messages_field" else "name a text field")
@@ -229,6 +236,11 @@ def _source_problems(recipe: Recipe, data: DataSection, global_batch: int) -> It
         return
     fields = list(_field_problems(data, view))
     yield from fields
+    if data.format == "preference" and recipe.train.dpo.reference == "precomputed" and data.source == recipe.data.source:
+        missing = [c for c in PRECOMPUTED_COLUMNS if not view.rows or any(c not in row for row in view.rows)]
+        if missing:
+            yield Problem("train.dpo.reference", "precomputed", f"the records of {data.source} have no {' / '.join(missing)}",
+                          "add TRL's ref_chosen_logps and ref_rejected_logps to every record, or set train.dpo.reference: auto")  # fmt: skip
     if not fields:
         yield from _size_problems(recipe, data, view, global_batch)
 

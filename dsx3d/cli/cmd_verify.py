@@ -72,6 +72,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--timeout", type=bounded_float(0.0, 86400.0), default=300.0, help="seconds before hung ranks are killed"
     )
+    p.add_argument(
+        "--objective", choices=["lm", "dpo"], default="lm",
+        help="lm: language modelling on random tokens; dpo: DPO steps of `dsx3d train` on generated preference pairs, "
+        "against DPO's math on one process (loss, rewards, logps, gradients, weights)",
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.set_defaults(func=run)
 
@@ -108,7 +113,14 @@ def run(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage, schedule=args.schedule,
         stage_layers=args.stage_layers, loss_tile_tokens=args.loss_tile_tokens,
     )
-    raise_for_errors(check_recipe(case_recipe(case), world_size=case.world_size, hf_config=config, data=False))
+    if args.objective == "dpo" and args.dtype != "fp32":
+        raise UserError.single("--dtype", args.dtype, "--objective dpo compares fp32 steps", "use --dtype fp32")
+    recipe = case_recipe(case)
+    if args.objective == "dpo":
+        from dsx3d.verify.dpo import dpo_recipe
+
+        recipe = dpo_recipe(case)
+    raise_for_errors(check_recipe(recipe, world_size=case.world_size, hf_config=config, data=False))
     log.info(
         "verify: %s at dp=%d cp=%d tp=%d pp=%d ep=%d, ZeRO-%d, %d steps, %s",
         config.model_type, args.dp, args.cp, args.tp, args.pp, args.ep, args.zero_stage, args.steps, args.dtype,
@@ -117,7 +129,12 @@ def run(args: argparse.Namespace) -> int:
         log.info("verify compares without dropout (set to 0: %s)", ", ".join(f"{k}={v:g}" for k, v in dropped.items()))
     warm_up()
     try:
-        results = run_verify(case, model=model, timeout_s=args.timeout)
+        if args.objective == "dpo":
+            from dsx3d.verify.dpo import run_dpo_verify
+
+            results = run_dpo_verify(case, model=model, timeout_s=args.timeout)
+        else:
+            results = run_verify(case, model=model, timeout_s=args.timeout)
     except RankFailure as err:
         print(f"error: rank {err.root_rank} failed: {err.root_error}", file=sys.stderr)
         # bad input a rank found (a UserError's last traceback line) is exit 2 like any other

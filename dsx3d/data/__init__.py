@@ -1,5 +1,6 @@
 """Training data: a corpus (`data.source`), a tokenizer, fixed-length packed blocks (or padded chat and
-instruction examples with their labels), per-rank micro-batches and held-out evaluation batches.
+instruction examples with their labels, or preference pairs: `preference.py`), per-rank micro-batches and held-out
+evaluation batches.
 
 The training entry point calls `prepare_data(recipe)` on one rank, then `build_rank_data(recipe, dp,
 dp_rank, start_step)` (the stream, the held-out batches, the tokenizer) on every rank. Nothing here talks to other processes: every rank derives the same

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dsx3d.data.tiny_chat import tiny_chat_conversations
+from dsx3d.data.tiny_chat import tiny_chat_conversations, tiny_preference_pairs
 from dsx3d.errors import UserError
 from dsx3d.recipe.schema import DataSection
 
@@ -44,13 +44,16 @@ BUILTINS: dict[str, Callable[[], list[str]]] = {"python-docs": python_docs_docum
 BUILTIN_CHATS: dict[str, Callable[[], list[list[dict[str, str]]]]] = {"tiny-chat": tiny_chat_conversations}
 
 
+BUILTIN_PREFERENCES: dict[str, Callable[[], list[dict[str, list[dict[str, str]]]]]] = {"tiny-preference": tiny_preference_pairs}
+
+
 def builtin_problem(data: DataSection) -> UserError | None:
     """Why data.source names no builtin usable with data.format (None when it names one)."""
     name = data.source[len(BUILTIN_PREFIX) :]
-    if name not in BUILTINS and name not in BUILTIN_CHATS:
-        known = ", ".join(BUILTIN_PREFIX + n for n in [*BUILTINS, *BUILTIN_CHATS])
+    if name not in BUILTINS and name not in BUILTIN_CHATS and name not in BUILTIN_PREFERENCES:
+        known = ", ".join(BUILTIN_PREFIX + n for n in [*BUILTINS, *BUILTIN_CHATS, *BUILTIN_PREFERENCES])
         return UserError.single("data.source", data.source, "unknown builtin corpus", f"use one of: {known}")
-    kind = "text" if name in BUILTINS else "chat"
+    kind = "text" if name in BUILTINS else "chat" if name in BUILTIN_CHATS else "preference"
     if kind != data.format:
         return UserError.single(
             "data.source",

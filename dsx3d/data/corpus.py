@@ -22,6 +22,7 @@ import numpy as np
 
 from dsx3d.data.builtin_corpora import (  # noqa: F401
     BUILTIN_CHATS,
+    BUILTIN_PREFERENCES,
     BUILTIN_PREFIX,
     BUILTINS,
     _split_sections,
@@ -33,14 +34,7 @@ from dsx3d.errors import UserError
 from dsx3d.recipe.schema import DataSection
 
 # Local file suffix -> the `datasets` packaged loader that reads it.
-LOADERS = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-}
+LOADERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # Above this many bytes (or documents) a step may take seconds: show progress bars.
 LARGE_BYTES = 50_000_000
 LARGE_DOCUMENTS = 50_000
@@ -126,16 +120,16 @@ def check_source(data: DataSection) -> None:
 # --- builtin -----------------------------------------------------------------------------------------
 
 
-"""Builtin text corpora (data.format text)."""
-"""Builtin conversations (data.format chat)."""
-
-
 def _builtin_corpus(data: DataSection) -> Corpus:
     source = data.source
     problem = builtin_problem(data)
     if problem is not None:
         raise problem
     name = source[len(BUILTIN_PREFIX) :]
+    if name in BUILTIN_PREFERENCES:
+        pairs, keys = BUILTIN_PREFERENCES[name](), ("prompt", "chosen", "rejected")
+        columns = {k: [p[k] for p in pairs] for k in keys}
+        return Corpus(source, digest("builtin-preference-v1", source, pairs), lambda: datasets.Dataset.from_dict(columns), large=False)
     if name in BUILTIN_CHATS:
         chats = BUILTIN_CHATS[name]()
         fingerprint = digest("builtin-chat-v1", source, chats)
@@ -262,6 +256,8 @@ def source_columns(data: DataSection) -> dict[str, str]:
         return {"data.messages_field": data.messages_field}
     if data.format == "instruction":
         return {"data.prompt_field": data.prompt_field, "data.response_field": data.response_field}
+    if data.format == "preference":
+        return {"data.prompt_field": data.prompt_field, "data.chosen_field": data.chosen_field, "data.rejected_field": data.rejected_field}
     return {"data.text_field": data.text_field}
 
 
@@ -271,7 +267,10 @@ _INTERNAL = {
     "data.messages_field": "messages",
     "data.prompt_field": "prompt",
     "data.response_field": "response",
+    "data.chosen_field": "chosen",
+    "data.rejected_field": "rejected",
 }
+PRECOMPUTED_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # a preference source's reference sums (TRL's)
 
 
 def select_columns(ds: datasets.Dataset, data: DataSection, plain_text: bool = False) -> datasets.Dataset:
@@ -287,6 +286,8 @@ def select_columns(ds: datasets.Dataset, data: DataSection, plain_text: bool = F
                 f"set {key} to the column that holds the {_INTERNAL[key]}",
             )
         feature = ds.features[field]
+        if data.format == "preference":
+            continue  # text or message lists, checked per record (dsx3d.data.preference)
         if key != "data.messages_field" and (
             not isinstance(feature, datasets.Value) or feature.dtype not in ("string", "large_string")
         ):
@@ -295,7 +296,10 @@ def select_columns(ds: datasets.Dataset, data: DataSection, plain_text: bool = F
             raise UserError.single(
                 key, field, f"column is {feature}, not a list of messages", "name a column of [{role, content}, ...] lists"
             )
-    ds = ds.select_columns(list(columns.values()))
+    keep = list(columns.values())
+    if data.format == "preference" and all(c in ds.column_names for c in PRECOMPUTED_COLUMNS):
+        keep += [c for c in PRECOMPUTED_COLUMNS if c not in keep]
+    ds = ds.select_columns(keep)
     return ds.rename_columns({f: _INTERNAL[k] for k, f in columns.items() if f != _INTERNAL[k]})
 
 

@@ -21,6 +21,7 @@ from dsx3d.data.cache import default_cache_dir
 from dsx3d.data.chat import IGNORE_INDEX, chat_template_for, missing_template_problem
 from dsx3d.data.corpus import Corpus, eval_data, renamed_for_eval, resolve_corpus, split_held_out
 from dsx3d.data.packing import PackedTokens, cut_blocks, pack_corpus
+from dsx3d.data.preference import Pairs, PreferenceEval, PreferenceStream, encode_pairs
 from dsx3d.data.sft import cached_examples
 from dsx3d.data.sft_packing import pack_examples, packing_problems
 from dsx3d.data.stream import EvalBatches, MicroBatchStream
@@ -60,6 +61,9 @@ class PreparedData:
     """(num_blocks, train.seq_len) position_ids of packed examples (data.packing), None otherwise."""
     lengths: np.ndarray | None = None
     """(num_blocks,) tokens before each row's padding (chat, instruction), None for text blocks."""
+    pairs: Pairs | None = None
+    """data.format preference: the training pairs (blocks then holds their ids flattened)."""
+    eval_pairs: Pairs | None = None
 
 
 def resolve_cache_dir(recipe: Recipe, cache_dir: str | Path | None = None) -> Path:
@@ -95,6 +99,8 @@ def prepare_data(
         except UserError as err:
             raise renamed_for_eval(err) from None
     warn = logging.WARNING if log_level <= logging.INFO else logging.DEBUG  # said once, by the preparing rank
+    if data.format == "preference":
+        return _preference_data(recipe, tokenizer, template, train_corpus, eval_corpus, log_level, warn)
     packed, rows, what = _rows(recipe, train_corpus, tokenizer, template, cache, warn=warn, pack=data.packing)
     log.log(log_level, "data %s: %s; tokenizer: %s; %.1f s", corpus.source, what, tokenizer_how, time.perf_counter() - start)
     eval_rows = None
@@ -105,6 +111,23 @@ def prepare_data(
             raise renamed_for_eval(err) from None
         log.log(log_level, "held-out data %s: %s", data.eval_source or f"{data.eval_fraction:g} of data.source", what)
     return PreparedData(tokenizer, packed, rows.input_ids, rows.labels, eval_rows, rows.positions, rows.lengths)
+
+
+def _preference_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, template: str | None, train_corpus: Corpus,
+                     eval_corpus: Corpus | None, log_level: int, warn: int) -> PreparedData:  # fmt: skip
+    seq_len, parts = recipe.train.seq_len, []
+    for corpus in (train_corpus, eval_corpus):
+        pairs = encode_pairs(corpus.load(), recipe.data, tokenizer, template, seq_len) if corpus is not None else None
+        if pairs is not None:
+            if pairs.dropped:
+                log.log(warn, "%s: %d pairs dropped, their prompt fills train.seq_len %d", corpus.source, pairs.dropped, seq_len)  # type: ignore[union-attr]
+            log.log(log_level, "preference data: %d pairs of %d tokens a side, %d cut to fit", len(pairs.ids), seq_len, pairs.truncated)
+        parts.append(pairs)
+    train, held = parts
+    assert train is not None
+    if len(train.ids) == 0:
+        raise UserError.single("train.seq_len", seq_len, f"every prompt of {recipe.data.source} fills it", "raise train.seq_len")
+    return PreparedData(tokenizer, None, train.ids.reshape(len(train.ids), -1), pairs=train, eval_pairs=held)
 
 
 def _rows(
@@ -165,7 +188,7 @@ def _rows(
 @dataclass(frozen=True)
 class RankData:
     stream: MicroBatchStream
-    eval_batches: EvalBatches | None
+    eval_batches: EvalBatches | PreferenceEval | None
     tokenizer: PreTrainedTokenizerBase
 
 
@@ -186,6 +209,13 @@ def build_rank_data(
             "(train.micro_batch_size x train.gradient_accumulation_steps x dp)",
             "use a larger corpus, or lower train.seq_len, train.micro_batch_size or train.gradient_accumulation_steps",
         )
+    if prepared.pairs is not None:
+        evals = prepared.eval_pairs
+        held = None
+        if evals is not None and len(evals.ids):
+            held = PreferenceEval(evals, train.micro_batch_size, train.gradient_accumulation_steps, dp, dp_rank, train.eval_batches)
+        pairs = PreferenceStream(prepared.pairs, train.micro_batch_size, train.gradient_accumulation_steps, dp, dp_rank, train.seed, start_step)
+        return RankData(pairs, held, prepared.tokenizer)
     stream = MicroBatchStream(
         prepared.blocks,
         train.micro_batch_size,

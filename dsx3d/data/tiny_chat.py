@@ -46,3 +46,34 @@ def tiny_chat_conversations(n: int = NUM_CONVERSATIONS) -> list[list[dict[str, s
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         conversations.append(messages)
     return conversations
+
+
+def _wrong(rng: random.Random, question: str, answer: str) -> str:
+    """A dispreferred answer to `question`: a wrong one of the same shape, or an evasive one."""
+    if rng.random() < 0.5:
+        return rng.choice(["I do not know.", "That is not something I can answer.", "Maybe ask someone else."])
+    if question.startswith("What is"):
+        a, b = (int(w.rstrip("?")) for w in question.split()[2::2])
+        return f"{a} plus {b} is {a + b + rng.choice([-2, -1, 1, 3])}."
+    if question.startswith("Which day"):
+        day = question.split()[-1].rstrip("?")
+        return f"{DAYS[(DAYS.index(day) + 3) % 7]} comes after {day}."
+    return answer[::-1]
+
+
+def tiny_preference_pairs(n: int = NUM_CONVERSATIONS) -> list[dict[str, list[dict[str, str]]]]:
+    """builtin:tiny-preference: TRL's conversational preference records (prompt / chosen / rejected message lists):
+    the tasks above, the right answer chosen and a wrong or evasive one rejected."""
+    rng = random.Random(33)
+    pairs = []
+    for _ in range(n):
+        question, answer = _task(rng)
+        prompt = [{"role": "user", "content": question}]
+        if rng.random() < 0.2:
+            prompt.insert(0, {"role": "system", "content": rng.choice(SYSTEMS)})
+        pairs.append({
+            "prompt": prompt,
+            "chosen": [{"role": "assistant", "content": answer}],
+            "rejected": [{"role": "assistant", "content": _wrong(rng, question, answer)}],
+        })  # fmt: skip
+    return pairs

@@ -153,5 +153,14 @@ def _text_batches(dataset, batch_size: int = 1000) -> Iterator[list[str]]:
             yield [t for t in batch["text"] if t]
         elif "messages" in batch:
             yield ["\n".join(str(m.get("content", "")) for m in c if isinstance(m, dict)) for c in batch["messages"] if c]
+        elif "chosen" in batch:
+            yield ["\n".join(_texts(p) + _texts(c) + _texts(r)) for p, c, r in zip(batch["prompt"], batch["chosen"], batch["rejected"], strict=True)]
         else:
             yield [f"{p}\n{r}" for p, r in zip(batch["prompt"], batch["response"], strict=True)]
+
+
+def _texts(value: object) -> list[str]:
+    """A preference field's text: the string, or its messages' contents."""
+    if isinstance(value, list):
+        return [str(m.get("content", "")) for m in value if isinstance(m, dict)]
+    return [str(value)] if value else []

@@ -83,14 +83,15 @@ class Reference:
             out.append((inputs, (labels, norm, ref, tokens)))
         return out
 
-    def sums(self, micro: list[MicroBatch]) -> list[torch.Tensor] | None:
-        """Each micro-batch's (2P,) reference sums on the last stage's ranks, None on the others."""
+    def sums(self, micro: list[MicroBatch], reference: bool = True) -> list[torch.Tensor] | None:
+        """Each micro-batch's (2P,) reference sums on the last stage's ranks, None on the others; with `reference`
+        False the policy's own sums, forward-only (evaluation)."""
         engine = self.engine
-        self.passes += 1
+        self.passes += reference
         self.loss.reference_pass, training = True, self.loss.training
         self.loss.training = False
         try:
-            with self.weights(), torch.no_grad():
+            with self.weights() if reference else contextlib.nullcontext(), torch.no_grad():
                 fed = sliced(iter(micro), engine.layout.cp, engine.placement.cp)
                 if engine.pipelined:
                     ds = engine.ds_engine

@@ -33,6 +33,7 @@ from dsx3d.pipeline.registry import DEFAULT_SCHEDULE, SCHEDULE_NAMES
 from dsx3d.pipeline.split import with_layout_counts
 from dsx3d.plan.degrees import Degrees
 from dsx3d.plan.layout import Layout
+from dsx3d.recipe.dpo_section import DPOSection
 from dsx3d.recipe.json_values import MAX_MAPPING_VALUES, _check_json  # noqa: F401
 from dsx3d.recipe.strict_yaml import StrictYamlLoader, parse_yaml  # noqa: F401
 from dsx3d.recipe.validation_errors import _problems_from
@@ -211,6 +212,11 @@ class TrainSection(_Section):
     the last step (0: only after the last step)."""
     eval_batches: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Global batches per evaluation (0: every complete global batch of the held-out data)."""
+    objective: Literal["lm", "sft", "dpo"] | None = None
+    """lm: every token of text; sft: the assistant's tokens of chat/instruction data; dpo: preference pairs
+    (data.format preference, keys in train.dpo). Default: from data.format."""
+    dpo: DPOSection = Field(default_factory=DPOSection)
+    """train.objective dpo: beta, loss_type, label_smoothing, reference (dsx3d.recipe.dpo_section)."""
     report_to: list[Literal["tensorboard", "wandb", "csv"]] = Field(default_factory=list)
     """Experiment tracking: any of tensorboard, wandb, csv (a name or a list); "none" or [] for none."""
 
@@ -243,21 +249,25 @@ class DataSection(_Section):
     """Vocabulary of the tokenizer dsx3d trains when none is given."""
     cache_dir: Path_ | None = None
     """Where trained tokenizers and tokenized corpora are cached; default $DSX3D_CACHE_DIR, else ~/.cache/dsx3d."""
-    format: Literal["text", "chat", "instruction"] = "text"
+    format: Literal["text", "chat", "instruction", "preference"] = "text"
     """text: documents packed into blocks, loss on every token. chat: conversations (data.messages_field)
     rendered by the tokenizer's chat template, loss on assistant tokens only. instruction: prompt/response
     pairs (data.prompt_field, data.response_field) as a user turn and an assistant turn of the chat
     template, loss on the response only. chat and instruction pad each example to train.seq_len, unless
-    data.packing."""
+    data.packing. preference: prompt / chosen / rejected pairs for train.objective dpo."""
     packing: StrictBool = False
     """chat and instruction: lay whole examples back to back into rows of train.seq_len (best fit), with
     position_ids restarting at every example so attention stays inside each; less padding, same loss."""
     messages_field: Annotated[StrictStr, Field(min_length=1)] = "messages"
     """data.format chat: the column holding a list of {role, content} messages."""
     prompt_field: Annotated[StrictStr, Field(min_length=1)] = "prompt"
-    """data.format instruction: the column holding the prompt."""
+    """data.format instruction and preference: the column holding the prompt."""
     response_field: Annotated[StrictStr, Field(min_length=1)] = "response"
     """data.format instruction: the column holding the answer."""
+    chosen_field: Annotated[StrictStr, Field(min_length=1)] = "chosen"
+    """data.format preference: the preferred completion (text, or messages); the prompt is data.prompt_field."""
+    rejected_field: Annotated[StrictStr, Field(min_length=1)] = "rejected"
+    """data.format preference: the dispreferred completion."""
     chat_template: Annotated[StrictStr, Field(min_length=1)] | None = None
     """A Jinja chat template, or the path of a file holding one; default: the tokenizer's own (dsx3d's
     trained tokenizer gets dsx3d.data.chat.DEFAULT_CHAT_TEMPLATE)."""

@@ -72,7 +72,9 @@ def format_log_line(record: dict[str, Any], total_steps: int) -> str:
         f"eta {format_duration(record['eta_s'])}"
         + (f" | padding {record['padding_fraction']:.1%}" if "padding_fraction" in record else "")
         + (_memory_text(record["peak_mem_gb"], record["peak_mem_rank"], record["peak_mem_gb_by_stage"]) if "peak_mem_gb" in record else "")
+        + (f" | rewards/accuracies {record['rewards/accuracies']:.3f}" if "rewards/accuracies" in record else "")
         + (f" | eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
+        + (f" | eval_rewards/accuracies {record['eval_rewards/accuracies']:.3f}" if "eval_rewards/accuracies" in record else "")
     )
 
 
@@ -125,7 +127,9 @@ class Reporter:
         eval_loss: float | None = None,
         padding: float | None = None,
         memory: MemoryRecord | None = None,
+        extra: dict[str, float] | None = None,
     ) -> None:
+        """`extra`: the objective's own metrics of the step (DPO: TRL's rewards/*, logps/*, ...), recorded as given."""
         if self.metrics is None:
             return
         self._losses.append(loss)
@@ -156,6 +160,7 @@ class Reporter:
                 record["eval_loss"] = eval_loss
             if memory is not None:
                 record.update(memory.fields())
+            record.update(extra or {})
             self.metrics.write(record)
             if self.tracker is not None:
                 self.tracker.log(record)

@@ -19,9 +19,9 @@ from typing import Any
 
 BACKENDS = ("tensorboard", "wandb", "csv")
 """The values of train.report_to besides "none"."""
-FIGURES = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "peak_mem_gb")
-"""The metrics.jsonl fields each backend receives, as train/<name> at the record's step."""
-EVAL_FIGURES = {"eval_loss": "eval/loss"}
+FIGURES = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "peak_mem_gb", "rewards/accuracies", "rewards/margins")
+"""The metrics.jsonl fields each backend receives, as train/<name> at the record's step (rewards/*: DPO)."""
+EVAL_FIGURES = {"eval_loss": "eval/loss", "eval_rewards/accuracies": "eval/rewards/accuracies", "eval_rewards/margins": "eval/rewards/margins"}
 """metrics.jsonl fields of evaluations and their names in the backends."""
 
 
