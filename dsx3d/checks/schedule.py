@@ -25,5 +25,5 @@ def schedule_problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Pr
             "W passes to measure and no order to build",
             f"set parallel.schedule: {timed}, or remove parallel.zb_costs",
         )
-    yield from virtual_stage_problems(recipe)
+    yield from virtual_stage_problems(recipe, spec.virtual_stages)
     yield from spec.problems(recipe, hf_config)

@@ -250,6 +250,7 @@ def build_engine(
             sequence_parallel=recipe.parallel.sequence_parallel,
             lora=lora,
             loss_tile_tokens=recipe.train.loss_tile_tokens,
+            virtual_stages=recipe.parallel.virtual_stages,
         )
     else:
         mpu = DataTensorParallelGroups(layout.tp_groups(), layout.data_groups())

@@ -14,10 +14,9 @@ Model: a step lasts m + (p - 1) / v micro-batch times of a whole stage, idle (p 
 paper's bubble, v times smaller than 1F1B's); rank r holds at its peak 2 (p - 1 - r) + (v - 1) p + 1 chunks'
 activations, each 1/v of a stage's: at rank 0 p + (p - 1) / v micro-batches' worth, more than 1F1B's p.
 
-Status: the order, its model and the checker's rules. No runtime inside DeepSpeed's PipelineEngine is built yet,
-so this schedule is not in `dsx3d.pipeline.registry` and the checker refuses `parallel.virtual_stages` > 1
-(`virtual_stage_problems`); `tests/unit/test_interleaved.py` checks the order and a single-process numerical run
-of it (every chunk of a tiny Llama exchanging activations and gradients as the ranks would) against plain HF.
+The runtime inside DeepSpeed's PipelineEngine is `dsx3d.pipeline.interleaved_schedule` (registered as
+`interleaved-1f1b`); `tests/unit/test_interleaved.py` checks the order and a single-process numerical run of it,
+`tests/distributed/test_interleaved_engine.py` the engine against single-process HF.
 """
 
 from __future__ import annotations
@@ -142,8 +141,8 @@ def held_micro_batches(stage: int, pp: int, micro_batches: int, costs: Ratios | 
 
 
 def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
-    """What the checker refuses with this schedule, once it has a runtime: everything but dp x pp with
-    v = 2, untied embeddings, fp32, ZeRO-0/1 and m a multiple of pp."""
+    """What the checker refuses with this schedule: everything but dp x tp x pp with v = 2, fp32, ZeRO-0/1,
+    tied or untied embeddings, and m a multiple of pp (`RUNTIME_LIMITS` says why each is left out)."""
     p = recipe.parallel
     fix = "set parallel.schedule: 1f1b and parallel.virtual_stages: 1"
     if p.virtual_stages != VIRTUAL_STAGES:
@@ -158,58 +157,64 @@ def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
             f"the interleaved order sends micro-batches round the ranks in groups of pp = {p.pp}",
             f"use a multiple of {p.pp}",
         )
-    unsupported: list[tuple[str, object, bool, str]] = [
-        ("parallel.tp", p.tp, p.tp > 1, "tensor parallelism inside a chunk is not verified"),
-        ("parallel.cp", p.cp, p.cp > 1, "context parallelism is not verified with chunks"),
-        ("parallel.ep", p.ep, p.ep > 1, "expert parallelism is not verified with chunks"),
-        ("train.dtype", recipe.train.dtype, recipe.train.dtype != "fp32", "only fp32 is verified"),
-        ("zero.stage", recipe.zero.stage, recipe.zero.stage > 1, "the pipeline engine runs ZeRO-0/1 only"),
-        ("model.lora", "set", recipe.model.lora is not None, "LoRA's frozen base is not verified with chunks"),
-        (
-            "train.activation_checkpointing",
-            True,
-            recipe.train.activation_checkpointing,
-            "checkpointing per chunk is not verified",
-        ),
-    ]
-    for key, value, bad, reason in unsupported:
+    for key, value, bad, reason in _unsupported(recipe):
         if bad:
             yield Problem(key, value, f"{NAME}: {reason}", f"turn it off, or {fix}")
     if hf_config is not None:
         from dsx3d.models.moe import experts_per_layer
 
         if experts_per_layer(hf_config) is not None:
-            yield Problem("model", hf_config.model_type, f"{NAME}: mixture-of-experts models are not verified", fix)
-        if getattr(hf_config.get_text_config(), "tie_word_embeddings", False):
+            yield Problem("model", hf_config.model_type, f"{NAME}: mixture-of-experts models are not verified with chunks", fix)
+        layers = getattr(hf_config.get_text_config(), "num_hidden_layers", None)
+        if isinstance(layers, int) and p.pp * VIRTUAL_STAGES > layers:
             yield Problem(
-                "model.config.tie_word_embeddings",
-                True,
-                f"{NAME}: the embedding (chunk 0 of rank 0) and the head (chunk {VIRTUAL_STAGES - 1} of rank p - 1) "
-                "tied across chunks is not built",
-                f"untie the embeddings, or {fix}",
+                "parallel.pp",
+                p.pp,
+                f"{NAME} cuts the model into pp x {VIRTUAL_STAGES} = {p.pp * VIRTUAL_STAGES} stages, each with at least "
+                f"one decoder layer, and the model has {layers}",
+                f"set parallel.pp <= {layers // VIRTUAL_STAGES}, or {fix}",
             )
 
 
-def virtual_stage_problems(recipe: Recipe) -> Iterator[Problem]:
-    """`parallel.virtual_stages` > 1: refused while no registered schedule runs virtual stages (the interleaved
-    order above has no DeepSpeed runtime yet)."""
+def _unsupported(recipe: Recipe) -> list[tuple[str, object, bool, str]]:
+    p, train = recipe.parallel, recipe.train
+    return [
+        ("parallel.cp", p.cp, p.cp > 1, "context parallelism is not verified with chunks"),
+        ("parallel.ep", p.ep, p.ep > 1, "expert parallelism is not verified with chunks"),
+        ("train.dtype", train.dtype, train.dtype != "fp32", "only fp32 is verified with chunks"),
+        ("zero.stage", recipe.zero.stage, recipe.zero.stage > 1, "the pipeline engine runs ZeRO-0/1 only"),
+        ("model.lora", "set", recipe.model.lora is not None, "LoRA's frozen base is not verified with chunks"),
+        ("train.activation_checkpointing", True, train.activation_checkpointing, "checkpointing per chunk is not built"),
+        ("train.loss_tile_tokens", train.loss_tile_tokens, train.loss_tile_tokens > 0, "the tiled loss is not verified with chunks"),
+        (
+            "parallel.stage_layers",
+            p.stage_layers,
+            p.stage_layers is not None,
+            "an explicit split names pp stages, not the pp x v virtual stages (the cost split is used)",
+        ),
+    ]
+
+
+def virtual_stage_problems(recipe: Recipe, spec_chunks: int) -> Iterator[Problem]:
+    """`parallel.virtual_stages` > 1 with a schedule that runs one chunk per rank (`spec_chunks` = 1)."""
     v = recipe.parallel.virtual_stages
-    if v > 1:
+    if v > 1 and spec_chunks == 1:
         yield Problem(
             KEY,
             v,
-            f"virtual stages need the {NAME} schedule, whose order is built but whose runtime inside DeepSpeed's "
-            f"PipelineEngine is not, so no schedule of parallel.schedule ({recipe.parallel.schedule}) runs chunks",
-            f"set {KEY}: 1",
+            f"parallel.schedule {recipe.parallel.schedule} runs one stage per rank; only {NAME} runs virtual stages",
+            f"set parallel.schedule: {NAME}, or {KEY}: 1",
         )
 
 
 SPEC = ScheduleSpec(
     name=NAME,
-    summary=f"interleaved 1F1B over {VIRTUAL_STAGES} looped virtual stages per rank (order and model only)",
+    summary=f"interleaved 1F1B over {VIRTUAL_STAGES} looped virtual stages per rank (parallel.virtual_stages: {VIRTUAL_STAGES})",
     pipeline_units=pipeline_units,
     held_micro_batches=held_micro_batches,
     problems=problems,
     idle=idle,
     with_activation_checkpointing=False,
+    virtual_stages=VIRTUAL_STAGES,
+    installer="dsx3d.pipeline.interleaved_schedule:install_for_recipe",
 )

@@ -38,7 +38,7 @@ from dsx3d.models.pipe_layers import (
     tied_head_forward,
 )
 from dsx3d.models.weights import WeightSource
-from dsx3d.pipeline.split import bounds_from_stage_layers, stage_layers_for
+from dsx3d.pipeline.split import bounds_from_stage_layers, looped_placement, stage_layers_for
 from dsx3d.plan.layout import Layout
 
 
@@ -46,8 +46,20 @@ class StagedPipelineModule(PipelineModule):
     """A PipelineModule with our stage bounds, and the TP context bound to DeepSpeed's own grid before any
     layer is built (the grid is created inside PipelineModule.__init__, right before partitioning)."""
 
-    def __init__(self, layers: list[Any], *, bounds: list[int], tp: TPContext, builder: LayerBuilder, **kwargs: object):
+    def __init__(
+        self,
+        layers: list[Any],
+        *,
+        bounds: list[int],
+        tp: TPContext,
+        builder: LayerBuilder,
+        chunks: list[list[int]] | None = None,
+        **kwargs: object,
+    ):
         self.__dict__["_dsx3d_bounds"] = bounds
+        self.__dict__["_dsx3d_all_chunks"] = chunks
+        self.__dict__["dsx3d_chunks"] = None
+        self.__dict__["dsx3d_chunk"] = None
         self.__dict__["_dsx3d_tp"] = tp
         self.__dict__["dsx3d_builder"] = builder
         super().__init__(layers, **kwargs)
@@ -65,6 +77,21 @@ class StagedPipelineModule(PipelineModule):
         self._dsx3d_tp.bind(self._grid.get_slice_parallel_group())
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        if self._dsx3d_all_chunks is not None:
+            self.__dict__["dsx3d_chunks"] = self._dsx3d_all_chunks[stage]
+
+    def forward(self, forward_input: Any) -> Any:
+        """With virtual stages, the layers of chunk `dsx3d_chunk` only (set by the schedule around each pass,
+        `dsx3d.pipeline.interleaved_schedule`); else the whole stage, as DeepSpeed's."""
+        if self.dsx3d_chunks is None or self.dsx3d_chunk is None:
+            return super().forward(forward_input)
+        lo, hi = self.dsx3d_chunks[self.dsx3d_chunk], self.dsx3d_chunks[self.dsx3d_chunk + 1]
+        funcs = self.forward_funcs
+        self.forward_funcs = funcs[lo:hi]
+        try:
+            return super().forward(forward_input)
+        finally:
+            self.forward_funcs = funcs
 
     @property
     def expert_context(self) -> ExpertContext:
@@ -140,7 +167,8 @@ def release_last_stage_outputs(engine: PipeEngine) -> None:
 
 
 def stage_bounds(config: PretrainedConfig, pp: int, seq_len: int, stage_layers: list[int] | None) -> list[int]:
-    """Boundaries over the pipeline items [embedding, L decoder layers, epilogue, head]."""
+    """Boundaries over the pipeline items [embedding, L decoder layers, epilogue, head] (with virtual stages,
+    `pp` is the number of stages, ranks x chunks)."""
     return bounds_from_stage_layers(stage_layers_for(config, pp, seq_len, stage_layers), num_extra_first=1, num_extra_last=2)
 
 
@@ -167,6 +195,7 @@ def build_pipeline(
     sequence_parallel: bool = False,
     lora: LoraSpec | None = None,
     loss_tile_tokens: int = 0,
+    virtual_stages: int = 1,
 ) -> StagedPipelineModule:
     """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed).
     `sequence_parallel` takes effect with tp > 1 for families that allow it (`LayerBuilder`)."""
@@ -184,14 +213,20 @@ def build_pipeline(
         experts.group, experts.group_name = groups.ep_group, groups.name
     builder = LayerBuilder(config, plan, tp, source, experts, lora, cp)
     builder.loss_tile_tokens = loss_tile_tokens
-    bounds = stage_bounds(config, layout.pp, seq_len, stage_layers)
+    specs = pipeline_specs(builder, plan, layout.pp)
+    bounds = stage_bounds(config, layout.pp * virtual_stages, seq_len, stage_layers)
+    chunks = None
+    if virtual_stages > 1:  # rank r holds stages r, pp + r, ...: its items made contiguous for DeepSpeed
+        order, bounds, chunks = looped_placement(bounds, layout.pp, virtual_stages)
+        specs = [specs[i] for i in order]
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return builder.loss(logits, labels)
 
     module = StagedPipelineModule(
-        pipeline_specs(builder, plan, layout.pp),
+        specs,
         bounds=bounds,
+        chunks=chunks,
         tp=tp,
         builder=builder,
         topology=pipeline_topology(layout),

@@ -10,12 +10,13 @@ schedule is one module that defines its `ScheduleSpec`, one line in `_SPECS`, an
 
 from __future__ import annotations
 
-from dsx3d.pipeline import one_f_one_b, zb_h1
+from dsx3d.pipeline import interleaved, one_f_one_b, zb_h1
 from dsx3d.pipeline.spec import ScheduleSpec
 
 _SPECS = (
     one_f_one_b.SPEC,
     zb_h1.SPEC,
+    interleaved.SPEC,
 )
 SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in _SPECS}
 DEFAULT_SCHEDULE = one_f_one_b.NAME
@@ -35,10 +36,10 @@ def measured_cost_schedules() -> tuple[str, ...]:
 
 def planner_options(pp: int, default: str, schedules: tuple[str, ...]) -> list[tuple[bool, str]]:
     """(activation checkpointing, schedule) pairs the planner tries: with pp > 1 each of `schedules`, with
-    checkpointing only where the schedule takes it; with pp = 1 the schedule does not matter (`default`)."""
+    checkpointing only where the schedule takes it; with pp = 1 the schedule does not matter (`default`). Schedules
+    that run several chunks per rank are left out: the planner's candidates hold one stage per rank."""
     if pp == 1:
         return [(False, default), (True, default)]
-    return [
-        (ckpt, s) for ckpt in (False, True) for s in schedules if not ckpt or get_schedule(s).with_activation_checkpointing
-    ]
+    single = [s for s in schedules if get_schedule(s).virtual_stages == 1]
+    return [(ckpt, s) for ckpt in (False, True) for s in single if not ckpt or get_schedule(s).with_activation_checkpointing]
 

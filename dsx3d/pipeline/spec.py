@@ -33,6 +33,9 @@ class ScheduleSpec:
     """Whether the planner may pair it with `train.activation_checkpointing`."""
     idle: Callable[[int, int, Ratios | None], float] | None = None
     """(pp, micro-batches, costs) -> the idle fraction, where a closed form is exact; else 1 - m / units."""
+    virtual_stages: int = 1
+    """Model chunks per rank it runs (`parallel.virtual_stages`): > 1 for interleaved schedules, whose step model
+    and held micro-batches are for that many."""
     installer: str | None = None
     """"module:function" taking (engine, recipe) that installs it into a PipelineEngine; None: DeepSpeed's own
     `TrainSchedule` runs."""

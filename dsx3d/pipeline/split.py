@@ -193,3 +193,22 @@ def with_layout_counts(section: object) -> object:
     except ValueError as e:
         raise ValueError(f"parallel.pipeline_layout {original_repr(layout)}: {e}") from None
     return {**section, "stage_layers": counts}
+
+
+def looped_placement(bounds: list[int], pp: int, v: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """Virtual stages placed looped (chunk c of rank r is stage c pp + r of v pp), given `bounds` over the v pp
+    stages: (the items in rank order, so that each rank's chunks are contiguous as DeepSpeed's partition wants
+    them; the ranks' bounds over that order; per rank, its chunks' bounds within its own items)."""
+    if len(bounds) != pp * v + 1:
+        raise ValueError(f"{pp} ranks x {v} chunks need {pp * v + 1} bounds, got {len(bounds)}")
+    order: list[int] = []
+    parts, chunks = [0], []
+    for r in range(pp):
+        local = [0]
+        for c in range(v):
+            s = c * pp + r
+            order += range(bounds[s], bounds[s + 1])
+            local.append(local[-1] + bounds[s + 1] - bounds[s])
+        parts.append(parts[-1] + local[-1])
+        chunks.append(local)
+    return order, parts, chunks

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsx3d.pipeline.registry import get_schedule
 from dsx3d.recipe.schema import Recipe, recipe_from_dict
 from dsx3d.verify.case import (  # noqa: F401
     CRITERIA,
@@ -110,6 +111,7 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "stage_layers": case.stage_layers,
                 "sequence_parallel": case.sequence_parallel,
                 "schedule": case.schedule,
+                "virtual_stages": get_schedule(case.schedule).virtual_stages,
                 "zb_costs": case.zb_costs,
             },
             "cluster": {"nodes": 1, "gpus_per_node": case.world_size},
