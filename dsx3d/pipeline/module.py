@@ -86,12 +86,12 @@ class StagedPipelineModule(PipelineModule):
         if self.dsx3d_chunks is None or self.dsx3d_chunk is None:
             return super().forward(forward_input)
         lo, hi = self.dsx3d_chunks[self.dsx3d_chunk], self.dsx3d_chunks[self.dsx3d_chunk + 1]
-        funcs = self.forward_funcs
-        self.forward_funcs = funcs[lo:hi]
+        funcs: list[Any] = self.__dict__["forward_funcs"]  # a plain list attribute of DeepSpeed's module
+        self.__dict__["forward_funcs"] = funcs[lo:hi]
         try:
             return super().forward(forward_input)
         finally:
-            self.forward_funcs = funcs
+            self.__dict__["forward_funcs"] = funcs
 
     @property
     def expert_context(self) -> ExpertContext:

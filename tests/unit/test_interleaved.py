@@ -85,14 +85,16 @@ def _recipe(**parallel: object) -> object:
 def test_virtual_stages_default_to_one_and_pass() -> None:
     recipe = _recipe()
     assert recipe.parallel.virtual_stages == 1  # type: ignore[attr-defined]
-    assert not [p for p in interleaved.virtual_stage_problems(recipe) if p.severity == "error"]  # type: ignore[arg-type]
+    assert not [p for p in interleaved.virtual_stage_problems(recipe, 1) if p.severity == "error"]  # type: ignore[arg-type]
 
 
-def test_the_checker_refuses_virtual_stages_naming_key_value_reason_and_fix() -> None:
+def test_the_checker_refuses_virtual_stages_without_the_interleaved_schedule() -> None:
     problems = [p for p in check_recipe(_recipe(virtual_stages=2), world_size=2) if p.key == interleaved.KEY]  # type: ignore[arg-type]
     assert len(problems) == 1
     (p,) = problems
-    assert p.value == 2 and p.severity == "error" and interleaved.NAME in p.reason and "virtual_stages: 1" in p.fix
+    assert p.value == 2 and p.severity == "error" and interleaved.NAME in p.fix and "virtual_stages: 1" in p.fix
+    ok = _recipe(virtual_stages=2, schedule=interleaved.NAME)
+    assert not [p for p in check_recipe(ok, world_size=2) if p.severity == "error"]  # type: ignore[arg-type]
 
 
 def test_the_schedules_own_rules_name_what_it_does_not_run() -> None:
@@ -106,7 +108,13 @@ def test_the_schedules_own_rules_name_what_it_does_not_run() -> None:
         }
     )
     keys = {p.key: p for p in interleaved.problems(recipe, None)}
-    assert set(keys) == {interleaved.KEY, "train.gradient_accumulation_steps", "parallel.tp", "train.dtype"}
+    assert set(keys) == {interleaved.KEY, "train.gradient_accumulation_steps", "train.dtype"}
     assert all(p.reason and p.fix for p in keys.values())
     ok = _recipe(virtual_stages=2)
     assert list(interleaved.problems(ok, None)) == []  # type: ignore[arg-type]
+    lora = _recipe(virtual_stages=2, stage_layers=[1, 1, 1, 1])
+    assert {p.key for p in interleaved.problems(lora, None)} == {"parallel.stage_layers"}  # type: ignore[arg-type]
+    from dsx3d.models.known_families import tiny_config
+
+    (deep,) = interleaved.problems(_recipe(virtual_stages=2), tiny_config("llama", num_hidden_layers=3))  # type: ignore[arg-type]
+    assert deep.key == "parallel.pp" and "pp x 2 = 4 stages" in deep.reason
