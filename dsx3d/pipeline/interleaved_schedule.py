@@ -223,7 +223,7 @@ def install_interleaved(engine: PipeEngine, chunks: int = 2) -> None:
 
     def run_forward(self: PipeEngine, buffer_id: int) -> None:
         forward(self, buffer_id)
-        if self.is_last_stage():
+        if self.is_last_stage() and torch.is_grad_enabled():  # eval_batch runs without gradients, and no backward
             rt.losses[buffer_id] = self.loss
 
     def run_backward(self: PipeEngine, buffer_id: int) -> None:

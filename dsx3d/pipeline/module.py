@@ -54,10 +54,12 @@ class StagedPipelineModule(PipelineModule):
         tp: TPContext,
         builder: LayerBuilder,
         chunks: list[list[int]] | None = None,
+        order: list[int] | None = None,
         **kwargs: object,
     ):
         self.__dict__["_dsx3d_bounds"] = bounds
         self.__dict__["_dsx3d_all_chunks"] = chunks
+        self.__dict__["_dsx3d_order"] = order
         self.__dict__["dsx3d_chunks"] = None
         self.__dict__["dsx3d_chunk"] = None
         self.__dict__["_dsx3d_tp"] = tp
@@ -101,8 +103,19 @@ class StagedPipelineModule(PipelineModule):
         """Whether this stage has parameters split over the EP group (DeepSpeed must treat it as MoE)."""
         return any(holds_ep_shards(layer) for layer in self.forward_funcs if isinstance(layer, nn.Module))
 
+    def _natural(self, local_layer_idx: int) -> int:
+        """The local index DeepSpeed's file naming adds `_local_start` to, such that a layer file is named by the
+        item's place in [embedding, decoders, norm, head] also with virtual stages (whose items DeepSpeed holds
+        in rank order): checkpoints, `dsx3d export` and resharding read the same file names at any v."""
+        if self._dsx3d_order is None:
+            return local_layer_idx
+        return int(self._dsx3d_order[self._local_start + local_layer_idx]) - int(self._local_start)
+
+    def ckpt_layer_path_list(self, ckpt_dir: str, local_layer_idx: int) -> list[str]:
+        return list(super().ckpt_layer_path_list(ckpt_dir, self._natural(local_layer_idx)))
+
     def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
-        path = super().ckpt_layer_path(ckpt_dir, local_layer_idx)
+        path = super().ckpt_layer_path(ckpt_dir, self._natural(local_layer_idx))
         layer = self.forward_funcs[local_layer_idx]
         if isinstance(layer, nn.Module) and holds_ep_shards(layer):
             path = path.replace("-model_states.pt", f"-expert_{self.expert_context.ep_rank:02d}-model_states.pt")
@@ -215,7 +228,7 @@ def build_pipeline(
     builder.loss_tile_tokens = loss_tile_tokens
     specs = pipeline_specs(builder, plan, layout.pp)
     bounds = stage_bounds(config, layout.pp * virtual_stages, seq_len, stage_layers)
-    chunks = None
+    chunks, order = None, None
     if virtual_stages > 1:  # rank r holds stages r, pp + r, ...: its items made contiguous for DeepSpeed
         order, bounds, chunks = looped_placement(bounds, layout.pp, virtual_stages)
         specs = [specs[i] for i in order]
@@ -227,6 +240,7 @@ def build_pipeline(
         specs,
         bounds=bounds,
         chunks=chunks,
+        order=order if virtual_stages > 1 else None,
         tp=tp,
         builder=builder,
         topology=pipeline_topology(layout),

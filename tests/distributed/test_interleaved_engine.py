@@ -12,7 +12,7 @@ import pytest
 from dsx3d.models.known_families import tiny_config
 from dsx3d.pipeline.interleaved import NAME
 from dsx3d.verify.interleaved_faults import INTERLEAVED_FAULTS
-from dsx3d.verify.parity import ParityCase, run_verify
+from dsx3d.verify.parity import ParityCase, run_parity, run_verify
 
 
 def _ok(case: ParityCase) -> bool:
@@ -47,5 +47,8 @@ def test_interleaved_parity(case: tuple[str, int, int, int, int, int]) -> None:
 @pytest.mark.usefixtures("warm")
 @pytest.mark.parametrize("fault", sorted(INTERLEAVED_FAULTS))
 def test_verify_catches_a_broken_chunk(fault: str) -> None:
+    case = ParityCase(_config("llama", 4), dp=1, tp=1, pp=2, micro_batches=4, steps=1, schedule=NAME, optimizer="sgd")
     with INTERLEAVED_FAULTS[fault]():
-        assert not _ok(ParityCase(_config("llama", 4), dp=1, tp=1, pp=2, micro_batches=4, steps=1, schedule=NAME))
+        result = run_parity(case)  # SGD: every parameter's gradient, relative to its own norm
+    assert not result.ok
+    assert not next(c for c in result.checks if c.name == "gradients").ok

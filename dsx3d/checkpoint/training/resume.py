@@ -119,6 +119,15 @@ def plan_resume(
             refuse("train.dtype", old.train.dtype, new.train.dtype, "the optimizer state is kept per dtype")
         if old.zero.stage != new.zero.stage:
             refuse("zero.stage", old.zero.stage, new.zero.stage, "the optimizer state is laid out per ZeRO stage")
+        v_old, v_new = old.parallel.virtual_stages, new.parallel.virtual_stages
+        if v_old != v_new:  # ZeRO-1's flat partitions follow each rank's chunks, which DeepSpeed's universal checkpoint does not know
+            refuse(
+                "parallel.virtual_stages",
+                v_old,
+                v_new,
+                "the optimizer state is laid out per rank's chunks, and resharding between virtual-stage counts is "
+                "not built (the layer files and `dsx3d export` are the same at any count)",
+            )
         if saved_layout is not None:
             before, after = _global_batch(old, saved_layout.dp), _global_batch(new, layout.dp)
             if before != after:
@@ -176,6 +185,18 @@ def plan_resume(
                     "a LoRA run's checkpoint resumes at the layout it was written with (its adapters are not "
                     "resharded through DeepSpeed's universal checkpoint)",
                     "resume at the layout the checkpoint was written with",
+                )
+            )
+        chunked = recipe.parallel.virtual_stages > 1 or (saved_recipe is not None and saved_recipe.parallel.virtual_stages > 1)
+        if moved and chunked:
+            problems.append(
+                Problem(
+                    f"--resume {tag}",
+                    f"{saved_layout.describe()} -> {now.describe()}",
+                    "with virtual stages DeepSpeed names parameters by their place in each rank's chunks, so its "
+                    "universal checkpoint cannot move them to another layout",
+                    "resume at the layout the checkpoint was written with, or export it (dsx3d export) and start "
+                    "a new run from the HF model",
                 )
             )
         if moved:
