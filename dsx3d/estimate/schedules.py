@@ -1,8 +1,9 @@
 """What the pipeline schedule (`parallel.schedule`) changes in the estimate: the step's length in micro-batch
 times, its idle fraction, and how many micro-batches a stage holds activations for. Each schedule's model is
-its entry in `dsx3d.pipeline.registry` (1F1B: m + p - 1 and min(p - s, m); zb-h1: its simulated order);
-interleaved 1F1B, until the registry has it, `dsx3d.estimate.interleaved`; ZB-2p, `dsx3d.estimate.zero_bubble`.
-The last two are ESTIMATOR ONLY (the engine does not run them): `runnable` says which a planner may pick."""
+its entry in `dsx3d.pipeline.registry` (1F1B: m + p - 1 and min(p - s, m); zb-h1: its simulated order), except
+interleaved 1F1B's, which the engine runs at v = 2 and `dsx3d.estimate.interleaved` models for any v (published
+runs used more chunks); ZB-2p, `dsx3d.estimate.zero_bubble`, is ESTIMATOR ONLY (the engine does not run it):
+`runnable` says which a planner may pick."""
 
 from __future__ import annotations
 
@@ -25,14 +26,21 @@ def _estimator_only(schedule: str) -> bool:
     return schedule in ESTIMATOR_ONLY
 
 
+def _chunks(schedule: str, virtual_stages: int) -> int:
+    """The caller's v, else (1: not given) the v the registered schedule runs."""
+    if virtual_stages > 1 or schedule not in SCHEDULE_NAMES:
+        return virtual_stages
+    return get_schedule(schedule).virtual_stages
+
+
 def pipeline_units(
     schedule: str, pp: int, micro_batches: int, costs: Ratios | None = None, virtual_stages: int = 1
 ) -> float:
     """A step's pipeline time in micro-batch times of the slowest stage."""
     if schedule == zero_bubble.NAME and _estimator_only(schedule):
         return zero_bubble.pipeline_units(pp, micro_batches, costs)
-    if _estimator_only(schedule):
-        return interleaved.pipeline_units(pp, micro_batches, virtual_stages)
+    if schedule == interleaved.NAME:
+        return interleaved.pipeline_units(pp, micro_batches, _chunks(schedule, virtual_stages))
     return get_schedule(schedule).pipeline_units(pp, micro_batches, costs)
 
 
@@ -42,8 +50,8 @@ def schedule_bubble(
     """Idle fraction of balanced stages."""
     if schedule == zero_bubble.NAME and _estimator_only(schedule):
         return zero_bubble.bubble(pp, micro_batches, costs)
-    if _estimator_only(schedule):
-        return interleaved.bubble(pp, micro_batches, virtual_stages)
+    if schedule == interleaved.NAME:
+        return interleaved.bubble(pp, micro_batches, _chunks(schedule, virtual_stages))
     return get_schedule(schedule).bubble(pp, micro_batches, costs)
 
 
@@ -53,6 +61,6 @@ def held_micro_batches(
     """Micro-batches whose activations `stage` holds at its peak."""
     if schedule == zero_bubble.NAME and _estimator_only(schedule):
         return zero_bubble.held_micro_batches(stage, pp, micro_batches)
-    if _estimator_only(schedule):
-        return interleaved.held_micro_batches(stage, pp, micro_batches, virtual_stages)
+    if schedule == interleaved.NAME:
+        return interleaved.held_micro_batches(stage, pp, micro_batches, _chunks(schedule, virtual_stages))
     return get_schedule(schedule).held_micro_batches(stage, pp, micro_batches, costs)

@@ -213,7 +213,14 @@ def dsx3d_contender(
 
     recipe = recipe_for(work, dp, tp, pp, **train)
     if schedule != recipe.parallel.schedule or zb_costs or stage_layers:
-        update = {"schedule": schedule, "zb_costs": zb_costs, "stage_layers": stage_layers}
+        from dsx3d.pipeline.registry import get_schedule
+
+        update = {
+            "schedule": schedule,
+            "zb_costs": zb_costs,
+            "stage_layers": stage_layers,
+            "virtual_stages": get_schedule(schedule).virtual_stages,
+        }
         recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=update)})
     if deepspeed:
         recipe = recipe.model_copy(update={"deepspeed": deepspeed})

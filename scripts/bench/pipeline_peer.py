@@ -9,7 +9,8 @@ Contenders, all from the same initial weights and the same batches, in the same 
                       cross-entropy, gradients scaled by 1/m (`scale_grads`), global-norm clipping at 1.0 with
                       the squared norm all-reduced over the pipeline (as torchtitan does), torch AdamW;
   dsx3d:<schedule>  - dsx3d's engine (DeepSpeed's PipelineEngine) with the recipe a user writes for the same
-                      step (AdamW, clipping 1.0, constant LR, fp32, ZeRO stage `--zero`).
+                      step (AdamW, clipping 1.0, constant LR, fp32, ZeRO stage `--zero`); interleaved-1f1b with
+                      parallel.virtual_stages 2 (rank r holding stages r and r + p, as torch's looped ones).
 The split: dsx3d's cost-balanced split (`dsx3d.pipeline.split.stage_layers_for`) for the number of stages
 (p for dsx3d and the one-stage-per-rank schedules, 2p for the two-stage-per-rank ones).
 
@@ -47,7 +48,7 @@ TORCH_SCHEDULES = {  # name -> (class name, placement): one stage per rank, loop
     "torch:zbv": ("ScheduleZBVZeroBubble", "v"),
     "torch:dualpipev": ("ScheduleDualPipeV", "v"),
 }
-DSX3D_SCHEDULES = ("dsx3d:1f1b", "dsx3d:zb-h1")
+DSX3D_SCHEDULES = ("dsx3d:1f1b", "dsx3d:zb-h1", "dsx3d:interleaved-1f1b")
 
 
 def peer_config(quick: bool) -> Any:
