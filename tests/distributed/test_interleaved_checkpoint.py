@@ -1,6 +1,6 @@
 """Checkpoints and the HF export with virtual stages (parallel.virtual_stages: 2, interleaved-1f1b), on 2 forked
-gloo ranks with tied embeddings (chunk 0 of rank 0 and chunk 1 of rank 1 share the embedding): after a step,
-the collective export equals the offline `dsx3d export` of the DeepSpeed checkpoint bit for bit (its layer files
+gloo ranks with tied embeddings (chunk 0 of rank 0 and chunk 1 of rank 1 share the embedding): before any step
+the last stage's logits equal HF's; after a step the collective export equals the offline `dsx3d export` of the DeepSpeed checkpoint bit for bit (its layer files
 are named by item, not by DeepSpeed's rank order), from_pretrained of the export gives the engine's own held-out
 loss (eval_batch runs the chunks forward only), and a fresh engine loading the checkpoint takes the next step
 with the uninterrupted run's loss."""
@@ -38,6 +38,8 @@ def _rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, tm
     from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe)
+    ids = batches[0][:2]
+    _, logits = engine.ds_engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
     first = engine.train_step(_micro(case, batches[0], 0))
     engine.ds_engine.save_checkpoint(str(tmp / "checkpoints"), tag="step-000001")
     if rank == 0:
@@ -48,7 +50,7 @@ def _rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, tm
     resumed = build_engine(recipe)
     resumed.ds_engine.load_checkpoint(str(tmp / "checkpoints"), tag="step-000001")
     again = resumed.train_step(_micro(case, batches[1], 0))
-    return {"first": first, "eval": held_out, "next": uninterrupted, "resumed": again}
+    return {"logits": logits, "eval": held_out, "next": uninterrupted, "resumed": again, "first": first}
 
 
 def test_checkpoint_export_and_resume_with_virtual_stages(tmp_path: Path) -> None:
@@ -62,7 +64,11 @@ def test_checkpoint_export_and_resume_with_virtual_stages(tmp_path: Path) -> Non
     assert recipe.parallel.virtual_stages == 2
     recipe.model = ModelSection(name_or_path=str(tmp_path / "hf"))
     batches = make_batches(case)
-    (result, _) = run_ranks(_rank, case.world_size, case, recipe, batches, tmp_path)
+    (_, result) = run_ranks(_rank, case.world_size, case, recipe, batches, tmp_path)  # rank 1: the last stage
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():  # before any step: the chunks' forward is the HF model's
+        expected = reference(input_ids=batches[0][:2]).logits
+    torch.testing.assert_close(result["logits"].float(), expected, atol=1e-5, rtol=0)
     assert result["resumed"] == pytest.approx(result["next"], abs=1e-6)
 
     ckpt = tmp_path / "checkpoints"
