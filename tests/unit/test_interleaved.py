@@ -118,3 +118,17 @@ def test_the_schedules_own_rules_name_what_it_does_not_run() -> None:
 
     (deep,) = interleaved.problems(_recipe(virtual_stages=2), tiny_config("llama", num_hidden_layers=3))  # type: ignore[arg-type]
     assert deep.key == "parallel.pp" and "pp x 2 = 4 stages" in deep.reason
+
+
+def test_a_resume_refuses_a_changed_virtual_stage_count_and_resharding_chunks() -> None:
+    from dsx3d.checkpoint.training.resume import SavedLayout, plan_resume
+    from dsx3d.errors import UserError
+    from dsx3d.plan.layout import Layout
+
+    chunked = _recipe(virtual_stages=2, schedule=interleaved.NAME)
+    saved, layout = SavedLayout(dp=1, tp=1, pp=2, bounds=[0, 3, 7]), Layout(1, 1, 2, 2)
+    assert not plan_resume("t", saved, chunked, chunked, layout, [0, 3, 7]).reshard  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="virtual_stages"):
+        plan_resume("t", saved, chunked, _recipe(), layout, [0, 3, 7])  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="universal checkpoint cannot move"):
+        plan_resume("t", saved, chunked, chunked, layout, [0, 4, 7])  # type: ignore[arg-type]
