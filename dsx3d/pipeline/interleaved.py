@@ -157,9 +157,9 @@ def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
             f"the interleaved order sends micro-batches round the ranks in groups of pp = {p.pp}",
             f"use a multiple of {p.pp}",
         )
-    for key, value, bad, reason in _unsupported(recipe):
+    for key, value, bad, reason, change in _unsupported(recipe):
         if bad:
-            yield Problem(key, value, f"{NAME}: {reason}", f"turn it off, or {fix}")
+            yield Problem(key, value, f"{NAME}: {reason}", f"{change}, or {fix}")
     if hf_config is not None:
         from dsx3d.models.moe import experts_per_layer
 
@@ -176,21 +176,35 @@ def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
             )
 
 
-def _unsupported(recipe: Recipe) -> list[tuple[str, object, bool, str]]:
+def _unsupported(recipe: Recipe) -> list[tuple[str, object, bool, str, str]]:
+    """(key, value, refused?, why, the change that lifts it) for what the chunked runtime does not run."""
     p, train = recipe.parallel, recipe.train
     return [
-        ("parallel.cp", p.cp, p.cp > 1, "context parallelism is not verified with chunks"),
-        ("parallel.ep", p.ep, p.ep > 1, "expert parallelism is not verified with chunks"),
-        ("train.dtype", train.dtype, train.dtype != "fp32", "only fp32 is verified with chunks"),
-        ("zero.stage", recipe.zero.stage, recipe.zero.stage > 1, "the pipeline engine runs ZeRO-0/1 only"),
-        ("model.lora", "set", recipe.model.lora is not None, "LoRA's frozen base is not verified with chunks"),
-        ("train.activation_checkpointing", True, train.activation_checkpointing, "checkpointing per chunk is not built"),
-        ("train.loss_tile_tokens", train.loss_tile_tokens, train.loss_tile_tokens > 0, "the tiled loss is not verified with chunks"),
+        ("parallel.cp", p.cp, p.cp > 1, "context parallelism is not verified with chunks", "set parallel.cp: 1"),
+        ("parallel.ep", p.ep, p.ep > 1, "expert parallelism is not verified with chunks", "set parallel.ep: 1"),
+        ("train.dtype", train.dtype, train.dtype != "fp32", "only fp32 is verified with chunks", "set train.dtype: fp32"),
+        ("zero.stage", recipe.zero.stage, recipe.zero.stage > 1, "the pipeline engine runs ZeRO-0/1 only", "set zero.stage: 1"),
+        ("model.lora", "set", recipe.model.lora is not None, "LoRA's frozen base is not verified with chunks", "remove model.lora"),
+        (
+            "train.activation_checkpointing",
+            True,
+            train.activation_checkpointing,
+            "checkpointing per chunk is not built",
+            "set train.activation_checkpointing: false",
+        ),
+        (
+            "train.loss_tile_tokens",
+            train.loss_tile_tokens,
+            train.loss_tile_tokens > 0,
+            "the tiled loss is not verified with chunks",
+            "set train.loss_tile_tokens: 0",
+        ),
         (
             "parallel.stage_layers",
             p.stage_layers,
             p.stage_layers is not None,
             "an explicit split names pp stages, not the pp x v virtual stages (the cost split is used)",
+            "remove parallel.stage_layers and parallel.pipeline_layout",
         ),
     ]
 
