@@ -141,8 +141,8 @@ def held_micro_batches(stage: int, pp: int, micro_batches: int, costs: Ratios | 
 
 
 def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
-    """What the checker refuses with this schedule: everything but dp x tp x pp with v = 2, fp32, ZeRO-0/1,
-    tied or untied embeddings, and m a multiple of pp (`RUNTIME_LIMITS` says why each is left out)."""
+    """What the checker refuses with this schedule: everything but dp x tp x pp with v = 2, fp32 or bf16,
+    ZeRO-0/1, tied or untied embeddings, and m a multiple of pp (`_unsupported` says why each is left out)."""
     p = recipe.parallel
     fix = "set parallel.schedule: 1f1b and parallel.virtual_stages: 1"
     if p.virtual_stages != VIRTUAL_STAGES:
@@ -182,7 +182,7 @@ def _unsupported(recipe: Recipe) -> list[tuple[str, object, bool, str, str]]:
     return [
         ("parallel.cp", p.cp, p.cp > 1, "context parallelism is not verified with chunks", "set parallel.cp: 1"),
         ("parallel.ep", p.ep, p.ep > 1, "expert parallelism is not verified with chunks", "set parallel.ep: 1"),
-        ("train.dtype", train.dtype, train.dtype != "fp32", "only fp32 is verified with chunks", "set train.dtype: fp32"),
+        ("train.dtype", train.dtype, train.dtype == "fp16", "only fp32 and bf16 are verified with chunks", "set train.dtype: fp32"),
         ("zero.stage", recipe.zero.stage, recipe.zero.stage > 1, "the pipeline engine runs ZeRO-0/1 only", "set zero.stage: 1"),
         ("model.lora", "set", recipe.model.lora is not None, "LoRA's frozen base is not verified with chunks", "remove model.lora"),
         (

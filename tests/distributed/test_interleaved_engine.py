@@ -1,7 +1,7 @@
 """Interleaved 1F1B inside DeepSpeed's PipelineEngine (parallel.schedule: interleaved-1f1b, virtual_stages: 2):
 parity with single-process HF through `dsx3d verify` (losses, gradient norms, SGD gradients, AdamW weights) with
 tied embeddings, TP 2 and m > p, and that verify catches a chunk's gradient dropped and micro-batches swapped
-between chunks. DSX3D_INTERLEAVED_SWEEP=1 adds pp 4 and dp 2."""
+between chunks. DSX3D_INTERLEAVED_SWEEP=1 adds pp 4, dp 2, untied Llama and bf16."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ def _ok(case: ParityCase) -> bool:
 
 
 CI_CASES = [
-    # (family, dp, tp, pp, m, layers): tied embeddings (qwen3), TP 2 with sequence parallelism, m = 2p
-    ("qwen3", 1, 2, 2, 4, 4),
+    # (family, dp, tp, pp, m, layers, dtype): tied embeddings (qwen3), TP 2 with sequence parallelism, m = 2p
+    ("qwen3", 1, 2, 2, 4, 4, "fp32"),
 ]
 SWEEP_CASES = [
-    ("llama", 1, 1, 2, 4, 4),
-    ("llama", 2, 1, 2, 2, 4),
-    ("qwen3", 1, 1, 4, 8, 8),
-    ("qwen3", 1, 2, 4, 4, 8),
+    ("llama", 1, 1, 2, 4, 4, "fp32"),
+    ("llama", 2, 1, 2, 2, 4, "fp32"),
+    ("qwen3", 1, 1, 4, 8, 8, "fp32"),
+    ("qwen3", 1, 2, 4, 4, 8, "fp32"),
+    ("qwen3", 1, 2, 2, 4, 4, "bf16"),
 ]
 CASES = CI_CASES + SWEEP_CASES if os.environ.get("DSX3D_INTERLEAVED_SWEEP") else CI_CASES
 
@@ -39,9 +40,10 @@ def _config(fam: str, layers: int):  # type: ignore[no-untyped-def]
 
 @pytest.mark.usefixtures("warm")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_interleaved_parity(case: tuple[str, int, int, int, int, int]) -> None:
-    fam, dp, tp, pp, m, layers = case
-    assert _ok(ParityCase(_config(fam, layers), dp=dp, tp=tp, pp=pp, micro_batches=m, steps=2, schedule=NAME))
+def test_interleaved_parity(case: tuple[str, int, int, int, int, int, str]) -> None:
+    fam, dp, tp, pp, m, layers, dtype = case
+    config = _config(fam, layers)
+    assert _ok(ParityCase(config, dp=dp, tp=tp, pp=pp, micro_batches=m, steps=2, schedule=NAME, dtype=dtype))
 
 
 @pytest.mark.usefixtures("warm")

@@ -103,12 +103,12 @@ def test_the_schedules_own_rules_name_what_it_does_not_run() -> None:
             "model": {"config": {"model_type": "llama"}},
             "parallel": {"dp": 1, "tp": 2, "pp": 2, "virtual_stages": 3},
             "cluster": {"nodes": 1, "gpus_per_node": 4},
-            "train": {"gradient_accumulation_steps": 3, "dtype": "bf16"},
+            "train": {"gradient_accumulation_steps": 3, "dtype": "bf16", "activation_checkpointing": True},
             "zero": {"stage": 1},
         }
     )
     keys = {p.key: p for p in interleaved.problems(recipe, None)}
-    assert set(keys) == {interleaved.KEY, "train.gradient_accumulation_steps", "train.dtype"}
+    assert set(keys) == {interleaved.KEY, "train.gradient_accumulation_steps", "train.activation_checkpointing"}
     assert all(p.reason and p.fix for p in keys.values())
     ok = _recipe(virtual_stages=2)
     assert list(interleaved.problems(ok, None)) == []  # type: ignore[arg-type]
