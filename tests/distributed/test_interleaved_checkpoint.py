@@ -35,13 +35,15 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, tmp: Path) -> dict[str, Any]:
     from dsx3d.checkpoint.hf.export import export_hf
+    from dsx3d.checkpoint.training.universal import universal_client_state
     from dsx3d.engine.builder import build_engine
 
     engine = build_engine(recipe)
     ids = batches[0][:2]
     _, logits = engine.ds_engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
     first = engine.train_step(_micro(case, batches[0], 0))
-    engine.ds_engine.save_checkpoint(str(tmp / "checkpoints"), tag="step-000001")
+    # with what `dsx3d train` stores beside each tag (the gathered universal-checkpoint info)
+    engine.ds_engine.save_checkpoint(str(tmp / "checkpoints"), tag="step-000001", client_state=universal_client_state(engine))
     if rank == 0:
         (tmp / "checkpoints" / "step-000001" / "dsx3d_recipe.yaml").write_text(dump_recipe(recipe))
     export_hf(engine, tmp / "export")
