@@ -145,7 +145,7 @@ def _plan_from_recipe(args: argparse.Namespace) -> Plan:
         warnings=[str(p) for p in problems] + [str(p) for p in _cp_warnings(layout, "parallel.cp")],
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
         stage_layers=stage_layers_for(
-            hf_config, recipe.parallel.pp, recipe.train.seq_len, recipe.parallel.stage_layers
+            hf_config, recipe.parallel.pp * recipe.parallel.virtual_stages, recipe.train.seq_len, recipe.parallel.stage_layers
         ),
     )
 
@@ -276,7 +276,9 @@ def render_plan(plan: Plan) -> str:
         bounds = ", ".join(f"{a}->{b}" for a, b in d["pp_node_crossings"])
         lines.append(f"pipelines change node between stages {bounds}")
     if plan.stage_layers is not None:
-        lines.append(f"decoder layers per stage: {plan.stage_layers}")
+        chunked = len(plan.stage_layers) > lay.pp  # virtual stages: stage c pp + r is chunk c of rank r
+        where = f" (virtual stages; rank r holds stages r, r + {lay.pp}, ...)" if chunked else ""
+        lines.append(f"decoder layers per stage: {plan.stage_layers}{where}")
     if d["tied_groups"]:
         lines.append(f"tied embedding groups (first and last stage): {_groups(d['tied_groups'])}")
     if plan.micro_batches and plan.schedule != DEFAULT_SCHEDULE and lay.pp > 1:
