@@ -2,8 +2,8 @@
 each rank runs only its own program (`dsx3d.pipeline.interleaved.rank_program`) on its two chunks of a tiny Llama
 (chunk c of rank r is stage 2c + r), posting its sends and blocking on tagged receives, the wrap-around link from
 rank 1's chunk 0 to rank 0's chunk 1 included. Nothing deadlocks, and the loss and every gradient equal one plain
-HF forward and backward. (A plain torch runtime of the order, not DeepSpeed's PipelineEngine, which does not run
-chunks yet: `parallel.virtual_stages` > 1 stays refused by the checker.)"""
+HF forward and backward. (A plain torch runtime of the order; the runtime inside DeepSpeed's PipelineEngine is
+tested by test_interleaved_engine.py.)"""
 
 from __future__ import annotations
 
