@@ -83,7 +83,9 @@ def estimator_only_alternatives(shape: ModelShape, chosen: Candidate, hardware: 
     if setup.pp == 1:
         return []
     tries: list[tuple[str, int]] = []
-    for name in schedules.ESTIMATOR_ONLY:
+    # interleaved 1F1B runs in the engine (v = 2) but the search holds one stage per rank: reported here too
+    unsearched = (*schedules.ESTIMATOR_ONLY, *((INTERLEAVED,) if schedules.runnable(INTERLEAVED) else ()))
+    for name in unsearched:
         if name == INTERLEAVED:
             tries += [(name, v) for v in _virtual_stage_options(shape, setup)]
         else:
@@ -98,7 +100,12 @@ def estimator_only_alternatives(shape: ModelShape, chosen: Candidate, hardware: 
 def describe_alternative(a: Alternative) -> str:
     v = f" v={a.virtual_stages}" if a.virtual_stages > 1 else ""
     fit = "" if a.fits else f", but {a.estimate.total_gb:.1f} GB does not fit"
+    why = (
+        "not searched: set parallel.schedule and parallel.virtual_stages"
+        if schedules.runnable(a.schedule)
+        else "estimator only: dsx3d's engine does not run it"
+    )
     return (
-        f"{a.schedule}{v} (estimator only: dsx3d's engine does not run it) would take "
+        f"{a.schedule}{v} ({why}) would take "
         f"{a.estimate.step_time_s:.3f} s, {a.speedup - 1:+.1%} against the choice{fit}"
     )
