@@ -156,9 +156,13 @@ class Skeleton:
         finally:
             self._prologue_training(False)
 
-    def _embedding(self) -> nn.Module:
+    def _embedding_slot(self) -> tuple[nn.Module, str]:
+        """The module holding the embedding, and the embedding's attribute name on it."""
         parent_name, _, attr = self.plan.embed_name.rpartition(".")
-        parent = self.base.get_submodule(parent_name) if parent_name else self.base
+        return (self.base.get_submodule(parent_name) if parent_name else self.base), attr
+
+    def _embedding(self) -> nn.Module:
+        parent, attr = self._embedding_slot()
         return getattr(parent, attr)
 
     def _prologue_is_identity(self) -> bool:
@@ -166,8 +170,7 @@ class Skeleton:
         training (no scaling, no learned positions, no dropout): probed once with a stand-in embedding, the
         random-number state restored. Then stage 0 calls the embedding alone instead of the base forward
         per micro-batch (a profiled 1-2 ms of Python per micro-batch on a small model)."""
-        parent_name, _, attr = self.plan.embed_name.rpartition(".")
-        parent = self.base.get_submodule(parent_name) if parent_name else self.base
+        parent, attr = self._embedding_slot()
         real = getattr(parent, attr)
         hidden = self.config.get_text_config().hidden_size
         z = torch.randn(2, 8, hidden, generator=torch.Generator().manual_seed(0))
@@ -195,8 +198,7 @@ class Skeleton:
         positions fails this). Checked with a stand-in embedding; only for prologues without weights."""
         if seq_len % parts:
             return False
-        parent_name, _, attr = self.plan.embed_name.rpartition(".")
-        parent = self.base.get_submodule(parent_name) if parent_name else self.base
+        parent, attr = self._embedding_slot()
         real = getattr(parent, attr)
         hidden = self.config.get_text_config().hidden_size
         z = torch.randn(1, seq_len, hidden, generator=torch.Generator().manual_seed(0))
