@@ -54,6 +54,7 @@ from dsx3d.run.preempt import StopRequest, preempted_message
 from dsx3d.run.progress import Reporter
 from dsx3d.run.rank_entry import parse_args, setup_logging
 from dsx3d.run.ranks import (
+    WRITE_ERRNOS,
     PeerDied,
     RankInfo,
     check_placement,
@@ -62,6 +63,7 @@ from dsx3d.run.ranks import (
     is_peer_lost,
     job_dir,
     naming_dead_peers,
+    write_failure_message,
 )
 from dsx3d.run.tracking import Tracker
 
@@ -119,10 +121,15 @@ def train(
         end = max(start, min(recipe.train.steps, stop_at if stop_at is not None else recipe.train.steps))
         losses = _train_steps(recipe, engine, stream, ckpt, paths, start, end, info, eval_batches, stop, preference)
         if stop is not None and stop.stopped_at is not None:
-            return TrainResult(start, stop.stopped_at, losses, stopped_by=stop.agreed_signal)
-        if end == recipe.train.steps:
-            _finish(engine, paths, tokenizer, info, recipe)
-        return TrainResult(start, end, losses)
+            result = TrainResult(start, stop.stopped_at, losses, stopped_by=stop.agreed_signal)
+        else:
+            if end == recipe.train.steps:
+                _finish(engine, paths, tokenizer, info, recipe)
+            result = TrainResult(start, end, losses)
+        # Every rank is done with every collective and file. Inside the heartbeat: a peer stopped now is
+        # still named as hung rather than holding this barrier until the process-group timeout.
+        comm.barrier()
+        return result
 
 
 def _rank_data(recipe: Recipe, engine: Engine3D, info: RankInfo) -> tuple[MicroBatchStream, Any, Any]:
@@ -343,9 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 saved = RunPaths.of(recipe).checkpoints / tag_for(result.end_step)
                 log.warning("%s", preempted_message(result.stopped_by, result.end_step, saved, args.recipe))
-            comm.barrier()
             return _exit_now(128 + result.stopped_by)
-        comm.barrier()  # every rank is done with every collective and file
         return _exit_now(0)
     except UserError as err:
         for problem in err.problems:
@@ -360,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             log.error("interrupted")
         return _exit_now(130)
     except BaseException as err:  # report which rank failed and why, then leave without waiting on peers
+        if isinstance(err, OSError) and err.errno in WRITE_ERRNOS:  # a full disk, a read-only directory
+            log.error("%s", write_failure_message(info, err))
+            return _exit_now(1)
         log.error("%s", failure_message(info, err))
         if not isinstance(err, PeerDied) and not is_peer_lost(err):
             traceback.print_exc()

@@ -24,9 +24,12 @@ from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, re
 from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S, OWNER_ENV, Owner, set_parent_death_signal
 from dsx3d.run.outputs import RunPaths, add_start_mode, check_start, describe_removal
 from dsx3d.run.ports import with_master_port
-from dsx3d.run.relay import SignalRelay
+from dsx3d.run.relay import SignalRelay, end_orphaned_job
 
 log = logging.getLogger("dsx3d")
+
+ORPHAN_GRACE_S = 60.0
+_RESUME_HINT = "continue with --resume from the last complete checkpoint"
 
 
 def _own_options(p: argparse.ArgumentParser) -> None:
@@ -96,7 +99,13 @@ def run(args: argparse.Namespace) -> int:
     if opts.dry_run:
         print(shlex.join(cmd))
         return 0
-    return _run_launcher(cmd, save_on_signal=recipe.train.save_on_signal)
+    return _run_launcher(cmd, save_on_signal=recipe.train.save_on_signal, grace_s=_grace_s(recipe))
+
+
+def _grace_s(recipe: Recipe) -> float:
+    """How long the ranks of a job whose launcher was killed get to save before they are killed."""
+    deadline = recipe.train.signal_deadline_s
+    return float(deadline) + 5.0 if deadline else ORPHAN_GRACE_S
 
 
 def _preview_resume(recipe: Recipe, paths: RunPaths) -> None:
@@ -119,7 +128,7 @@ def _preview_resume(recipe: Recipe, paths: RunPaths) -> None:
     log.info("--resume: continuing from %s", paths.checkpoints / tag)
 
 
-def _run_launcher(cmd: list[str], save_on_signal: bool = False) -> int:
+def _run_launcher(cmd: list[str], save_on_signal: bool = False, grace_s: float = 0.0) -> int:
     # The launcher, its per-node agent and the ranks form their own process group. Ctrl-C, SIGTERM, SIGUSR1
     # or SIGHUP (a closed terminal) sent to us goes to the ranks, which save and stop (train.save_on_signal,
     # dsx3d.run.relay); a second one, or any without save_on_signal, stops all of them with a SIGTERM: the
@@ -133,6 +142,10 @@ def _run_launcher(cmd: list[str], save_on_signal: bool = False) -> int:
     )
     relay = SignalRelay(proc.pid, save_on_signal).install()
     code = proc.wait()
+    if code < 0 and not relay.received:  # the launcher itself was killed (SIGKILL, the OOM killer)
+        end_orphaned_job(proc.pid, code, grace_s)
+        print(f"dsx3d train: the job ended without its launcher; {_RESUME_HINT}", file=sys.stderr)
+        return 1
     stopped = relay.outcome(code)
     if stopped is not None:
         print(stopped[0], file=sys.stderr)

@@ -34,7 +34,11 @@ def plot_loss(metrics_path: Path, out_path: Path, title: str) -> Path | None:
     ax.legend()
     fig.tight_layout()
     make_dirs(out_path.parent)
-    fig.savefig(out_path, dpi=100)
+    try:
+        fig.savefig(out_path, dpi=100)
+    except OSError as err:  # PIL's writer drops the file name: a full disk said without saying where
+        raise OSError(err.errno, err.strerror or str(err), str(out_path)) from None
+    finally:
+        plt.close(fig)
     share_tree(out_path)
-    plt.close(fig)
     return out_path

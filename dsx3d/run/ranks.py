@@ -9,6 +9,7 @@ fails that way looks at the processes of its peers on the same host and names th
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -188,6 +189,19 @@ def failure_message(info: RankInfo, err: BaseException) -> str:
             f"(look for that rank's own message) [{_first_line(err)}]"
         )
     return f"{info.where()} failed: {type(err).__name__}: {_first_line(err)}"
+
+
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+"""The errors of a write the user mends outside dsx3d: a full disk or quota, a read-only or forbidden directory."""
+
+
+def write_failure_message(info: RankInfo, err: OSError) -> str:
+    """A failed write in words, with the file and the remedy (no traceback: the cause is outside the code)."""
+    where = f" {err.filename}" if err.filename else ""
+    return (
+        f"{info.where()} stopped: cannot write{where}: {(err.strerror or str(err)).lower()}; free space or make the "
+        "directory writable, then continue with --resume (the last complete checkpoint is kept)"
+    )
 
 
 def _first_line(err: BaseException) -> str:

@@ -89,6 +89,8 @@ class SignalRelay:
             return None
         name = signal.Signals(self.received[0]).name
         took = f" {time.monotonic() - self.first_at:.1f} s after the signal" if self.first_at is not None else ""
+        if code == 0:  # the signal came after the last step's work had begun: nothing was left to stop
+            return f"dsx3d train: {name} arrived as the job finished; it completed every step{took}", 0
         if self.saving and len(self.received) == 1 and code == 128 + self._forwarded():
             return f"dsx3d train: stopped ({name}){took}, after saving a checkpoint (named above)", 128 + self.received[0]
         return f"dsx3d train: stopped ({name}){took}; launcher exit code {code}", 128 + self.received[0]
@@ -96,3 +98,36 @@ class SignalRelay:
     def _forwarded(self) -> int:
         first = self.received[0]
         return int(signal.SIGTERM if first == signal.SIGHUP else first)
+
+
+def group_processes(pgid: int) -> list[psutil.Process]:
+    """The processes of process group `pgid` (the launcher's session: its agent and the ranks)."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(p.pid) == pgid and p.pid != os.getpid():
+                found.append(p)
+    return found
+
+
+def end_orphaned_job(launcher_pid: int, code: int, grace_s: float) -> None:
+    """The launcher died of a signal while its ranks run on (its per-node agent does not watch it): the
+    ranks get a SIGTERM, so with train.save_on_signal they finish their step and save; whatever of the
+    group is left after `grace_s` is killed."""
+    sig = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    print(
+        f"dsx3d train: the deepspeed launcher (pid {launcher_pid}) was killed by {sig}; stopping its ranks "
+        "(with train.save_on_signal each finishes its step and saves a checkpoint)",
+        file=sys.stderr,
+        flush=True,
+    )
+    for p in group_processes(launcher_pid):
+        with contextlib.suppress(psutil.Error):
+            if is_rank_command(p.cmdline()):
+                p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while (left := group_processes(launcher_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(launcher_pid, signal.SIGKILL)

@@ -1,31 +1,31 @@
 """A fault campaign against real `dsx3d train` jobs: each fault at seeded random moments, each outcome checked.
 
-The job: the tiny Llama at dp 1 x tp 1 x pp 2 (two ranks through the deepspeed launcher), 24 steps of 8
-micro-batches (long enough for a fault to land mid-run), a checkpoint every 4, two kept. One uninterrupted run is the reference. Each trial starts the job, waits for
-a random step (and a random fraction of a second more), injects its fault, and checks:
-- the job ended within BOUND_S of the fault, and no process of it is left;
-- its output names the cause and holds no Python traceback;
-- `dsx3d train --resume` (as many times as it takes, at most 2) ends with the reference's losses (every step,
-  to 1e-6) and final weights (the exported model, to 1e-6).
-
-Faults (kinds): sigterm-owner (a preemption notice: the ranks save and stop), sigterm-twice (a second
-signal: stop at once), sigkill-owner, sigkill-rank, and, after a SIGTERM-stopped job, damage to a random file
-of the newest checkpoint: truncated, bitflip, missing (the resume names the file and falls back).
+The job (scripts/faults/job.py): the tiny Llama at dp 1 x tp 1 x pp 2 (two ranks through the deepspeed
+launcher), 24 steps of 8 micro-batches, a checkpoint every 4, two kept, its run directory on a small tmpfs
+of its own. One uninterrupted run is the reference. The trials form one chain: each launch resumes the run
+the previous fault stopped and is itself the target of the next fault, so a trial costs one launch. A
+trial waits for a random step of its launch (half of them a checkpoint step, a fraction of a second later:
+inside the save, the `latest` update or the deletion of an old tag), injects its fault
+(scripts/faults/inject.py) and checks:
+- clean end: every process of the job gone within BOUND_S of the fault; the output names the cause (or the
+  job had finished its work) and holds no Python traceback;
+- exact resume: the next launch (`--resume`, after the user's remedy: the disk freed, the directory
+  writable again) trains at least one step, and every step it trains has the reference's loss (to 1e-6);
+  a damaged checkpoint is named by it; every launch that finishes the run exports the reference's weights
+  (to 1e-6). A last launch without a fault finishes the chain.
 
     python -m scripts.faults.campaign [--trials 20] [--kinds sigterm-owner,...] [--seed 36] [--work DIR]
 
-Prints the seed, one line per trial and the table: fault, trials, clean ends, exact resumes, worst time to end.
+Prints the seed, one line per trial and the table: fault, trials, clean ends, exact resumes, worst time to
+end. Exit 0 when every trial is clean and exact.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,96 +33,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-import yaml
+from scripts.faults import job
+from scripts.faults.inject import (
+    COMPLETED,
+    DAMAGE,
+    KINDS,
+    NEEDS_MOUNTS,
+    SAYS,
+    Disk,
+    can_mount,
+    damage,
+    inject,
+    undo,
+)
 
-STEPS = 24
-SAVE_INTERVAL = 4
-BOUND_S = 120.0
+BOUND_S = 60.0
 LAUNCH_TIMEOUT_S = 600.0
-KINDS = ("sigterm-owner", "sigterm-twice", "sigkill-owner", "sigkill-rank", "truncated", "bitflip", "missing")
-
-
-def _recipe(path: Path, out: Path, cache: Path) -> Path:
-    from tests.helpers.recipes import tiny_recipe_dict
-
-    data = tiny_recipe_dict(
-        parallel={"dp": 1, "tp": 1, "pp": 2},
-        cluster={"nodes": 1, "gpus_per_node": 2},
-        train={"steps": STEPS, "save_interval": SAVE_INTERVAL, "keep_checkpoints": 2, "gradient_accumulation_steps": 8},
-        data={"cache_dir": str(cache)},
-        output_dir=str(out),
-    )
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def _env(work: Path) -> dict[str, str]:
-    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions"), "PYTHONUNBUFFERED": "1"}
-
-
-def _dsx3d() -> list[str]:
-    beside = Path(sys.executable).parent / "dsx3d"  # the console script of this environment
-    return [str(beside)] if beside.is_file() else [shutil.which("dsx3d") or "dsx3d"]
-
-
-def _start(recipe: Path, work: Path, log: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [*_dsx3d(), "train", str(recipe), *flags],
-        env=_env(work),
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _job_processes(recipe: Path) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info.get("cmdline") or []
-        if str(recipe) in cmd and p.pid != os.getpid():
-            out.append(p)
-    return out
-
-
-def _steps_done(out: Path) -> int:
-    try:
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        return max((json.loads(line)["step"] for line in lines if line.strip().endswith("}")), default=0)
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
-def _losses(out: Path) -> list[float]:
-    from dsx3d.run.metrics import read_metrics
-
-    return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
-
-
-def _weights(out: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    return {k: v for f in sorted((out / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        return None
-
-
-def _kill_all(proc: subprocess.Popen, recipe: Path) -> None:
-    for p in [*_job_processes(recipe)]:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
 
 
 @dataclass
@@ -135,117 +61,212 @@ class Trial:
     notes: list[str] = field(default_factory=list)
 
 
-def _damage(kind: str, ckpt: Path, rng: random.Random) -> Path:
-    from dsx3d.checkpoint.training.disk_format import read_latest
+@dataclass
+class Chain:
+    """The campaign's state between launches."""
 
-    tag = read_latest(ckpt)
-    assert tag is not None, "no checkpoint to damage"
-    files = sorted(p for p in (ckpt / tag).rglob("*") if p.is_file() and p.stat().st_size > 0)
-    victim = rng.choice(files)
-    raw = victim.read_bytes()
-    if kind == "truncated":
-        victim.write_bytes(raw[: rng.randrange(len(raw))])
-    elif kind == "bitflip":
-        at = rng.randrange(len(raw))
-        victim.write_bytes(raw[:at] + bytes([raw[at] ^ (1 << rng.randrange(8))]) + raw[at + 1 :])
-    else:
-        victim.unlink()
-    return victim
+    work: Path
+    recipe: Path
+    out: Path
+    disk: Disk
+    reference: tuple[list[float], dict[str, Any]]
+    step_s: float
+    """The reference's wall time per step, saves included: the scale of a fault's moment within a step."""
+    fresh: bool = True
+    pending: Trial | None = None
+    """The trial the next launch resumes after."""
+    launches: int = 0
 
+    def launch(self) -> tuple[Any, Path, int, int]:
+        """Start the job; (process, log, rows of metrics.jsonl before it, the step it starts after)."""
+        self.launches += 1
+        log = self.work / f"launch-{self.launches:03d}.log"
+        if self.fresh:  # --overwrite would clear it, but only once the ranks run: the old metrics would mislead
+            shutil.rmtree(self.out, ignore_errors=True)
+        start = 0 if self.fresh else job.latest_step(self.out)
+        rows = 0 if self.fresh else len(job.metric_rows(self.out))
+        proc = job.start(self.recipe, self.work, log, "--overwrite" if self.fresh else "--resume")
+        return proc, log, rows, start
 
-def run_trial(kind: str, rng: random.Random, work: Path, recipe: Path, out: Path, ref: tuple[list[float], dict[str, Any]]) -> Trial:
-    trial = Trial(kind)
-    shutil.rmtree(out, ignore_errors=True)
-    log = work / f"{kind}.log"
-    proc = _start(recipe, work, log, "--overwrite")
-    at_step = rng.randint(1, STEPS - 2)
-    extra = rng.uniform(0.0, 0.8)
-    trial.moment = f"step {at_step} + {extra:.2f} s"
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while _steps_done(out) < at_step and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(extra)
-    if proc.poll() is not None:
-        trial.notes.append(f"the job ended before the fault (exit {proc.returncode})")
-        return trial
-    began = time.monotonic()
-    expect: tuple[str, ...]
-    if kind in ("sigterm-owner", "truncated", "bitflip", "missing"):
-        os.kill(proc.pid, signal.SIGTERM)
-        expect = ("stopped by SIGTERM after step", "checkpoint")
-    elif kind == "sigterm-twice":
-        os.kill(proc.pid, signal.SIGTERM)
-        time.sleep(rng.uniform(0.0, 0.5))
-        os.kill(proc.pid, signal.SIGTERM)
-        expect = ("SIGTERM",)
-    elif kind == "sigkill-owner":
-        os.kill(proc.pid, signal.SIGKILL)
-        expect = ("which started this job, has ended",)
-    else:  # sigkill-rank
-        from dsx3d.run.relay import rank_processes
-
-        ranks = rank_processes(proc.pid)
-        victim = rng.choice(ranks) if ranks else None
-        if victim is None:
-            trial.notes.append("no rank to kill")
-            _kill_all(proc, recipe)
-            return trial
-        victim.kill()
-        expect = ("died",)
-    code = _wait(proc, BOUND_S)
-    while _job_processes(recipe) and time.monotonic() - began < BOUND_S:
-        time.sleep(0.1)
-    trial.end_s = time.monotonic() - began
-    left = _job_processes(recipe)
-    text = log.read_text(errors="replace")
-    if code is None and kind != "sigkill-owner":
-        trial.notes.append(f"did not end within {BOUND_S:.0f} s")
-    if left:
-        trial.notes.append(f"{len(left)} processes left")
-    if "Traceback" in text:
-        trial.notes.append("a traceback in the output")
-    missing_words = [w for w in expect if w not in text]
-    if missing_words:
-        trial.notes.append(f"the output does not say {missing_words}")
-    trial.clean = not trial.notes
-    _kill_all(proc, recipe)
-    if kind in ("truncated", "bitflip", "missing"):
-        victim_file = _damage(kind, out / "checkpoints", rng)
-        trial.moment += f", then {victim_file.name}"
-    for attempt in range(2):
-        rlog = work / f"{kind}.resume{attempt}.log"
-        resumed = _start(recipe, work, rlog, "--resume")
-        rc = _wait(resumed, LAUNCH_TIMEOUT_S)
-        rtext = rlog.read_text(errors="replace")
-        if rc is None:
-            _kill_all(resumed, recipe)
-        if kind in ("truncated", "bitflip", "missing") and attempt == 0 and "damaged" not in rtext:
+    def judge_resume(self, log: Path, rows_before: int, finished: bool) -> None:
+        """The pending trial's resume was the launch that wrote `log` and the rows after `rows_before`."""
+        trial, self.pending = self.pending, None
+        if trial is None:
+            return
+        ref_losses, ref_weights = self.reference
+        segment = job.metric_rows(self.out)[rows_before:]
+        wrong = [r["step"] for r in segment if abs(r["loss"] - ref_losses[r["step"] - 1]) > 1e-6]
+        if not segment and not finished:
+            trial.notes.append("the resume trained no step")
+        if wrong:
+            trial.notes.append(f"the resume's losses differ at steps {wrong}")
+        unnamed = trial.kind in DAMAGE and "damaged" not in log.read_text(errors="replace")
+        if unnamed:
             trial.notes.append("the resume did not name the damaged file")
-        if rc == 0:
-            break
-        trial.notes.append(f"resume {attempt + 1} exited {rc}: {rtext.strip().splitlines()[-1:] }")
-    losses, weights = ref
-    got = _losses(out)
-    same_losses = len(got) == len(losses) and all(abs(a - b) <= 1e-6 for a, b in zip(got, losses, strict=True))
-    try:
-        mine = _weights(out)
-        same_weights = mine.keys() == weights.keys() and all(
-            float((mine[k].float() - weights[k].float()).abs().max()) <= 1e-6 for k in weights
-        )
-    except (OSError, ValueError) as err:
-        same_weights = False
-        trial.notes.append(f"no exported weights ({err})")
-    trial.exact = same_losses and same_weights
-    if not same_losses:
-        trial.notes.append(f"losses differ ({len(got)} steps)")
-    if not same_weights:
-        trial.notes.append("weights differ")
+        same = True
+        if finished:
+            try:
+                same = job.same_weights(job.weights(self.out), ref_weights)
+            except (OSError, ValueError) as err:
+                same = False
+                trial.notes.append(f"no exported weights ({err})")
+            if not same:
+                trial.notes.append("the exported weights differ")
+        # A resume from the last step's checkpoint trains nothing; it must still finish and export the weights.
+        trial.exact = (bool(segment) or finished) and not wrong and same and not unnamed
+
+    def finished(self) -> bool:
+        return job.steps_done(self.out) >= job.STEPS and (self.out / "hf").is_dir()
+
+
+def _moment(rng: random.Random, start: int, step_s: float) -> tuple[int, float]:
+    """A step of the launch and a delay after its metrics line: within the step, or within the save after it."""
+    saves = [s for s in range(start + 1, job.STEPS + 1) if s % job.SAVE_INTERVAL == 0]
+    if saves and rng.random() < 0.5:
+        return rng.choice(saves), rng.uniform(0.0, 2.0 * step_s)
+    return rng.randint(min(start + 1, job.STEPS), job.STEPS), rng.uniform(0.0, step_s)
+
+
+def _wait_for_step(chain: Chain, proc: Any, rows_before: int, step: int) -> None:
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(r["step"] >= step for r in job.metric_rows(chain.out)[rows_before:]):
+            return
+        time.sleep(0.02)
+
+
+def run_trial(chain: Chain, kind: str, rng: random.Random) -> Trial:
+    trial = Trial(kind)
+    for _attempt in range(3):  # a job that finished before the fault landed is started again
+        proc, log, rows_before, start = chain.launch()
+        step, extra = _moment(rng, start, chain.step_s)
+        trial.moment = f"step {step} + {extra:.2f} s"
+        _wait_for_step(chain, proc, rows_before, step)
+        time.sleep(extra)
+        if proc.poll() is not None:
+            finished = proc.returncode == 0 and chain.finished()
+            if chain.pending is not None and not finished:
+                chain.pending.notes.append(f"the resume exited {proc.returncode} before the next fault")
+            chain.judge_resume(log, rows_before, finished)
+            job.kill_all(proc, chain.recipe)
+            chain.fresh = True
+            continue
+        return _inject_and_check(chain, trial, proc, log, rows_before, rng)
+    trial.notes.append("the job finished before the fault three times")
     return trial
 
 
+def _inject_and_check(
+    chain: Chain, trial: Trial, proc: Any, log: Path, rows_before: int, rng: random.Random
+) -> Trial:
+    kind = trial.kind
+    began = time.monotonic()
+    why_not = inject(kind, proc, chain.recipe, chain.out, chain.disk, rng)
+    if why_not:
+        trial.notes.append(why_not)
+    code = job.wait(proc, BOUND_S)
+    left = job.wait_gone(chain.recipe, began + BOUND_S)
+    trial.end_s = time.monotonic() - began
+    text = log.read_text(errors="replace")
+    finished = chain.finished() and COMPLETED in text
+    if code is None and kind != "sigkill-owner":
+        trial.notes.append(f"`dsx3d train` did not end within {BOUND_S:.0f} s")
+    if left:
+        trial.notes.append(f"{len(left)} processes left: {[p.pid for p in left]}")
+    if "Traceback" in text:
+        trial.notes.append("a traceback in the output")
+    if not finished and not any(s.lower() in text.lower() for s in SAYS[kind]):
+        trial.notes.append(f"the output does not say {SAYS[kind][0]!r}")
+    job.kill_all(proc, chain.recipe)
+    undo(kind, chain.out, chain.disk)
+    trial.clean = not trial.notes
+    chain.judge_resume(log, rows_before, finished)
+    if kind in DAMAGE:  # a finished run's newest checkpoint too: its resume must fall back and train again
+        victim = damage(kind, chain.out, rng)
+        trial.moment += f", then {victim.name if victim else 'no file'}"
+        finished = finished and victim is None
+    chain.fresh = finished
+    chain.pending = trial
+    return trial
+
+
+def run_campaign(kinds: list[str], trials: int, seed: int, work: Path) -> list[Trial]:
+    disk = Disk(work / "disk")
+    mounted = can_mount()
+    if mounted:
+        disk.mount()
+    else:
+        disk.root.mkdir(parents=True, exist_ok=True)
+        skipped = [k for k in kinds if k in NEEDS_MOUNTS]
+        if skipped:
+            print(f"not root: {skipped} need mounts and are left out", flush=True)
+            kinds = [k for k in kinds if k not in NEEDS_MOUNTS]
+    try:
+        cache = work / "cache"
+        ref_recipe = job.write_recipe(work / "reference.yaml", work / "reference", cache)
+        ref_proc = job.start(ref_recipe, work, work / "reference.log", "--overwrite")
+        if job.wait(ref_proc, LAUNCH_TIMEOUT_S) != 0:
+            raise SystemExit((work / "reference.log").read_text()[-3000:])
+        reference = (job.losses(work / "reference"), job.weights(work / "reference"))
+        rows = job.metric_rows(work / "reference")
+        step_s = (rows[-1]["time"] - rows[0]["time"]) / max(1, len(rows) - 1)
+        print(f"reference: {len(rows)} steps, {step_s * 1e3:.0f} ms per step with its saves", flush=True)
+        out = disk.root / "run"
+        chain = Chain(work, job.write_recipe(work / "recipe.yaml", out, cache), out, disk, reference, step_s)
+        rng = random.Random(seed)
+        schedule = [k for k in kinds for _ in range(trials)]
+        rng.shuffle(schedule)
+        done: list[Trial] = []
+        for kind in schedule:
+            trial = run_trial(chain, kind, random.Random(rng.random()))
+            done.append(trial)
+            previous = done[-2] if len(done) > 1 else None
+            if previous is not None:
+                _say(previous, len(done) - 1)
+        _finish_chain(chain)
+        if done:
+            _say(done[-1], len(done))
+        return done
+    finally:
+        if mounted:
+            Disk.writable(disk.root / "run" / "checkpoints")
+            disk.unmount()
+
+
+def _finish_chain(chain: Chain) -> None:
+    proc, log, rows_before, _ = chain.launch()
+    code = job.wait(proc, LAUNCH_TIMEOUT_S)
+    if code != 0 and chain.pending is not None:
+        chain.pending.notes.append(f"the last resume exited {code}")
+    chain.judge_resume(log, rows_before, code == 0 and chain.finished())
+    job.kill_all(proc, chain.recipe)
+
+
+def _say(t: Trial, number: int) -> None:
+    print(
+        f"#{number} {t.kind}: at {t.moment}: clean {t.clean}, exact {t.exact}, ended in {t.end_s:.1f} s"
+        + (f"; {'; '.join(t.notes)}" if t.notes else ""),
+        flush=True,
+    )
+
+
+def table(kinds: list[str], trials: list[Trial]) -> str:
+    lines = ["| fault | trials | clean ends | exact resumes | worst time to end |", "|---|---|---|---|---|"]
+    for kind in kinds:
+        mine = [t for t in trials if t.kind == kind]
+        if mine:
+            worst = max(t.end_s for t in mine)
+            lines.append(
+                f"| {kind} | {len(mine)} | {sum(t.clean for t in mine)} | {sum(t.exact for t in mine)} | {worst:.1f} s |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trials", type=int, default=int(os.environ.get("DSX3D_FAULTS", "1") or 1), help="trials per kind")
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument(
+        "--trials", type=int, default=int(os.environ.get("DSX3D_FAULTS", "1") or 1), help="trials per kind"
+    )
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--seed", type=int, default=36)
     p.add_argument("--work", default=None, help="a scratch directory (default: a new temporary one)")
@@ -258,32 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="dsx3d-faults-")).absolute()
     work.mkdir(parents=True, exist_ok=True)
     print(f"fault campaign: seed {args.seed}, {args.trials} trials per kind, work dir {work}", flush=True)
-    cache, out = work / "cache", work / "run"
-    recipe = _recipe(work / "recipe.yaml", out, cache)
-    ref_recipe = _recipe(work / "reference.yaml", work / "reference", cache)
-    ref_proc = _start(ref_recipe, work, work / "reference.log", "--overwrite")
-    if _wait(ref_proc, LAUNCH_TIMEOUT_S) != 0:
-        print((work / "reference.log").read_text()[-3000:], file=sys.stderr)
-        return 1
-    ref = (_losses(work / "reference"), _weights(work / "reference"))
-    rng = random.Random(args.seed)
-    trials: list[Trial] = []
-    for kind in kinds:
-        for i in range(args.trials):
-            t = run_trial(kind, random.Random(rng.random()), work, recipe, out, ref)
-            trials.append(t)
-            print(
-                f"{kind} #{i + 1}: at {t.moment}: clean {t.clean}, exact {t.exact}, ended in {t.end_s:.1f} s"
-                + (f"; {'; '.join(t.notes)}" if t.notes else ""),
-                flush=True,
-            )
-    print("\n| fault | trials | clean ends | exact resumes | worst time to end |\n|---|---|---|---|---|")
-    for kind in kinds:
-        mine = [t for t in trials if t.kind == kind]
-        worst = max((t.end_s for t in mine), default=float("nan"))
-        print(f"| {kind} | {len(mine)} | {sum(t.clean for t in mine)} | {sum(t.exact for t in mine)} | {worst:.1f} s |")
-    print(f"\nseed {args.seed}; load average {os.getloadavg()}")
-    return 0 if all(t.clean and t.exact for t in trials) else 1
+    began = time.monotonic()
+    trials = run_campaign(kinds, args.trials, args.seed, work)
+    print("\n" + table(kinds, trials))
+    print(
+        f"\nseed {args.seed}; {len(trials)} trials in {time.monotonic() - began:.0f} s; load average {os.getloadavg()}"
+    )
+    return 0 if trials and all(t.clean and t.exact for t in trials) else 1
 
 
 if __name__ == "__main__":

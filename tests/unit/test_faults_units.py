@@ -199,3 +199,63 @@ def test_hashing_while_torch_saves_equals_reading_the_file_back(tmp_path: Path) 
     got = save_hashed(lambda f: torch.save({"w": torch.arange(100_000.0)}, f), path)
     assert got == digest(path) and got[0] == path.stat().st_size
     assert torch.equal(torch.load(path, weights_only=True, mmap=True)["w"], torch.arange(100_000.0))
+
+
+def test_a_signal_that_arrives_as_the_job_finishes_reports_a_completed_run() -> None:
+    relay = SignalRelay(launcher_pid=1, save_on_signal=True)
+    relay.received, relay.first_at, relay.saving = [signal.SIGTERM], time.monotonic(), True
+    message, code = relay.outcome(0)
+    assert code == 0 and "completed every step" in message
+    assert relay.outcome(128 + signal.SIGTERM)[1] == 128 + signal.SIGTERM
+
+
+def test_the_ranks_of_a_killed_launcher_are_ended_and_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """The launcher's process group outlives a SIGKILLed leader; whatever of it is left after the grace is
+    killed, and the message names the launcher and the signal."""
+    import os
+    import subprocess
+
+    from dsx3d.run.relay import end_orphaned_job, group_processes
+
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+    deadline = time.monotonic() + 5
+    while len(group_processes(leader.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(leader.pid, signal.SIGKILL)
+    leader.wait()
+    assert group_processes(leader.pid), "the sleeps outlive their leader"
+    end_orphaned_job(leader.pid, -signal.SIGKILL, grace_s=0.3)
+    deadline = time.monotonic() + 5
+    while group_processes(leader.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group_processes(leader.pid) == []
+    assert f"launcher (pid {leader.pid}) was killed by SIGKILL" in capsys.readouterr().err
+
+
+def test_a_failed_write_is_said_with_the_file_and_the_remedy() -> None:
+    import errno
+
+    from dsx3d.run.ranks import WRITE_ERRNOS, RankInfo, write_failure_message
+
+    info = RankInfo(rank=0, world_size=2, local_rank=0, launcher_node=0, host="h", pid=1)
+    err = OSError(errno.ENOSPC, "No space left on device", "/run/x/loss.png")
+    assert err.errno in WRITE_ERRNOS
+    text = write_failure_message(info, err)
+    assert "cannot write /run/x/loss.png: no space left on device" in text and "--resume" in text
+
+
+def test_a_resume_past_a_damaged_tag_sets_it_aside_so_pruning_keeps_the_complete_one(tmp_path: Path) -> None:
+    from dsx3d.checkpoint.training.tags import prune, set_aside_damaged
+
+    for step in (20, 23):
+        _tag(tmp_path, step)
+    write_atomic(tmp_path / LATEST, tag_for(23))
+    (tmp_path / tag_for(23) / "layer_01-model_00-model_states.pt").unlink()
+    tag, _ = choose_tag(tmp_path)
+    assert tag == tag_for(20)
+    assert "moved the damaged" in set_aside_damaged(tmp_path, tag)[0]
+    _tag(tmp_path, 24)  # the resumed run saves step 24
+    write_atomic(tmp_path / LATEST, tag_for(24))
+    assert prune(tmp_path, keep=2) == []
+    assert choose_tag(tmp_path)[0] == tag_for(24) and (tmp_path / tag_for(20)).is_dir()
+    assert (tmp_path / f".damaged-{tag_for(23)}").is_dir()

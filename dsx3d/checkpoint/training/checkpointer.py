@@ -51,7 +51,14 @@ from dsx3d.checkpoint.training.disk_format import (
 from dsx3d.checkpoint.training.engine_load import load_checkpoint
 from dsx3d.checkpoint.training.resume import ResumePlan, layout_record, plan_resume, read_saved
 from dsx3d.checkpoint.training.rng import RNG_FORMAT, rng_state, set_rng_state  # noqa: F401
-from dsx3d.checkpoint.training.tags import choose_tag, prune, remove_tag, tag_problems, tags_to_delete  # noqa: F401
+from dsx3d.checkpoint.training.tags import (  # noqa: F401
+    choose_tag,
+    prune,
+    remove_tag,
+    set_aside_damaged,
+    tag_problems,
+    tags_to_delete,
+)
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, RunFailure, UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
@@ -305,6 +312,7 @@ class Checkpointer:
         tag, notes = choose_tag(self.dir)
         if tag is None:
             return None
+        notes += set_aside_damaged(self.dir, tag)
         saved_layout, saved_recipe = read_saved(self.dir / tag)
         plan = plan_resume(tag, saved_layout, saved_recipe, self.recipe, self.engine.layout, self.bounds)
         plan.notes[:0] = notes

@@ -172,6 +172,29 @@ def choose_tag(ckpt_dir: Path) -> tuple[str | None, list[str]]:
     )
 
 
+def set_aside_damaged(ckpt_dir: Path, chosen: str) -> list[str]:
+    """Rename the damaged tags newer than `chosen` (up to `latest`) to `.damaged-<tag>`: kept for a look,
+    but no longer counted by pruning, which would otherwise keep them and delete the complete tag the run
+    resumed from (a resume from step 20 past a damaged step 23 saves step 24, and keeping two would mean
+    23 and 24). Run by rank 0 before the ranks load; notes saying what moved."""
+    latest = read_latest(ckpt_dir)
+    low, high = step_of(chosen), step_of(latest) if latest else None
+    if low is None or high is None:
+        return []
+    notes = []
+    for tag in step_tags(ckpt_dir):
+        step = step_of(tag)
+        if step is not None and low < step <= high:
+            target = ckpt_dir / f".damaged-{tag}"
+            n = 1
+            while target.exists():
+                n += 1
+                target = ckpt_dir / f".damaged-{tag}.{n}"
+            (ckpt_dir / tag).rename(target)
+            notes.append(f"moved the damaged {tag} aside to {target.name}")
+    return notes
+
+
 def resolve_tag_dir(path: Path, tag: str | None = None) -> Path:
     """A tag directory as is; a checkpoints directory through `tag` or its `latest` file."""
     if not path.is_dir():
