@@ -119,6 +119,11 @@ class Chain:
         return job.steps_done(self.out) >= job.STEPS and (self.out / "hf").is_dir()
 
 
+def _refused_as_promised(trial: Trial, code: int | None, log: Path) -> bool:
+    """The damaged tag was the only one: `--resume` must exit 2 naming it (the run then starts over)."""
+    return trial.kind in DAMAGE and code == 2 and "damaged:" in log.read_text(errors="replace")
+
+
 def _moment(rng: random.Random, start: int, step_s: float) -> tuple[int, float]:
     """A step of the launch and a delay after its metrics line: within the step, or within the save after it."""
     saves = [s for s in range(start + 1, job.STEPS + 1) if s % job.SAVE_INTERVAL == 0]
@@ -145,6 +150,9 @@ def run_trial(chain: Chain, kind: str, rng: random.Random) -> Trial:
         time.sleep(extra)
         if proc.poll() is not None:
             finished = proc.returncode == 0 and chain.finished()
+            pending = chain.pending
+            if pending is not None and _refused_as_promised(pending, proc.returncode, log):
+                pending.exact, chain.pending = True, None  # no complete tag was left: exit 2, the file named
             if chain.pending is not None and not finished:
                 chain.pending.notes.append(f"the resume exited {proc.returncode} before the next fault")
             chain.judge_resume(log, rows_before, finished)

@@ -20,7 +20,7 @@ SEED = int(os.environ.get("DSX3D_FAULT_SEED", "36"))
 
 
 def test_every_fault_ends_cleanly_and_resumes_exactly(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    trials = int(os.environ.get("DSX3D_FAULTS", "0") or 1)
+    trials = int(os.environ.get("DSX3D_FAULTS") or 0) or 1
     kinds = [k for k in KINDS if can_mount() or k not in NEEDS_MOUNTS]
     code = campaign.main(["--trials", str(trials), "--kinds", ",".join(kinds), "--seed", str(SEED), "--work", str(tmp_path)])
     out = capsys.readouterr().out
