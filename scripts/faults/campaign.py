@@ -169,7 +169,7 @@ def _inject_and_check(
 ) -> Trial:
     kind = trial.kind
     began = time.monotonic()
-    why_not = inject(kind, proc, chain.recipe, chain.out, chain.disk, rng)
+    why_not = inject(kind, proc, chain.out, chain.disk, rng)
     if why_not:
         trial.notes.append(why_not)
     code = job.wait(proc, BOUND_S)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsx3d.run.relay import rank_processes
 from scripts.faults import job
 
 DAMAGE = ("truncated", "bitflip", "missing")
@@ -105,7 +106,7 @@ def can_mount() -> bool:
     )
 
 
-def inject(kind: str, proc: subprocess.Popen, recipe: Path, out: Path, disk: Disk, rng: random.Random) -> str:
+def inject(kind: str, proc: subprocess.Popen, out: Path, disk: Disk, rng: random.Random) -> str:
     """Inject `kind` into the running job; '' or why it could not be injected."""
     if kind in ("sigterm-owner", *DAMAGE):
         os.kill(proc.pid, signal.SIGTERM)
@@ -117,7 +118,7 @@ def inject(kind: str, proc: subprocess.Popen, recipe: Path, out: Path, disk: Dis
     elif kind == "sigkill-owner":
         os.kill(proc.pid, signal.SIGKILL)
     elif kind in ("sigkill-rank", "sigstop-rank"):
-        ranks = job.rank_processes(recipe)
+        ranks = rank_processes(proc.pid)  # below `dsx3d train`: the launcher's agent's children
         if not ranks:
             return "no rank to signal"
         rng.choice(ranks).send_signal(signal.SIGKILL if kind == "sigkill-rank" else signal.SIGSTOP)

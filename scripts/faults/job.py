@@ -69,19 +69,6 @@ def processes(recipe: Path) -> list[psutil.Process]:
     return out
 
 
-def rank_processes(recipe: Path) -> list[psutil.Process]:
-    from dsx3d.run.relay import is_rank_command
-
-    found = []
-    for p in processes(recipe):
-        with contextlib.suppress(psutil.Error):
-            if is_rank_command(p.cmdline()) and not any(
-                is_rank_command(q.cmdline()) for q in p.parents()[:1]
-            ):
-                found.append(p)
-    return found
-
-
 def launcher_process(owner_pid: int) -> psutil.Process | None:
     """The deepspeed runner `dsx3d train` started (its child running deepspeed.launcher.runner)."""
     with contextlib.suppress(psutil.Error):
@@ -115,11 +102,7 @@ def kill_all(proc: subprocess.Popen, recipe: Path) -> None:
 
 
 def steps_done(out: Path) -> int:
-    try:
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        return max((json.loads(line)["step"] for line in lines if line.strip().endswith("}")), default=0)
-    except (OSError, ValueError, KeyError):
-        return 0
+    return max((r["step"] for r in metric_rows(out)), default=0)
 
 
 def metric_rows(out: Path) -> list[dict[str, Any]]:
