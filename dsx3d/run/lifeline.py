@@ -140,7 +140,6 @@ class Hung:
     where: str
     silent_s: float
     state: str
-    pid: int = 0
 
     def describe(self) -> str:
         return f"{self.where} is hung: no heartbeat for {self.silent_s:.0f} s (process state: {self.state})"
@@ -184,7 +183,7 @@ def hung_peers(
         if silent > timeout_s:
             state = _state(p.pid)
             if state is not None:
-                found.append(Hung(p.rank, p.where(), silent, state, p.pid))
+                found.append(Hung(p.rank, p.where(), silent, state))
     return found
 
 
@@ -193,11 +192,7 @@ def _report_hung(job_dir: Path, me: RankInfo, hung: list[Hung]) -> None:
         for h in hung:
             hung_marker(job_dir, h.rank).write_text(h.describe() + "\n")
         (job_dir / f"rank-{me.rank}").touch()  # this rank stopped on purpose: not a root cause
-    log.error("%s stopped: %s; ending it", me.where(), "; ".join(h.describe() for h in hung))
-    for h in hung:  # a stopped process would hold the launcher's SIGTERM pending for its 30 s grace
-        if h.pid > 0:
-            with contextlib.suppress(OSError):
-                os.kill(h.pid, signal.SIGKILL)
+    log.error("%s stopped: %s", me.where(), "; ".join(h.describe() for h in hung))
     _flush_and_exit(1)
 
 

@@ -47,7 +47,7 @@ from scripts.faults.inject import (
     undo,
 )
 
-BOUND_S = 60.0
+BOUND_S = 120.0  # a stopped rank: the hang timeout (10 s), then the launcher's 30 s grace before its SIGKILL
 LAUNCH_TIMEOUT_S = 600.0
 
 
