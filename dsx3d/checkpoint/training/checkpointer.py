@@ -21,11 +21,8 @@ layout, through a universal checkpoint. Every load runs with weights-only unpick
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +49,7 @@ from dsx3d.checkpoint.training.engine_load import load_checkpoint
 from dsx3d.checkpoint.training.resume import ResumePlan, layout_record, plan_resume, read_saved
 from dsx3d.checkpoint.training.rng import RNG_FORMAT, rng_state, set_rng_state  # noqa: F401
 from dsx3d.checkpoint.training.tags import choose_tag, prune, remove_tag, tag_problems, tags_to_delete  # noqa: F401
+from dsx3d.checkpoint.training.write_failure import disk_full, write_failure  # noqa: F401
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, RunFailure, UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
@@ -75,15 +73,6 @@ __all__ = [
     "tags_to_delete",
 ]
 
-_PROBE_BYTES = 1 << 16
-
-
-# --- RNG state, in a form torch.load(weights_only=True) reads -------------------------------------------
-
-
-# --- pruning ---------------------------------------------------------------------------------------------
-
-
 # --- saving ----------------------------------------------------------------------------------------------
 
 
@@ -93,35 +82,6 @@ class CheckpointNotSaved(RunFailure):
 
     def __init__(self, message: str):
         super().__init__(message, everywhere=True)
-
-
-def disk_full(directory: Path) -> bool:
-    """Whether a small write fails for lack of space where `directory` is (the probe is removed)."""
-    while not directory.exists():
-        directory = directory.parent
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".dsx3d-space-probe-")
-    except OSError as err:
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"\0" * _PROBE_BYTES)
-            f.flush()
-            os.fsync(f.fileno())
-        return False
-    except OSError as err:
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    finally:
-        Path(probe).unlink(missing_ok=True)
-
-
-def write_failure(path: Path, err: BaseException) -> str:
-    """Why writing `path` failed, in words. torch's zip writer loses the errno ("unexpected pos 832 vs
-    726"), so a full disk is also recognised by probing the filesystem."""
-    text = " ".join(str(err).split())[:200] or type(err).__name__
-    if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or disk_full(path.parent):
-        return f"no space left on device (writing {path.name}: {text})"
-    return f"{type(err).__name__}: {text}"
 
 
 class _SaveLog:
@@ -185,9 +145,6 @@ def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
     finally:
         checkpoint_engine.__dict__.pop("save", None)
         engine.__dict__.pop("_copy_recovery_script", None)
-
-
-# --- checking a tag before resuming ----------------------------------------------------------------------
 
 
 # --- the checkpointer ------------------------------------------------------------------------------------
