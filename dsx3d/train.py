@@ -264,11 +264,13 @@ def _train_steps(
                 ckpt.save(step, _client_state(step, stream, engine))
                 saved = step
             if halt and stop is not None:
+                ckpt.wait()  # train.async_save: the stop's checkpoint is complete before the deadline is off
                 stop.cancel()
                 stop.stopped_at = end = step
                 break
         if saved != end:  # the last step, or where stop_at ended the call
             ckpt.save(end, _client_state(end, stream, engine))
+        ckpt.wait()  # train.async_save: every save is complete before the export and the return
     finally:
         reporter.close()
     return losses

@@ -14,6 +14,7 @@ from dsx3d.boundary_types import HFConfig
 from dsx3d.checks.context import Rule, _Context, _warning
 from dsx3d.checks.context_parallel import context_parallel_problems
 from dsx3d.checks.deepspeed import (
+    _async_save_writer,
     _auto_left,
     _batch_overrides,
     _contradicting_overrides,
@@ -118,6 +119,7 @@ RULES: list[Rule] = [
     _batch_overrides,
     _grad_accum_dtype,
     _contradicting_overrides,
+    _async_save_writer,
     _fp16,
     _auto_left,
     _deepspeed_schema,

@@ -95,6 +95,32 @@ def _contradicting_overrides(c: _Context) -> Iterator[Problem]:
             )
 
 
+def _async_save_writer(c: _Context) -> Iterator[Problem]:
+    """train.async_save writes every checkpoint file itself, from a copy taken at the step, in a thread of
+    each rank (dsx3d.checkpoint.training.background_save): a DeepSpeed checkpoint writer set in the recipe
+    would be bypassed without a word, so the two are not combined."""
+    if not c.recipe.train.async_save:
+        return
+    section = c.overrides.get("checkpoint")
+    writer = section.get("writer") if isinstance(section, dict) else None
+    if writer is not None:
+        yield Problem(
+            "deepspeed.checkpoint.writer",
+            writer,
+            "train.async_save writes the checkpoint files itself in a background thread, so DeepSpeed's writer "
+            "would never run (and its decoupled writer never commits a pipeline's save)",
+            "remove deepspeed.checkpoint.writer, or set train.async_save: false",
+        )
+    if c.overrides.get("datastates_ckpt", False) is not False:
+        yield Problem(
+            "deepspeed.datastates_ckpt",
+            c.overrides["datastates_ckpt"],
+            "train.async_save writes the checkpoint files itself in a background thread, so the DataStates "
+            "engine would never run",
+            "remove deepspeed.datastates_ckpt, or set train.async_save: false",
+        )
+
+
 def _fp16(c: _Context) -> Iterator[Problem]:
     if c.recipe.train.dtype == "fp16":
         yield _warning(

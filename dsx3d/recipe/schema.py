@@ -201,6 +201,11 @@ class TrainSection(_Section):
     save_interval: Annotated[StrictInt, Field(ge=0, le=MAX_STEPS)] = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: Annotated[StrictInt, Field(ge=1, le=10_000)] = 2
+    async_save: StrictBool = False
+    """Write checkpoints in a background thread (one per rank) while training goes on: the save copies the
+    state into host memory at its step (one more copy of the rank's checkpoint state until written), and
+    the next save, the end of the run or a stop signal waits for the files, then writes the manifest and
+    moves `latest`. A job killed meanwhile resumes from the previous complete checkpoint."""
     save_on_signal: StrictBool = True
     """On SIGTERM, SIGINT or SIGUSR1 every rank finishes its step, a checkpoint is saved and the job stops
     (a second signal stops at once). False: a signal stops the job at once, without a checkpoint."""

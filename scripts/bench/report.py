@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.report_async_save import async_save
 from scripts.bench.report_bubble import bubble
 from scripts.bench.report_cp import context_parallel
 from scripts.bench.report_packing import packing
@@ -400,6 +401,9 @@ METHODS = """## How the figures are measured
   above its RSS before it, cp 1 and cp 2 runs alternated in fresh ranks; the budget search in fresh process
   groups, a rank ended by a watchdog once over budget; step time with both layouts' engines in the same 2 ranks,
   alternated, `deepspeed.comm.all_to_all_single` wrapped with a timer (the all-to-all share).
+- **Checkpoint saves** (`scripts/bench/async_save.py`): one engine and one Checkpointer in 2 ranks; windows of a
+  step (with a save or without), plain steps and the wait for the save, alternated; the saving step and the
+  whole window against a plain window, per pair.
 - **GPU** (`bash scripts/bench/gpu.sh`): bf16 tokens/s and MFU of a 1.1B Llama (Llama-3.2-1B's shape,
   32k vocabulary, untied) through dsx3d at tp=1 pp=1 against `deepspeed.initialize` on the plain HF model
   with the same JSON and against the plain HF model with torch AdamW in bf16, alternated in one process;
@@ -422,6 +426,7 @@ COMMANDS = """## Reproducing
     python -m scripts.bench.tiled_loss      # last-stage peak memory, tiled logits and loss vs full logits
     python -m scripts.bench.context_parallel  # cp: activation memory, seq_len within a budget, step time (about 6 min)
     python -m scripts.bench.comm --family mixtral --ep 2    # MoE TP and all-to-all bytes
+    python -m scripts.bench.async_save      # a checkpoint save's step-time cost, sync vs train.async_save
     python -m scripts.bench.report          # this section, from scripts/bench/results.json
     bash scripts/bench/gpu.sh               # on a CUDA machine
 
@@ -477,6 +482,7 @@ def render(results: dict[str, Any]) -> str:
         "packing": packing,
         "tiled_loss": tiled_loss,
         "context_parallel": context_parallel,
+        "async_save": async_save,
         "gpu": gpu,
         "verify_sweep": verify_sweep,
     }
@@ -492,6 +498,7 @@ def render(results: dict[str, Any]) -> str:
         "packing",
         "tiled_loss",
         "context_parallel",
+        "async_save",
         "gpu",
         "verify_sweep",
     ]

@@ -30,7 +30,7 @@ STEPS = 6
 SAVE_INTERVAL = 2
 
 
-def make_recipe(output_dir: Path, cache_dir: Path) -> Recipe:
+def make_recipe(output_dir: Path, cache_dir: Path, async_save: bool = False) -> Recipe:
     return recipe_from_dict(
         tiny_recipe_dict(
             parallel={"dp": 2, "tp": 2, "pp": 2},
@@ -43,6 +43,7 @@ def make_recipe(output_dir: Path, cache_dir: Path) -> Recipe:
                 "weight_decay": 0.01,
                 "save_interval": SAVE_INTERVAL,
                 "keep_checkpoints": 2,
+                "async_save": async_save,
             },
             data={"cache_dir": str(cache_dir)},
             output_dir=str(output_dir),
@@ -114,15 +115,26 @@ def test_training_checkpoints_convert_to_universal(reference: tuple[list[float],
     assert any(universal.rglob("*.pt"))
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_resume_trains_exactly_like_an_uninterrupted_run(
-    reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path
+    reference: tuple[list[float], Path], tmp_path: Path, cache_dir: Path, async_save: bool
 ) -> None:
+    """Also with train.async_save, resuming from step 2's checkpoint, which a background thread wrote while
+    step 3 trained: step 3's tag is removed and `latest` set back, as a kill during step 3's save leaves
+    them (the reference saves synchronously)."""
     losses, ref_out = reference
-    recipe = make_recipe(tmp_path, cache_dir)
+    recipe = make_recipe(tmp_path, cache_dir, async_save)
     first = run(recipe, stop_at=STEPS // 2)
+    start = STEPS // 2
+    if async_save:
+        from dsx3d.checkpoint.training.tags import remove_tag
+
+        start = SAVE_INTERVAL
+        remove_tag(tmp_path / "checkpoints", tag_for(STEPS // 2))
+        (tmp_path / "checkpoints" / LATEST).write_text(tag_for(start))
     second = run(recipe, resume=True)
-    assert (first.end_step, second.start_step, second.end_step) == (STEPS // 2, STEPS // 2, STEPS)
-    assert first.losses + second.losses == pytest.approx(losses, abs=1e-6, rel=0)
+    assert (first.end_step, second.start_step, second.end_step) == (STEPS // 2, start, STEPS)
+    assert first.losses[:start] + second.losses == pytest.approx(losses, abs=1e-6, rel=0)
     # the LR schedule continued where it was, and metrics.jsonl carries the whole run
     resumed = read_metrics(tmp_path / "metrics.jsonl")
     reference_records = read_metrics(ref_out / "metrics.jsonl")

@@ -346,6 +346,14 @@ CASES = [
         id="measured-costs-need-split-passes",
     ),
     pytest.param(
+        {"train": {"async_save": True}, "deepspeed": {"checkpoint": {"writer": {"type": "python"}}}},
+        None,
+        "deepspeed.checkpoint.writer",
+        "error",
+        "would never run",
+        id="async-save-would-silently-bypass-deepspeeds-writer",
+    ),
+    pytest.param(
         _model(model_type="no-such-model"),
         None,
         "model.config.model_type",

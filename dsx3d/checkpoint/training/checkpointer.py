@@ -10,6 +10,11 @@ stops with one message. Otherwise `latest` moves, atomically (a temporary file r
 killed during a save also leaves `latest` on the previous complete checkpoint. Old tags are deleted only
 after `latest` has moved, and only the files dsx3d and DeepSpeed write there.
 
+With `train.async_save` the same files are written from a copy of the state by a background thread while
+training goes on (dsx3d.checkpoint.training.background_save); the exchange, the manifest and `latest` wait
+for the next save, the end of the run or a stop (`Checkpointer.wait`), so one save is in flight at a time
+and a failed background write is raised there, with the same message.
+
 Resuming. Rank 0 checks the tag `latest` names before anything loads: every rank's file list is there,
 every file has its recorded size, and every torch file is an intact zip whose pickle names no class a
 weights-only load refuses. A damaged tag is named, file and reason, and the newest older complete tag is
@@ -21,11 +26,8 @@ layout, through a universal checkpoint. Every load runs with weights-only unpick
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,6 +39,7 @@ from dsx3d.boundary_types import DSEngine
 from dsx3d.checkpoint.checksums import digest, save_hashed, write_sums
 from dsx3d.checkpoint.safe_load import UnsafeCheckpoint, weights_only_loads
 from dsx3d.checkpoint.safe_load import load as safe_load
+from dsx3d.checkpoint.training.background_save import Write, WriterThread, snapshotting
 from dsx3d.checkpoint.training.disk_format import (
     CLIENT_KEY,
     LATEST,
@@ -59,6 +62,7 @@ from dsx3d.checkpoint.training.tags import (  # noqa: F401
     tag_problems,
     tags_to_delete,
 )
+from dsx3d.checkpoint.training.write_failure import disk_full, write_failure  # noqa: F401
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, RunFailure, UserError
 from dsx3d.fsio import make_dirs, share_tree, write_atomic
@@ -82,15 +86,6 @@ __all__ = [
     "tags_to_delete",
 ]
 
-_PROBE_BYTES = 1 << 16
-
-
-# --- RNG state, in a form torch.load(weights_only=True) reads -------------------------------------------
-
-
-# --- pruning ---------------------------------------------------------------------------------------------
-
-
 # --- saving ----------------------------------------------------------------------------------------------
 
 
@@ -100,35 +95,6 @@ class CheckpointNotSaved(RunFailure):
 
     def __init__(self, message: str):
         super().__init__(message, everywhere=True)
-
-
-def disk_full(directory: Path) -> bool:
-    """Whether a small write fails for lack of space where `directory` is (the probe is removed)."""
-    while not directory.exists():
-        directory = directory.parent
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".dsx3d-space-probe-")
-    except OSError as err:
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"\0" * _PROBE_BYTES)
-            f.flush()
-            os.fsync(f.fileno())
-        return False
-    except OSError as err:
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    finally:
-        Path(probe).unlink(missing_ok=True)
-
-
-def write_failure(path: Path, err: BaseException) -> str:
-    """Why writing `path` failed, in words. torch's zip writer loses the errno ("unexpected pos 832 vs
-    726"), so a full disk is also recognised by probing the filesystem."""
-    text = " ".join(str(err).split())[:200] or type(err).__name__
-    if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or disk_full(path.parent):
-        return f"no space left on device (writing {path.name}: {text})"
-    return f"{type(err).__name__}: {text}"
 
 
 class _SaveLog:
@@ -164,6 +130,15 @@ class _SaveLog:
         self.attempt(path, lambda: write_atomic(path, text))
 
 
+def _write_torch(state: object, path: Path, zipped: bool) -> tuple[int, str]:
+    """torch.save of `state` to `path` as DeepSpeed's TorchCheckpointEngine writes it, hashed on the way."""
+
+    def write(f: Any) -> None:
+        torch.save(state, f, _use_new_zipfile_serialization=zipped)
+
+    return save_hashed(write, path)
+
+
 @contextlib.contextmanager
 def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
     """DeepSpeed's writes through `save_log`: a failure is recorded instead of raised, so the rank still
@@ -174,11 +149,7 @@ def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
     def recorded_save(state_dict: object, path: str) -> None:
         if type(checkpoint_engine).__name__ == "TorchCheckpointEngine":  # hash while writing: no read-back
             zipped = getattr(checkpoint_engine, "zipfile_serialization", True)
-
-            def write(f: Any) -> None:
-                torch.save(state_dict, f, _use_new_zipfile_serialization=zipped)
-
-            save_log.attempt(Path(path), lambda: save_hashed(write, Path(path)))
+            save_log.attempt(Path(path), lambda: _write_torch(state_dict, Path(path), zipped))
         else:
             save_log.attempt(Path(path), lambda: save(state_dict, path))
 
@@ -194,9 +165,6 @@ def _recording(engine: DSEngine, save_log: _SaveLog) -> Iterator[None]:
         engine.__dict__.pop("_copy_recovery_script", None)
 
 
-# --- checking a tag before resuming ----------------------------------------------------------------------
-
-
 # --- the checkpointer ------------------------------------------------------------------------------------
 
 
@@ -205,13 +173,20 @@ class Checkpointer:
 
     def __init__(self, engine: Engine3D, ckpt_dir: Path, recipe: Recipe, keep: int):
         self.engine, self.dir, self.recipe, self.keep = engine, ckpt_dir, recipe, keep
+        self.async_save = recipe.train.async_save
+        """Write in a background thread (dsx3d.checkpoint.training.background_save); `wait` completes."""
         self._universal: dict[str, object] | None = None
+        self._pending: tuple[str, _SaveLog, WriterThread] | None = None
 
     @property
     def bounds(self) -> list[int]:
         return [int(b) for b in getattr(self.engine.module, "parts", [])]
 
     def save(self, step: int, client_state: dict[str, object]) -> str:
+        """Save `step` as tag step-NNNNNN (a collective). Synchronous: returns once `latest` names it.
+        With `async_save`: returns once the state is copied, the files are written by a background thread,
+        and the next `save` or `wait` completes it; a save still in flight is completed first."""
+        self.wait()
         tag, rank = tag_for(step), comm.get_rank()
         tag_dir = self.dir / tag
         if rank == 0 and tag_dir.exists():  # a save of this step that did not finish, or one a resume repeats
@@ -222,23 +197,66 @@ class Checkpointer:
 
             self._universal = universal_client_state(self.engine)  # a collective, like save itself
         record = _SaveLog(tag_dir)
-        rng_file = rng_path(tag_dir, rank)
+        writes = self._own_files(tag_dir, rank)  # the RNG state is taken now, at this step
+        state = {CLIENT_KEY: client_state, **self._universal}
+        ds_engine = self.engine.ds_engine
+        if self.async_save:
+            zipped = getattr(ds_engine.checkpoint_engine, "zipfile_serialization", True)
+            with snapshotting(ds_engine, writes, lambda taken, path: _write_torch(taken, path, zipped)):
+                ds_engine.save_checkpoint(str(self.dir), tag=tag, client_state=state, save_latest=False)
+
+            def write_all() -> None:
+                while writes:  # each snapshot is freed once written
+                    record.attempt(*writes.pop(0))
+                record.write_list(rank)
+
+            self._pending = (tag, record, WriterThread(f"dsx3d-save-{tag}", write_all).start())
+            return tag
+        for path, write in writes:
+            record.attempt(path, write)
+        with _recording(ds_engine, record):
+            ds_engine.save_checkpoint(str(self.dir), tag=tag, client_state=state, save_latest=False)
+        record.write_list(rank)
+        return self._commit(tag, record)
+
+    def wait(self) -> str | None:
+        """Complete the save in flight, if any (`async_save`): wait for this rank's writes, then agree with
+        the other ranks, write the manifest and move `latest` (a collective; every rank has the same save in
+        flight). A failed write raises CheckpointNotSaved here. The tag, or None when nothing was in flight."""
+        if self._pending is None:
+            return None
+        (tag, record, writer), self._pending = self._pending, None
+        error = writer.join()
+        if error is not None:  # not a failed write (those are recorded) but the writer itself
+            record.failed.append(
+                (str(record.tag_dir), f"the background writer failed: {type(error).__name__}: {error}")
+            )
+        return self._commit(tag, record)
+
+    def _own_files(self, tag_dir: Path, rank: int) -> list[Write]:
+        """dsx3d's files of the tag besides DeepSpeed's: this rank's RNG state, and on rank 0 the recipe and
+        the layout, each with the function that writes it."""
+        rng_file, rng = rng_path(tag_dir, rank), rng_state()
 
         def save_rng() -> None:
             make_dirs(rng_file.parent)  # also the checkpoints directory and the tag's, readable by others
-            torch.save(rng_state(), rng_file)
+            torch.save(rng, rng_file)
 
-        record.attempt(rng_file, save_rng)
+        writes: list[Write] = [(rng_file, save_rng)]
         if rank == 0:
             layout = json.dumps(layout_record(self.engine.layout, self.bounds, self.recipe)) + "\n"
-            record.attempt(tag_dir / RECIPE_FILE, lambda: write_atomic(tag_dir / RECIPE_FILE, dump_recipe(self.recipe)))
-            record.attempt(tag_dir / LAYOUT_FILE, lambda: write_atomic(tag_dir / LAYOUT_FILE, layout))
-        with _recording(self.engine.ds_engine, record):
-            self.engine.ds_engine.save_checkpoint(
-                str(self.dir), tag=tag, client_state={CLIENT_KEY: client_state, **self._universal}, save_latest=False
-            )
-        record.write_list(rank)
-        gathered = comm.all_gather_object((rank, record.failed, record.sums))  # every rank's files are written
+            recipe = dump_recipe(self.recipe)
+            writes.append((tag_dir / RECIPE_FILE, lambda: write_atomic(tag_dir / RECIPE_FILE, recipe)))
+            writes.append((tag_dir / LAYOUT_FILE, lambda: write_atomic(tag_dir / LAYOUT_FILE, layout)))
+        return writes
+
+    def _commit(self, tag: str, record: _SaveLog) -> str:
+        """Every rank's files are written: exchange what failed, then rank 0 writes the manifest and moves
+        `latest` (or removes the tag and every rank raises CheckpointNotSaved). A collective."""
+        rank, tag_dir = comm.get_rank(), record.tag_dir
+        gathered = comm.all_gather_object(
+            (rank, record.failed, record.sums)
+        )  # every rank's files are written
         failed = [(r, f) for r, fails, _ in gathered for f in fails]
         if failed:
             self._fail(tag, failed)
@@ -249,15 +267,21 @@ class Checkpointer:
         problem: str | None = None
         if rank == 0:
             try:
-                write_sums(tag_dir, {rel: s for _, _, sums in gathered for rel, s in sums.items()})  # then `latest`
+                write_sums(
+                    tag_dir, {rel: s for _, _, sums in gathered for rel, s in sums.items()}
+                )  # then `latest`
                 write_atomic(self.dir / LATEST, tag)
                 deleted = prune(self.dir, self.keep)
-                log.info("checkpoint %s saved%s", tag_dir, f"; deleted {', '.join(deleted)}" if deleted else "")
+                log.info(
+                    "checkpoint %s saved%s", tag_dir, f"; deleted {', '.join(deleted)}" if deleted else ""
+                )
             except OSError as err:
                 problem = write_failure(self.dir / LATEST, err)
         problem = comm.broadcast_object(problem)
         if problem:
-            raise CheckpointNotSaved(f"checkpoint {tag} was saved but `latest` could not move to it: {problem}")
+            raise CheckpointNotSaved(
+                f"checkpoint {tag} was saved but `latest` could not move to it: {problem}"
+            )
         return tag
 
     def _fail(self, tag: str, failed: list[tuple[int, tuple[str, str]]]) -> None:
