@@ -50,6 +50,7 @@ from dsx3d.integrations.trainer_args import reconcile, unsupported_args
 from dsx3d.integrations.trainer_checkpoints import resume_checkpoint
 from dsx3d.integrations.trainer_data import DataLoadersMixin
 from dsx3d.integrations.trainer_eval import EvaluationMixin
+from dsx3d.integrations.trainer_peers import ending_on_peer_death
 from dsx3d.integrations.trainer_preempt import PreemptionCallback
 from dsx3d.integrations.trainer_saving import SavingMixin
 from dsx3d.integrations.trainer_setup import (  # noqa: F401
@@ -308,10 +309,11 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         return self.model, train_dataloader
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> TrainOutput:
-        """HF's train(); `resume_from_checkpoint` must be complete (True: the newest complete checkpoint-N:
-        trainer_checkpoints)."""
+        """HF's train(); `resume_from_checkpoint` must be complete (True: the newest complete checkpoint-N), and
+        a rank whose peer dies names it and exits 1 (trainer_checkpoints, trainer_peers)."""
         checkpoint = resume_checkpoint(resume_from_checkpoint, str(self.args.output_dir))
-        output = super().train(checkpoint, *args, **kwargs)
+        with ending_on_peer_death():
+            output = super().train(checkpoint, *args, **kwargs)
         if not _is_meta(self._hf_model):
             _load_trained_weights(self._engine(), self._hf_model)  # so that trainer.model.save_pretrained() saves them
         return output
