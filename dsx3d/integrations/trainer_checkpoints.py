@@ -78,9 +78,9 @@ def newest_complete(output_dir: Path) -> tuple[Path, list[str]]:
     raise UserError(
         [
             Problem(
+                "train(resume_from_checkpoint=True)",
                 str(p),
-                "(checkpoint)",
-                f"damaged: {_summary(why)}",
+                f"no complete checkpoint is left; this one is damaged: {_summary(why)}",
                 "restore it from a copy, or train from the start",
             )
             for p, why in damaged

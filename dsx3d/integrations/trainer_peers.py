@@ -12,22 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
 from collections.abc import Iterator
 
 from dsx3d.distributed import comm
+from dsx3d.integrations.script_errors import exit_now
 from dsx3d.run.ranks import PeerDied, RankInfo, gather_rank_infos, naming_dead_peers
 
 log = logging.getLogger("dsx3d")
-
-
-def exit_now(code: int) -> None:
-    """End the process at once, output flushed (no interpreter shutdown, which may block on dead peers)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 @contextlib.contextmanager
