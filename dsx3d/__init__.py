@@ -23,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from dsx3d.integrations.last_stage import argmax_logits
 
         return argmax_logits
+    if name == "handle_errors":  # a training script's UserError / RunFailure: one message, exit 2 / 1
+        from dsx3d.integrations.script_errors import handle_errors
+
+        return handle_errors
     raise AttributeError(f"module 'dsx3d' has no attribute {name!r}")

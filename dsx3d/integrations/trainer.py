@@ -40,18 +40,17 @@ from dsx3d.checkpoint.training.engine_load import load_checkpoint
 from dsx3d.distributed import comm
 from dsx3d.errors import Problem, UserError
 from dsx3d.integrations import patches, trainer_optim, trl_face
-from dsx3d.integrations.batches import (
-    to_micro_batch,
-    with_norm,
-)
+from dsx3d.integrations.batches import to_micro_batch, with_norm
 from dsx3d.integrations.engine_optimizer import EngineOptimizer
 from dsx3d.integrations.last_stage import LastStageLoss, context_parallel_refusals
 from dsx3d.integrations.layout_source import layout_source, load_layout
 from dsx3d.integrations.peft_model import lora_from_peft_model
 from dsx3d.integrations.train_batches import pad_step
 from dsx3d.integrations.trainer_args import reconcile, unsupported_args
+from dsx3d.integrations.trainer_checkpoints import resume_checkpoint
 from dsx3d.integrations.trainer_data import DataLoadersMixin
 from dsx3d.integrations.trainer_eval import EvaluationMixin
+from dsx3d.integrations.trainer_peers import ending_on_peer_death
 from dsx3d.integrations.trainer_preempt import PreemptionCallback
 from dsx3d.integrations.trainer_saving import SavingMixin
 from dsx3d.integrations.trainer_setup import (  # noqa: F401
@@ -309,13 +308,15 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         # `model` is what HF counts parameters of and calls zero_grad() on: the HF model, never run.
         return self.model, train_dataloader
 
-    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
-        output = super().train(*args, **kwargs)
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> TrainOutput:
+        """HF's train(); `resume_from_checkpoint` must be complete (True: the newest complete checkpoint-N), and
+        a rank whose peer dies names it and exits 1 (trainer_checkpoints, trainer_peers)."""
+        checkpoint = resume_checkpoint(resume_from_checkpoint, str(self.args.output_dir))
+        with ending_on_peer_death():
+            output = super().train(checkpoint, *args, **kwargs)
         if not _is_meta(self._hf_model):
             _load_trained_weights(self._engine(), self._hf_model)  # so that trainer.model.save_pretrained() saves them
         return output
-
-    # -- data ----------------------------------------------------------------------------------------------
 
     # -- training ------------------------------------------------------------------------------------------
 
@@ -393,7 +394,3 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)  # gathers over the world: each DP rank's batch cp x tp x pp times
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self._copies
-
-    # -- evaluation ----------------------------------------------------------------------------------------
-
-    # -- saving and resuming -------------------------------------------------------------------------------

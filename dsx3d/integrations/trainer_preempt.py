@@ -5,7 +5,7 @@ is only recorded; after every optimizer step the ranks agree (one small all-redu
 one, and if so every rank sets `control.should_save` and `control.should_training_stop`, so HF writes
 `checkpoint-<step>` (model, optimizer, scheduler, RNG, trainer state) and train() returns. A second signal
 stops at once. `trainer.preempted` then names the signal and the checkpoint; the script continues with
-`trainer.train(resume_from_checkpoint=...)` (or `True`, the newest checkpoint in output_dir).
+`trainer.train(resume_from_checkpoint=...)` (or `True`, the newest complete checkpoint in output_dir).
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class PreemptionCallback(TrainerCallback):
                 "trainer.train(resume_from_checkpoint=%r)",
                 signal_name(signum), step, where, str(where),
             )
+        if self.preempted is not None:
+            comm.barrier()  # a script that exits right after train() does not cut rank 0's message short
         self.restore()
 
     def restore(self) -> None:

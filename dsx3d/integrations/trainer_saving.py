@@ -1,4 +1,4 @@
-"""The Trainer's saves: a Hugging Face checkpoint from the engine's shards, and the engine's own DeepSpeed checkpoint beside HF's for resume_from_checkpoint."""
+"""The Trainer's saves: a Hugging Face checkpoint from the engine's shards, and the engine's own DeepSpeed checkpoint beside HF's for resume_from_checkpoint, with a manifest written last (trainer_checkpoints)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,16 @@ import logging
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from dsx3d.checkpoint.training.checkpointer import _recording
 from dsx3d.distributed import comm
 from dsx3d.integrations.trainer_base import EngineTrainerBase
+from dsx3d.integrations.trainer_checkpoints import finish_save, start_save
 from dsx3d.integrations.trainer_setup import (
     _move_export,
 )
@@ -51,6 +55,23 @@ class SavingMixin(EngineTrainerBase):
         comm.barrier()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """HF's checkpoint-N, then its manifest (every file's size and checksum), then HF's rotation: a
+        checkpoint counts as complete, and older ones may go, only once every rank's files are written."""
+        run_dir = self._get_output_dir(trial=trial)
+        ckpt = Path(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))  # HF's name
+        record = start_save(ckpt)
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # HF's save ends by rotating: not before the manifest
+        try:
+            with _recording(self._engine().ds_engine, record):
+                super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        finish_save(ckpt, record)
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's DeepSpeed checkpoint (stage weights, optimizer partitions) plus HF's scheduler state.
