@@ -24,7 +24,7 @@ from dsx3d.run.launch import check_hosts, launcher_command, rank_environment, re
 from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S, OWNER_ENV, Owner, set_parent_death_signal
 from dsx3d.run.outputs import RunPaths, add_start_mode, check_start, describe_removal
 from dsx3d.run.ports import with_master_port
-from dsx3d.run.relay import SignalRelay, end_orphaned_job
+from dsx3d.run.relay import SignalRelay, StoppedRankReaper, end_orphaned_job
 
 log = logging.getLogger("dsx3d")
 
@@ -141,7 +141,7 @@ def _run_launcher(cmd: list[str], save_on_signal: bool = False, grace_s: float =
         cmd, env=env, start_new_session=True, preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL)
     )
     relay = SignalRelay(proc.pid, save_on_signal).install()
-    code = proc.wait()
+    code = _wait(proc, StoppedRankReaper(proc.pid))
     if code < 0 and not relay.received:  # the launcher itself was killed (SIGKILL, the OOM killer)
         end_orphaned_job(proc.pid, code, grace_s)
         print(f"dsx3d train: the job ended without its launcher; {_RESUME_HINT}", file=sys.stderr)
@@ -156,6 +156,15 @@ def _run_launcher(cmd: list[str], save_on_signal: bool = False, grace_s: float =
             file=sys.stderr,
         )
     return code if code >= 0 else 128 - code
+
+
+def _wait(proc: subprocess.Popen[bytes], reaper: StoppedRankReaper, poll_s: float = 1.0) -> int:
+    """Wait for the launcher, ending a stopped rank once the job is ending (dsx3d.run.relay)."""
+    while True:
+        try:
+            return proc.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            reaper.poll()
 
 
 def describe_exit(code: int) -> str:

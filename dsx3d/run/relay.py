@@ -131,3 +131,45 @@ def end_orphaned_job(launcher_pid: int, code: int, grace_s: float) -> None:
     if left:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(launcher_pid, signal.SIGKILL)
+
+
+class StoppedRankReaper:
+    """Ends a stopped rank (SIGSTOP, a job-control stop) once another rank of the job has ended.
+
+    A peer names a stopped rank as hung and exits (dsx3d.run.lifeline); the launcher's agent then SIGTERMs
+    the ranks and waits 30 s before its SIGKILL, because a stopped process holds the SIGTERM pending. The
+    owner sees the same thing sooner: a rank has ended while another one is stopped. It SIGKILLs that one
+    after it has been seen stopped twice in a row, so the job ends within a poll or two of the naming. Only
+    ranks on this node are seen; a stopped rank elsewhere waits for its own node's agent."""
+
+    def __init__(self, launcher_pid: int):
+        self.launcher_pid = launcher_pid
+        self.seen: set[int] = set()
+        self.stopped_before: set[int] = set()
+
+    def poll(self) -> list[int]:
+        """One look at the ranks; the pids it killed."""
+        states: dict[int, str] = {}
+        for p in rank_processes(self.launcher_pid):
+            with contextlib.suppress(psutil.Error):
+                states[p.pid] = p.status()
+        to_kill = stopped_to_end(self.seen, states, self.stopped_before)
+        self.seen |= set(states)
+        self.stopped_before = {pid for pid, s in states.items() if s == psutil.STATUS_STOPPED}
+        for pid in to_kill:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                print(
+                    f"dsx3d train: rank process {pid} is stopped and another rank has ended; killing it so the "
+                    "job ends now (its peer named it above)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return to_kill
+
+
+def stopped_to_end(seen: set[int], states: dict[int, str], stopped_before: set[int]) -> list[int]:
+    """The ranks to kill: stopped now and at the previous look, while a rank seen before has ended."""
+    if not seen - set(states):  # no rank has ended
+        return []
+    return sorted(pid for pid, s in states.items() if s == psutil.STATUS_STOPPED and pid in stopped_before)

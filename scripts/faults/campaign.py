@@ -47,7 +47,10 @@ from scripts.faults.inject import (
     undo,
 )
 
-BOUND_S = 120.0  # a stopped rank: the hang timeout (10 s), then the launcher's 30 s grace before its SIGKILL
+BOUND_S = 120.0  # the job ended, every process gone, within this of the fault
+STOPPED_BOUND_S = 30.0
+"""A stopped rank: its peer names it after the hang timeout (10 s) and `dsx3d train` kills it within two
+polls (dsx3d.run.relay.StoppedRankReaper), before the launcher's own 30 s grace would have."""
 LAUNCH_TIMEOUT_S = 600.0
 
 
@@ -179,6 +182,8 @@ def _inject_and_check(
     finished = chain.finished() and COMPLETED in text
     if code is None and kind != "sigkill-owner":
         trial.notes.append(f"`dsx3d train` did not end within {BOUND_S:.0f} s")
+    elif kind == "sigstop-rank" and trial.end_s > STOPPED_BOUND_S:
+        trial.notes.append(f"a stopped rank ended the job in {trial.end_s:.1f} s, not within {STOPPED_BOUND_S:.0f} s")
     if left:
         trial.notes.append(f"{len(left)} processes left: {[p.pid for p in left]}")
     if "Traceback" in text:
