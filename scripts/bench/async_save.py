@@ -1,12 +1,15 @@
-"""The step-time cost of a checkpoint save, synchronous against `train.async_save`, in the same two ranks.
+"""The step-time cost of a checkpoint save: with the manifest against without, and synchronous against
+`train.async_save`, in the same two ranks.
 
 One dsx3d engine (dp 1 x pp 2, ZeRO-1, fp32, the 7.1M-parameter tiny Llama of scripts.bench.common: about
 110 MB per tag) and one Checkpointer, whose `async_save` is switched between windows. A window is one step
 (with a save, or without for "plain"), then `--after` plain steps, then `Checkpointer.wait` (an async save
-commits there; a no-op otherwise); a barrier precedes every step. Each pair runs the three windows, in the
-order plain, sync, async and reversed in the next pair, so machine load moves them alike. Per pair:
+commits there; a no-op otherwise); a barrier precedes every step. "bare" is the synchronous save as it was
+before manifests (no checksum computed, no manifest written). Each pair runs the four windows, in the order
+plain, bare, sync, async and reversed in the next pair, so machine load moves them alike. Per pair:
 
-- the saving step's wall time (the step and the `save` call, the slowest rank's), async / sync;
+- the saving step's wall time (the step and the `save` call, the slowest rank's), sync / bare (the
+  manifest's cost) and async / sync;
 - the saving step against the plain window's first step: the cost of a save in plain steps;
 - the whole window against the plain window, in plain steps: what the save costs the run, the background
   write's competition for the cores and the final wait included;
@@ -31,16 +34,29 @@ from typing import Any
 from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 
-KINDS = ("plain", "sync", "async")
+KINDS = ("plain", "bare", "sync", "async")
+
+
+def _without_manifest(checkpointer: Any) -> tuple[Any, Any]:
+    """The functions the Checkpointer hashes and writes the manifest with, and stand-ins that do neither."""
+
+    def save_plain(save: Any, path: Path) -> None:  # torch.save to the path, as DeepSpeed does
+        with path.open("wb") as f:
+            save(f)
+
+    real = (checkpointer.digest, checkpointer.write_sums, checkpointer.save_hashed)
+    return real, (lambda path: (0, ""), lambda *args, **kwargs: None, save_plain)
 
 
 def rank_worker(rank: int, work: bc.Workload, pairs: int, after: int, out: str) -> dict[str, Any]:
+    import dsx3d.checkpoint.training.checkpointer as checkpointer
     from dsx3d.checkpoint.training.checkpointer import Checkpointer
     from dsx3d.distributed import comm
 
     contender = bc.dsx3d_contender("dsx3d", work, bc.make_state(work.config, work.seed), dp=1, pp=2)
     recipe = bc.recipe_for(work, 1, 1, 2)
     ckpt = Checkpointer(contender.engine, Path(out), recipe, keep=2)
+    real, bare = _without_manifest(checkpointer)
     batches = bc.make_batches(work, 4)
     steps = [0]
 
@@ -51,6 +67,7 @@ def rank_worker(rank: int, work: bc.Workload, pairs: int, after: int, out: str) 
 
     def window(kind: str) -> dict[str, float]:
         ckpt.async_save = kind == "async"
+        checkpointer.digest, checkpointer.write_sums, checkpointer.save_hashed = bare if kind == "bare" else real
         comm.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         step()
@@ -105,9 +122,10 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             for k in KINDS
         },
         "saving_step_async_over_sync": summary(first["sync"], first["async"]),
-        "saving_step_over_plain_step": {k: summary(plain, first[k]) for k in ("sync", "async")},
+        "saving_step_manifest_over_bare": summary(first["bare"], first["sync"]),
+        "saving_step_over_plain_step": {k: summary(plain, first[k]) for k in KINDS[1:]},
         "window_cost_in_plain_steps": {
-            k: bc.rounded(in_plain_steps(window[k], window["plain"])) for k in ("sync", "async")
+            k: bc.rounded(in_plain_steps(window[k], window["plain"])) for k in KINDS[1:]
         },
         "window_cpu_async_over_sync": summary(cpu["sync"], cpu["async"]),
     }
@@ -116,7 +134,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--pairs", type=int, default=10, help="rounds of the three windows after one warm-up round"
+        "--pairs", type=int, default=10, help="rounds of the four windows after one warm-up round"
     )
     parser.add_argument(
         "--after", type=int, default=3, help="plain steps after the saving step in each window"
@@ -138,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         per_rank = run_ranks(rank_worker, 2, work, args.pairs, args.after, out, timeout_s=1800)
     result = {
         **meta,
-        "what": "step time of a checkpoint save, synchronous vs train.async_save, windows alternated in the same ranks",
+        "what": "step time of a checkpoint save, with vs without the manifest and synchronous vs train.async_save, windows alternated in the same ranks",
         "layout": {"dp": 1, "tp": 1, "pp": 2},
         "workload": bc.workload_summary(work),
         "pairs": args.pairs,

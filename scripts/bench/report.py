@@ -402,8 +402,9 @@ METHODS = """## How the figures are measured
   groups, a rank ended by a watchdog once over budget; step time with both layouts' engines in the same 2 ranks,
   alternated, `deepspeed.comm.all_to_all_single` wrapped with a timer (the all-to-all share).
 - **Checkpoint saves** (`scripts/bench/async_save.py`): one engine and one Checkpointer in 2 ranks; windows of a
-  step (with a save or without), plain steps and the wait for the save, alternated; the saving step and the
-  whole window against a plain window, per pair.
+  step (with a save or without: a save without checksums or manifest, the default save, an asynchronous one),
+  plain steps and the wait for the save, alternated; the saving steps against each other and the whole window
+  against a plain window, per round.
 - **GPU** (`bash scripts/bench/gpu.sh`): bf16 tokens/s and MFU of a 1.1B Llama (Llama-3.2-1B's shape,
   32k vocabulary, untied) through dsx3d at tp=1 pp=1 against `deepspeed.initialize` on the plain HF model
   with the same JSON and against the plain HF model with torch AdamW in bf16, alternated in one process;
@@ -426,7 +427,7 @@ COMMANDS = """## Reproducing
     python -m scripts.bench.tiled_loss      # last-stage peak memory, tiled logits and loss vs full logits
     python -m scripts.bench.context_parallel  # cp: activation memory, seq_len within a budget, step time (about 6 min)
     python -m scripts.bench.comm --family mixtral --ep 2    # MoE TP and all-to-all bytes
-    python -m scripts.bench.async_save      # a checkpoint save's step-time cost, sync vs train.async_save
+    python -m scripts.bench.async_save      # a save's step-time cost: manifest vs none, sync vs train.async_save
     python -m scripts.bench.report          # this section, from scripts/bench/results.json
     bash scripts/bench/gpu.sh               # on a CUDA machine
 
