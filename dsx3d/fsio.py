@@ -9,6 +9,7 @@ and 0700, which on a shared cluster would hide a run's files and its exported mo
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -16,6 +17,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
+
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+"""The errors of a write the user mends outside dsx3d: a full disk or quota, a read-only or forbidden directory."""
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755

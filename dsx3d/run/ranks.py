@@ -9,7 +9,6 @@ fails that way looks at the processes of its peers on the same host and names th
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import logging
 import os
@@ -23,6 +22,7 @@ from typing import Any
 import psutil
 
 from dsx3d.distributed import comm
+from dsx3d.fsio import WRITE_ERRNOS  # noqa: F401  (where the run's faces look for it)
 from dsx3d.plan.layout import Layout
 from dsx3d.run.lifeline import hung_reports
 
@@ -189,10 +189,6 @@ def failure_message(info: RankInfo, err: BaseException) -> str:
             f"(look for that rank's own message) [{_first_line(err)}]"
         )
     return f"{info.where()} failed: {type(err).__name__}: {_first_line(err)}"
-
-
-WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
-"""The errors of a write the user mends outside dsx3d: a full disk or quota, a read-only or forbidden directory."""
 
 
 def write_failure_message(info: RankInfo, err: OSError) -> str:

@@ -48,6 +48,8 @@ from scripts.faults.inject import (
 )
 
 BOUND_S = 120.0  # the job ended, every process gone, within this of the fault
+KEEPS_EVERY_STEP = ("sigterm-owner", "sigkill-launcher")
+"""Faults after which every rank finishes its step and saves: the resume must lose no completed step."""
 STOPPED_BOUND_S = 30.0
 """A stopped rank: its peer names it after the hang timeout (10 s) and `dsx3d train` kills it within two
 polls (dsx3d.run.relay.StoppedRankReaper), before the launcher's own 30 s grace would have."""
@@ -62,6 +64,8 @@ class Trial:
     exact: bool = False
     end_s: float = float("nan")
     notes: list[str] = field(default_factory=list)
+    last_step: int | None = None
+    """The last step the faulted launch completed (its last metrics row)."""
 
 
 @dataclass
@@ -103,6 +107,14 @@ class Chain:
             trial.notes.append("the resume trained no step")
         if wrong:
             trial.notes.append(f"the resume's losses differ at steps {wrong}")
+        lost = (  # the stop's checkpoint is the step it completed
+            trial.kind in KEEPS_EVERY_STEP
+            and bool(segment)
+            and trial.last_step is not None
+            and segment[0]["step"] != trial.last_step + 1
+        )
+        if lost:
+            trial.notes.append(f"the resume started at step {segment[0]['step']} after step {trial.last_step} had completed")
         unnamed = trial.kind in DAMAGE and "damaged" not in log.read_text(errors="replace")
         if unnamed:
             trial.notes.append("the resume did not name the damaged file")
@@ -116,7 +128,7 @@ class Chain:
             if not same:
                 trial.notes.append("the exported weights differ")
         # A resume from the last step's checkpoint trains nothing; it must still finish and export the weights.
-        trial.exact = (bool(segment) or finished) and not wrong and same and not unnamed
+        trial.exact = (bool(segment) or finished) and not wrong and same and not unnamed and not lost
 
     def finished(self) -> bool:
         return job.steps_done(self.out) >= job.STEPS and (self.out / "hf").is_dir()
@@ -178,8 +190,12 @@ def _inject_and_check(
     code = job.wait(proc, BOUND_S)
     left = job.wait_gone(chain.recipe, began + BOUND_S)
     trial.end_s = time.monotonic() - began
+    trained = job.metric_rows(chain.out)[rows_before:]
+    trial.last_step = trained[-1]["step"] if trained else None
     text = log.read_text(errors="replace")
     finished = chain.finished() and COMPLETED in text
+    if finished:  # the next launch starts over: nothing to resume
+        trial.last_step = None
     if code is None and kind != "sigkill-owner":
         trial.notes.append(f"`dsx3d train` did not end within {BOUND_S:.0f} s")
     elif kind == "sigstop-rank" and trial.end_s > STOPPED_BOUND_S:

@@ -39,7 +39,8 @@ from dsx3d.checkpoint.hf.writer import (
     write_index,
 )
 from dsx3d.distributed import comm
-from dsx3d.errors import UserError
+from dsx3d.errors import RunFailure, UserError
+from dsx3d.fsio import WRITE_ERRNOS
 from dsx3d.models.lora import is_adapter_name
 from dsx3d.models.shards import local_shape
 
@@ -149,20 +150,27 @@ def export_hf(
         raise staging
 
     error = _write_stage(engine, stages, files, model, full, dtype, staging, merge_lora)
-    errors = [str(e) for e in comm.all_gather_object(error) if e]
-    if comm.get_rank() == 0 and not errors:
+    failed: list[tuple[str, int | None]] = [e for e in comm.all_gather_object(error) if e]
+    if comm.get_rank() == 0 and not failed:
         try:
             write_index(staging, files)
             write_configs(staging, engine.hf_config, dtype, type(model).__name__)
             save_tokenizer(staging, tokenizer)
             publish(staging, out)
         except OSError as err:
-            errors.append(f"rank 0: {err}")
-    errors = list(comm.broadcast_object(errors, src=0))  # type: ignore[call-overload]
-    if errors:
+            failed.append((f"rank 0: {err}", err.errno))
+    failed = list(comm.broadcast_object(failed, src=0))  # type: ignore[call-overload]
+    if failed:
         if comm.get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        raise RuntimeError(f"export to {out} failed: {'; '.join(errors)}")
+        said = "; ".join(message for message, _ in failed)
+        if all(no in WRITE_ERRNOS for _, no in failed):  # a full disk, a read-only directory: no traceback
+            raise RunFailure(
+                f"cannot write the export to {out}: {said}; free space or make the directory writable, then "
+                "export the last checkpoint (dsx3d export) or continue with --resume",
+                everywhere=True,
+            )
+        raise RuntimeError(f"export to {out} failed: {said}")
     if comm.get_rank() == 0:
         log.info(
             "exported %d tensors in %d files to %s (%s)",
@@ -183,11 +191,11 @@ def _write_stage(
     dtype: torch.dtype,
     staging: Path,
     merge_lora: bool = False,
-) -> str | None:
+) -> tuple[str, int | None] | None:
     """This rank's part: gather its stage's TP shards layer by layer (dp rank 0 only; for experts split over
     an EP group, every rank of the first EP group) and, on the stage's writer, stream them to the stage's
     files. With ZeRO-3 every DP rank takes part in gathering each layer's partitions first. Returns an error
-    message instead of raising, so that every peer still takes part in every gather."""
+    (its message and a failed write's errno) instead of raising, so that every peer still takes part in every gather."""
     place, layout = engine.placement, engine.layout
     split_experts = layout.ep > 1 and any(d[4] for layer in stages[place.pp] for d in layer)
     # CP ranks of a DP index hold the same weights: the first (cp index 0) exports them
@@ -201,14 +209,14 @@ def _write_stage(
     params = {getattr(p, "hf_name", None): p for p in engine.module.parameters()}
     merged = merged_weights(engine.module) if merge_lora else {}
     layers = iter(stages[place.pp])
-    error: str | None = None
+    error: tuple[str, int | None] | None = None  # (message, errno of a failed write)
     for f in (f for f in files if f.segment == place.pp):
         writer = None
         if is_writer:
             try:
                 writer = SafetensorsWriter(staging / f.name, f.entries)
             except OSError as err:
-                error = error or f"rank {place.rank}: {err}"
+                error = error or (f"rank {place.rank}: {err}", err.errno)
         for _ in f.groups:
             layer = next(layers)
             tensors = {}
@@ -233,10 +241,10 @@ def _write_stage(
                     for hub_name, tensor in to_hub_names(model, tensors).items():
                         writer.write(hub_name, tensor.to(dtype))
                 except (OSError, RuntimeError) as err:
-                    error = f"rank {place.rank}, {f.name}: {err}"
+                    error = (f"rank {place.rank}, {f.name}: {err}", getattr(err, "errno", None))
         if writer is not None and error is None:
             try:
                 writer.close()
             except (OSError, RuntimeError) as err:
-                error = f"rank {place.rank}, {f.name}: {err}"
+                error = (f"rank {place.rank}, {f.name}: {err}", getattr(err, "errno", None))
     return error
