@@ -150,7 +150,12 @@ def damage(kind: str, out: Path, rng: random.Random) -> Path | None:
     tag = read_latest(ckpt)
     if tag is None:
         return None
-    files = sorted(p for p in (ckpt / tag).rglob("*") if p.is_file() and p.stat().st_size > 0)
+    return damage_file(kind, ckpt / tag, rng)
+
+
+def damage_file(kind: str, tag_dir: Path, rng: random.Random) -> Path:
+    """Truncate, flip one bit of, or delete a random non-empty file under `tag_dir`; returns the file."""
+    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.stat().st_size > 0)
     victim = rng.choice(files)
     raw = victim.read_bytes()
     if kind == "truncated":

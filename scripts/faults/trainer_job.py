@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 import yaml
 
+from scripts.faults.inject import damage_file
 from scripts.faults.trainer_run import ACCUM, MICRO, SEQ
 
 SCRIPT = Path(__file__).with_name("trainer_run.py")
@@ -132,14 +133,4 @@ def checkpoints(out: Path) -> list[Path]:
 
 def damage(kind: str, ckpt: Path, rng: random.Random) -> Path:
     """Truncate, flip one bit of, or delete a random non-empty file of `ckpt`; returns the file."""
-    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.stat().st_size > 0)
-    victim = rng.choice(files)
-    raw = victim.read_bytes()
-    if kind == "truncated":
-        victim.write_bytes(raw[: rng.randrange(len(raw))])
-    elif kind == "bitflip":
-        at = rng.randrange(len(raw))
-        victim.write_bytes(raw[:at] + bytes([raw[at] ^ (1 << rng.randrange(8))]) + raw[at + 1 :])
-    else:
-        victim.unlink()
-    return victim
+    return damage_file(kind, ckpt, rng)
