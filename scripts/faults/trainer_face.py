@@ -156,14 +156,18 @@ def run_trial(
     """One trial; its logs are WORK/NAME.log (NAME: the kind by default), .resume.log and .fresh.log."""
     name = name or kind
     trial, out = Trial(kind), work / "run"
-    shutil.rmtree(out, ignore_errors=True)
-    job = Job.start(out, recipe, work / f"{name}.log")
-    at_step, extra = rng.randint(1, STEPS - 4), rng.uniform(0.0, 0.1)
-    trial.moment = f"step {at_step} + {extra:.2f} s"
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while job.steps_done() < at_step and job.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(extra)
+    for _attempt in range(3):  # a job that finished before the fault landed (a loaded machine) runs again
+        shutil.rmtree(out, ignore_errors=True)
+        job = Job.start(out, recipe, work / f"{name}.log")
+        at_step, extra = rng.randint(1, STEPS - 4), rng.uniform(0.0, 0.1)
+        trial.moment = f"step {at_step} + {extra:.2f} s"
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while job.steps_done() < at_step and job.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(extra)
+        if job.proc.poll() is None or job.proc.returncode != 0:
+            break
+        job.kill()
     if job.proc.poll() is not None:
         trial.notes.append(f"the job ended before the fault (exit {job.proc.poll()})")
     if job.proc.poll() is not None or not _inject(kind, job, rng, trial):
