@@ -1,8 +1,8 @@
 """Verified manifests: every file's size and xxh3 checksum, written last and atomically, checked before a load.
 
 A training-checkpoint tag carries `dsx3d_checkpoint.json` (kind "checkpoint" of dsx3d.checkpoint.manifest,
-so its "files" list is read like any other dsx3d manifest), with `"hash": "xxh3_64"` and
-`"sums": {path: [size, hex digest]}`. Each rank computes the sums of the files it writes, in its own process:
+so its "files" list is read like any other dsx3d manifest), with `"hash": "xxh3_64"`,
+`"sums": {path: [size, hex digest]}` and `"self"`: the checksum of the rest of the manifest. Each rank computes the sums of the files it writes, in its own process:
 DeepSpeed's torch.save writes through a hashing file (`save_hashed`), other files are read back once; rank 0 writes the manifest once every rank's
 files are written, and only then moves `latest`. A tag whose manifest is missing was never completed; a file
 whose size or checksum differs from its manifest entry is truncated or corrupt, and is named.
@@ -27,6 +27,10 @@ from dsx3d.fsio import write_atomic
 
 KIND = "checkpoint"
 HASH = "xxh3_64"
+SELF = "self"
+"""The manifest's checksum of its own content: a flipped bit anywhere in it (its file list included) is found."""
+_KEYS = ({"kind", "hash", "files", "sums"}, {"kind", "hash", "files", "sums", SELF})
+"""A manifest's keys; without SELF: written before manifests checked themselves."""
 _CHUNK = 1 << 22
 
 
@@ -65,27 +69,46 @@ def save_hashed(save: Callable[[Any], None], path: Path) -> tuple[int, str]:
 
 def write_sums(directory: Path, sums: dict[str, tuple[int, str]], kind: str = KIND) -> Path:
     """Write the manifest of `directory` naming `sums` (relative POSIX path -> (size, digest)), atomically."""
-    data = {
+    data: dict[str, Any] = {
         "kind": kind,
         "hash": HASH,
         "files": sorted(sums),
         "sums": {rel: [int(size), str(h)] for rel, (size, h) in sorted(sums.items())},
     }
+    data[SELF] = _own_sum(data)
     # Atomic (renamed into place) but not fsynced, like DeepSpeed's own files: `latest`, written next with an
     # fsync, may outlive it in a power cut, and then --resume finds the tag incomplete and falls back.
     return write_atomic(manifest_path(directory, kind), json.dumps(data, indent=1) + "\n", fsync=False)
 
 
-def read_sums(directory: Path, kind: str = KIND) -> dict[str, tuple[int, str]] | None:
-    """The manifest's sums, or None when there is no readable manifest with sums of a hash known here."""
+def _own_sum(data: dict[str, Any]) -> str:
+    """The checksum of the manifest's own content (every key but SELF, in a canonical form)."""
+    rest = {k: v for k, v in data.items() if k != SELF}
+    return str(xxhash.xxh3_64(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest())
+
+
+def _read(directory: Path, kind: str) -> tuple[dict[str, tuple[int, str]] | None, str]:
+    """(the sums, "") or (None, why not): missing, unreadable, or corrupt (its own checksum differs)."""
+    path = manifest_path(directory, kind)
+    if not path.exists():
+        return None, "missing (the save did not finish)"
     try:
-        data = json.loads(manifest_path(directory, kind).read_text())
+        data = json.loads(path.read_text())
         sums = data["sums"]
         if data.get("kind") != kind or data.get("hash") != HASH or not isinstance(sums, dict):
-            return None
-        return {str(rel): (int(v[0]), str(v[1])) for rel, v in sums.items()}
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return None
+            return None, "unreadable"
+        if set(data) not in _KEYS:  # a flipped bit in a key name
+            return None, "corrupt (unknown keys)"
+        if SELF in data and data[SELF] != _own_sum(data):
+            return None, "corrupt (its own checksum differs from the one recorded when it was written)"
+        return {str(rel): (int(v[0]), str(v[1])) for rel, v in sums.items()}, ""
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None, "unreadable"
+
+
+def read_sums(directory: Path, kind: str = KIND) -> dict[str, tuple[int, str]] | None:
+    """The manifest's sums, or None when there is no readable, intact manifest with sums of a hash known here."""
+    return _read(directory, kind)[0]
 
 
 def has_manifest(directory: Path, kind: str = KIND) -> bool:
@@ -95,11 +118,9 @@ def has_manifest(directory: Path, kind: str = KIND) -> bool:
 def sum_problems(directory: Path, kind: str = KIND, *, checksums: bool = True) -> list[str]:
     """What does not match the manifest ('path: reason'); empty when every file has its recorded size and
     (with `checksums`) checksum. A missing or unreadable manifest is one problem."""
-    sums = read_sums(directory, kind)
+    sums, why = _read(directory, kind)
     if sums is None:
-        path = manifest_path(directory, kind)
-        why = "missing (the save did not finish)" if not path.exists() else "unreadable"
-        return [f"{path}: {why}"]
+        return [f"{manifest_path(directory, kind)}: {why}"]
     problems = []
     for rel, (size, want) in sorted(sums.items()):
         path = directory / rel

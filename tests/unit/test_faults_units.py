@@ -301,3 +301,35 @@ def test_a_stopped_rank_is_killed_once_another_rank_has_ended(capsys: pytest.Cap
     assert stopped_to_end({1, 2}, {1: psutil.STATUS_STOPPED}, set()) == []
     assert stopped_to_end({1, 2}, {1: psutil.STATUS_STOPPED}, {1}) == [1]
     assert stopped_to_end({1}, {1: psutil.STATUS_STOPPED}, {1}) == []
+
+
+def test_every_bit_flipped_in_a_manifest_is_found(tmp_path: Path) -> None:
+    """The manifest checks itself: a flip in its file list, a size, a checksum, a key or the JSON is named,
+    never resumed from (the file list is not among the sums, so without its own checksum a flip there passed)."""
+    (tmp_path / "a.pt").write_bytes(b"weights")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.json").write_text("{}")
+    manifest = write_sums(tmp_path, {"a.pt": digest(tmp_path / "a.pt"), "sub/b.json": digest(tmp_path / "sub" / "b.json")})
+    assert sum_problems(tmp_path) == []
+    raw = manifest.read_bytes()
+    missed = []
+    for at in range(len(raw)):
+        for bit in range(8):
+            manifest.write_bytes(raw[:at] + bytes([raw[at] ^ (1 << bit)]) + raw[at + 1 :])
+            problems = sum_problems(tmp_path)
+            if not problems:
+                missed.append((at, bit, chr(raw[at])))
+            else:
+                assert problems[0].startswith(f"{manifest}: "), problems
+    assert not missed, missed[:10]
+    manifest.write_bytes(raw)
+    assert sum_problems(tmp_path) == []
+
+
+def test_a_manifest_written_before_it_checked_itself_is_still_read(tmp_path: Path) -> None:
+    (tmp_path / "a.pt").write_bytes(b"weights")
+    manifest = write_sums(tmp_path, {"a.pt": digest(tmp_path / "a.pt")})
+    data = json.loads(manifest.read_text())
+    del data["self"]
+    manifest.write_text(json.dumps(data))
+    assert sum_problems(tmp_path) == [] and read_sums(tmp_path) == {"a.pt": digest(tmp_path / "a.pt")}
