@@ -70,6 +70,7 @@ from dsx3d.integrations.trainer_setup import (  # noqa: F401
 from dsx3d.models.lora import hf_param_name
 from dsx3d.plan.layout import Layout, RankPlacement
 from dsx3d.recipe.schema import Recipe
+from dsx3d.run.lifeline import DEFAULT_HANG_TIMEOUT_S
 
 if TYPE_CHECKING:
     from dsx3d.engine.builder import Engine3D, MicroBatch
@@ -201,7 +202,10 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         trl_face.drop_trl_ref_adapter(self.model)
         if _is_meta(model):
             _refuse_save_pretrained(model)
-        self.preemption = PreemptionCallback()  # a stop signal saves a checkpoint and ends train()
+        # a stop signal saves a checkpoint and ends train()
+        self.preemption = PreemptionCallback(recipe.train.signal_deadline_s, enabled=recipe.train.save_on_signal)
+        self.hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+        """A peer on this host whose heartbeat is silent this long is named as hung and killed (0: off)."""
         self.add_callback(self.preemption)
 
     # -- the engine ----------------------------------------------------------------------------------------
@@ -309,10 +313,11 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         return self.model, train_dataloader
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> TrainOutput:
-        """HF's train(); `resume_from_checkpoint` must be complete (True: the newest complete checkpoint-N), and
-        a rank whose peer dies names it and exits 1 (trainer_checkpoints, trainer_peers)."""
+        """HF's train(); `resume_from_checkpoint` must be complete (True: the newest complete checkpoint-N); a
+        rank whose peer dies or hangs names it and exits 1, and one whose launcher ends saves and stops as on a
+        signal (trainer_checkpoints, trainer_peers, trainer_preempt)."""
         checkpoint = resume_checkpoint(resume_from_checkpoint, str(self.args.output_dir))
-        with ending_on_peer_death():
+        with ending_on_peer_death(self.hang_timeout_s, on_launcher_gone=self.preemption.launcher_gone):
             output = super().train(checkpoint, *args, **kwargs)
         if not _is_meta(self._hf_model):
             _load_trained_weights(self._engine(), self._hf_model)  # so that trainer.model.save_pretrained() saves them

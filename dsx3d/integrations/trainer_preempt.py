@@ -6,11 +6,14 @@ one, and if so every rank sets `control.should_save` and `control.should_trainin
 `checkpoint-<step>` (model, optimizer, scheduler, RNG, trainer state) and train() returns. A second signal
 stops at once. `trainer.preempted` then names the signal and the checkpoint; the script continues with
 `trainer.train(resume_from_checkpoint=...)` (or `True`, the newest complete checkpoint in output_dir).
+The recipe's `train.signal_deadline_s` and `train.save_on_signal` apply as in `dsx3d train`; a launcher that
+ends under the ranks counts as a signal (dsx3d.integrations.trainer_peers).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,10 @@ log = logging.getLogger("dsx3d")
 class PreemptionCallback(TrainerCallback):
     """Installs the stop-signal handlers for the duration of train() (main thread only)."""
 
-    def __init__(self, deadline_s: float = 0.0, *, stop: StopRequest | None = None):
+    def __init__(self, deadline_s: float = 0.0, *, stop: StopRequest | None = None, enabled: bool = True):
         self.deadline_s = deadline_s
+        self.enabled = enabled
+        """The recipe's train.save_on_signal: False leaves the signals' own handlers (a signal stops at once)."""
         self.stop: StopRequest | None = stop
         self.installed = False
         self.preempted: tuple[int, int, Path] | None = None
@@ -36,11 +41,23 @@ class PreemptionCallback(TrainerCallback):
         from dsx3d.distributed import comm
 
         self.preempted = None
+        if not self.enabled:
+            return
         if self.stop is None:
             self.stop = StopRequest(self.deadline_s, loud=comm.get_rank() == 0)
         if threading.current_thread() is threading.main_thread() and not self.installed:
             self.stop.install()
             self.installed = True
+
+    def launcher_gone(self) -> None:
+        """The launcher above this rank has ended (dsx3d.integrations.trainer_peers): stop as on a signal,
+        saving a checkpoint after this step, or at once without train.save_on_signal."""
+        if self.stop is None:
+            from dsx3d.integrations.script_errors import exit_now
+
+            exit_now(1)
+        elif self.stop.signum is None and self.stop.stopped_at is None:  # not a second signal: the save goes on
+            self.stop.request(signal.SIGTERM, cause="the launcher has ended")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.stop is None:
@@ -72,8 +89,6 @@ class PreemptionCallback(TrainerCallback):
     def restore(self) -> None:
         """Give the previous signal handlers back (train() ended), and forget the signal."""
         if self.stop is not None and self.installed:
-            import signal
-
             for s, handler in self.stop._previous.items():
                 signal.signal(s, handler)  # type: ignore[arg-type]
             self.stop._previous.clear()

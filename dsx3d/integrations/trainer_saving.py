@@ -13,7 +13,9 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from dsx3d.checkpoint.training.checkpointer import _recording
+from dsx3d.checkpoint.training.write_failure import mendable_write_failure
 from dsx3d.distributed import comm
+from dsx3d.errors import RunFailure
 from dsx3d.integrations.trainer_base import EngineTrainerBase
 from dsx3d.integrations.trainer_checkpoints import finish_save, start_save
 from dsx3d.integrations.trainer_setup import (
@@ -49,10 +51,20 @@ class SavingMixin(EngineTrainerBase):
             export_adapter(self._engine(), tmp, tokenizer=tokenizer)
         else:
             export_hf(self._engine(), tmp, tokenizer=tokenizer)
+        failed: tuple[str, str] | None = None  # (why, when the user can mend it, else ""; the error)
         if comm.get_rank() == 0:
-            _move_export(tmp, out)
-            torch.save(self.args, out / transformers.trainer.TRAINING_ARGS_NAME)
-        comm.barrier()
+            try:
+                _move_export(tmp, out)
+                torch.save(self.args, out / transformers.trainer.TRAINING_ARGS_NAME)
+            except (OSError, RuntimeError) as err:  # torch's zip writer loses the errno
+                path = Path(getattr(err, "filename", None) or out / "x")
+                failed = (mendable_write_failure(path, err) or "", f"{type(err).__name__}: {err}")
+        failed = comm.broadcast_object(failed)  # and no rank goes on before the files are in place
+        if failed is not None:
+            why, what = failed
+            if not why:
+                raise RuntimeError(f"writing the model to {out} failed: {what}")
+            raise RunFailure(f"cannot write the model to {out}: {why}; free space or make it writable", everywhere=True)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -67,6 +79,12 @@ class SavingMixin(EngineTrainerBase):
         try:
             with _recording(self._engine().ds_engine, record):
                 super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as err:  # HF's own writes after the last collective (scheduler, RNG, state)
+            path = Path(getattr(err, "filename", None) or ckpt)
+            why = mendable_write_failure(path, err)
+            if why is None:
+                raise
+            record.failed.append((str(path), why))
         finally:
             self.args.save_total_limit = limit
         finish_save(ckpt, record)
@@ -88,3 +106,4 @@ class SavingMixin(EngineTrainerBase):
         self._engine().ds_engine.load_checkpoint(
             best, load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True
         )
+

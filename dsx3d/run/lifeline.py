@@ -131,6 +131,51 @@ def watch_owner(
     return thread
 
 
+def launcher_chain(max_depth: int = 4) -> list[tuple[Owner, str]]:
+    """The launcher processes above this one, nearest first: its ancestors while they run Python (deepspeed's
+    runner and its per-node launch.py, torchrun, `accelerate launch`), each with its command line. The chain
+    stops at the first non-Python ancestor (a shell, a batch system, init)."""
+    chain: list[tuple[Owner, str]] = []
+    host = socket.gethostname()
+    try:
+        p = psutil.Process().parent()
+        while p is not None and p.pid > 1 and len(chain) < max_depth:
+            cmd = p.cmdline()
+            if not cmd or not os.path.basename(cmd[0]).startswith("python"):
+                break
+            chain.append((Owner(p.pid, p.create_time(), host), " ".join(cmd[1:4])))
+            p = p.parent()
+    except psutil.Error:
+        pass
+    return chain
+
+
+@contextlib.contextmanager
+def watching_launchers(on_gone: Callable[[Owner, str], None], interval_s: float = 1.0) -> Iterator[None]:
+    """Inside: a thread checks once per `interval_s` that every launcher above this process still runs
+    (`launcher_chain`) and calls `on_gone` once for the first one that has ended."""
+    chain = launcher_chain()
+    if not chain:
+        yield
+        return
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(interval_s):
+            gone = next(((o, cmd) for o, cmd in chain if not o.alive()), None)
+            if gone is not None:
+                on_gone(*gone)
+                return
+
+    thread = threading.Thread(target=loop, name="dsx3d-launcher-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=interval_s + 1)
+
+
 # --- heartbeats ------------------------------------------------------------------------------------------
 
 
@@ -187,13 +232,18 @@ def hung_peers(
     return found
 
 
-def _report_hung(job_dir: Path, me: RankInfo, hung: list[Hung]) -> None:
+def report_hung(job_dir: Path, me: RankInfo, hung: list[Hung]) -> None:
+    name_hung(job_dir, me, hung)
+    _flush_and_exit(1)
+
+
+def name_hung(job_dir: Path, me: RankInfo, hung: list[Hung]) -> None:
+    """Say which peers are hung, and leave markers so that peers stopping later name them too."""
     with contextlib.suppress(OSError):
         for h in hung:
             hung_marker(job_dir, h.rank).write_text(h.describe() + "\n")
         (job_dir / f"rank-{me.rank}").touch()  # this rank stopped on purpose: not a root cause
     log.error("%s stopped: %s", me.where(), "; ".join(h.describe() for h in hung))
-    _flush_and_exit(1)
 
 
 @contextlib.contextmanager
@@ -202,7 +252,7 @@ def heartbeat(
     me: RankInfo,
     peers: list[RankInfo],
     timeout_s: float,
-    on_hung: Callable[[Path, RankInfo, list[Hung]], None] = _report_hung,
+    on_hung: Callable[[Path, RankInfo, list[Hung]], None] = report_hung,
 ) -> Iterator[None]:
     """Beat and watch for the duration of the block (timeout_s <= 0: neither)."""
     if timeout_s <= 0:

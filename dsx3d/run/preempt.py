@@ -89,8 +89,9 @@ class StopRequest:
     def _handle(self, signum: int, frame: object) -> None:
         self.request(signum)
 
-    def request(self, signum: int) -> None:
-        """A stop signal arrived: the first asks for a save; a second one stops at once."""
+    def request(self, signum: int, cause: str = "") -> None:
+        """A stop signal arrived: the first asks for a save; a second one stops at once. `cause` says why when
+        it is not a signal received (a launcher that ended)."""
         if self.stopped_at is not None:  # saved and on the way out (the launcher ends the slower ranks)
             self._exit_now(128 + (self.agreed_signal or signum))
             return
@@ -100,9 +101,8 @@ class StopRequest:
         self.signum, self.received_at = signum, time.monotonic()
         if self.loud:
             log.warning(
-                "%s received: finishing this step, then saving a checkpoint and stopping (a second signal stops "
-                "at once)",
-                signal_name(signum),
+                "%s: finishing this step, then saving a checkpoint and stopping (a second signal stops at once)",
+                cause or f"{signal_name(signum)} received",
             )
         if self.deadline_s > 0:
             self._timer = threading.Timer(

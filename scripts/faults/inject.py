@@ -57,11 +57,12 @@ class Disk:
     """The campaign's tmpfs: the run directory is on it."""
 
     root: Path
+    size: int = DISK_BYTES
 
     def mount(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(self.root)], check=True
+            ["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.root)], check=True
         )
 
     def unmount(self) -> None:

@@ -10,10 +10,16 @@ a random step and a random fraction of a second more, injects its fault, and che
 - the script run again with `--resume` (train(resume_from_checkpoint=True)) ends with the reference's losses
   (every step of trainer_state.json's log history, to 1e-6) and final weights (to 1e-6).
 
-Faults (kinds): sigterm (to every rank, as a cluster does: the ranks save checkpoint-N and stop), sigkill-rank
-(one rank; its peer must name it), and, after a SIGTERM stop, damage to a random file of the newest
-checkpoint-N: truncated, bitflip, missing (the resume names the file and falls back to the checkpoint before;
-with none left it exits 2 naming it, and the face then starts over, as a user would).
+Faults (kinds): sigterm (to every rank, as a cluster does: the ranks save checkpoint-N and stop), sigterm-twice
+(a second one within 0.5 s: the ranks stop at once, the last complete checkpoint kept), sigkill-rank (one rank;
+its peer must name it), sigkill-launcher (deepspeed's runner, the command the user started: the ranks see it
+gone, save and stop), sigstop-rank (one rank stops; its peer names it as hung after the job's 10 s hang
+timeout and kills it), full-disk (the output directory's tmpfs filled at the moment: the next save fails,
+named), unwritable (the output directory made read-only: the same), and, after a SIGTERM stop, damage to a
+random file of the newest checkpoint-N: truncated, bitflip, missing (the resume names the file and falls back
+to the checkpoint before; with none left it exits 2 naming it, and the face then starts over, as a user would).
+Before the resume the disk is freed or the directory made writable again, as a user would. full-disk and
+unwritable need mounts (root, as in CI); without them they are skipped and said so.
 
     python -m scripts.faults.trainer_face [--trials 1] [--kinds sigterm,...] [--seed 36] [--work DIR]
 
@@ -23,6 +29,7 @@ Prints the seed, one line per trial and the table: fault, trials, clean ends, ex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -34,6 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from scripts.faults.inject import Disk, can_mount
 from scripts.faults.trainer_job import Job, checkpoints, damage, losses, weights, write_recipe
 from scripts.faults.trainer_run import STEPS
 
@@ -41,8 +51,21 @@ BOUND_S = 60.0
 LAUNCH_TIMEOUT_S = 400.0
 TOLERANCE = 1e-6
 DAMAGE = ("truncated", "bitflip", "missing")
-KINDS = ("sigterm", "sigkill-rank", *DAMAGE)
-EXPECT = {"sigterm": "stopped by SIGTERM after step", "sigkill-rank": "died"}
+MOUNTS = ("full-disk", "unwritable")
+KINDS = ("sigterm", "sigterm-twice", "sigkill-rank", "sigkill-launcher", "sigstop-rank", *MOUNTS, *DAMAGE)
+EXPECT = {  # what the output says (lower case, any one of them) about each fault
+    "sigterm": ("stopped by sigterm after step",),
+    "sigterm-twice": ("stopping at once", "stopped by sigterm after step"),
+    "sigkill-rank": ("died",),
+    "sigkill-launcher": ("the launcher of this job",),
+    "sigstop-rank": ("is hung",),
+    "full-disk": ("no space left on device",),
+    "unwritable": ("read-only file system",),
+    **{k: ("stopped by sigterm after step",) for k in DAMAGE},
+}
+DISK_BYTES = 256 << 20
+"""The tmpfs of the full-disk and unwritable trials: two checkpoints (about 47 MB each), one being written and
+the final model fit."""
 
 
 @dataclass
@@ -71,18 +94,30 @@ class Reference:
         return self._result
 
 
-def _inject(kind: str, job: Job, rng: random.Random, trial: Trial) -> bool:
+def _inject(kind: str, job: Job, rng: random.Random, trial: Trial, disk: Disk | None) -> bool:
     ranks = job.ranks()
     if not ranks:
         trial.notes.append("no rank to signal")
         return False
-    if kind == "sigkill-rank":
+    if kind in ("sigkill-rank", "sigstop-rank"):
         victim = rng.choice(ranks)
         trial.moment += f", rank pid {victim.pid}"
-        victim.kill()
+        victim.send_signal(signal.SIGKILL if kind == "sigkill-rank" else signal.SIGSTOP)
+    elif kind == "sigkill-launcher":
+        job.proc.kill()
+    elif kind == "full-disk":
+        assert disk is not None
+        disk.fill()
+    elif kind == "unwritable":
+        Disk.read_only(job.out)
     else:
         for p in ranks:
             p.send_signal(signal.SIGTERM)
+        if kind == "sigterm-twice":
+            time.sleep(rng.uniform(0.0, 0.5))
+            for p in ranks:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGTERM)
     return True
 
 
@@ -94,15 +129,14 @@ def _check_end(kind: str, job: Job, began: float, trial: Trial) -> None:
     text = job.text()
     if code is None:
         trial.notes.append(f"did not end within {BOUND_S:.0f} s")
-    elif code == 0:
+    elif code == 0 and kind != "sigkill-launcher":  # the launcher's code is the kill's; its ranks end alone
         trial.notes.append("exited 0 after a fault")
     if job.processes():
         trial.notes.append(f"{len(job.processes())} processes left")
     if "Traceback" in text:
         trial.notes.append("a traceback in the output")
-    want = EXPECT["sigkill-rank"] if kind == "sigkill-rank" else EXPECT["sigterm"]
-    if want not in text:
-        trial.notes.append(f"the output does not say {want!r}")
+    if not any(w in text.lower() for w in EXPECT[kind]):
+        trial.notes.append(f"the output does not say {' or '.join(map(repr, EXPECT[kind]))}")
     trial.clean = not trial.notes
 
 
@@ -151,11 +185,12 @@ def _compare(out: Path, ref: tuple[list[float], dict[str, Any]], trial: Trial) -
 
 
 def run_trial(
-    kind: str, rng: random.Random, work: Path, recipe: Path, ref: Reference, name: str = ""
+    kind: str, rng: random.Random, work: Path, recipe: Path, ref: Reference, name: str = "", disk: Disk | None = None
 ) -> Trial:
-    """One trial; its logs are WORK/NAME.log (NAME: the kind by default), .resume.log and .fresh.log."""
+    """One trial; its logs are WORK/NAME.log (NAME: the kind by default), .resume.log and .fresh.log. full-disk
+    and unwritable trials run in `disk` (a mounted tmpfs)."""
     name = name or kind
-    trial, out = Trial(kind), work / "run"
+    trial, out = Trial(kind), (disk.root if disk is not None and kind in MOUNTS else work) / "run"
     for _attempt in range(3):  # a job that finished before the fault landed (a loaded machine) runs again
         shutil.rmtree(out, ignore_errors=True)
         job = Job.start(out, recipe, work / f"{name}.log")
@@ -170,11 +205,15 @@ def run_trial(
         job.kill()
     if job.proc.poll() is not None:
         trial.notes.append(f"the job ended before the fault (exit {job.proc.poll()})")
-    if job.proc.poll() is not None or not _inject(kind, job, rng, trial):
+    if job.proc.poll() is not None or not _inject(kind, job, rng, trial, disk):
         job.kill()
         return trial
     _check_end(kind, job, time.monotonic(), trial)
     job.kill()
+    if kind == "full-disk" and disk is not None:  # what a user does before resuming
+        disk.free()
+    elif kind == "unwritable":
+        Disk.writable(out)
     victim = None
     if kind in DAMAGE:
         found = checkpoints(out)
@@ -217,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         f"trainer fault campaign: seed {args.seed}, {args.trials} trials per kind, work dir {work}",
         flush=True,
     )
+    disk: Disk | None = None
+    if any(k in MOUNTS for k in kinds):
+        if can_mount():
+            disk = Disk(work / "disk", DISK_BYTES)
+            disk.mount()
+        else:
+            print(f"skipped {[k for k in kinds if k in MOUNTS]}: they mount a tmpfs (root only)", flush=True)
+            kinds = [k for k in kinds if k not in MOUNTS]
     recipe = write_recipe(work / "recipe.yaml")
     ref = Reference(work, recipe)
     rng = random.Random(args.seed)
@@ -224,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for kind in kinds:
             for i in range(args.trials):
-                t = run_trial(kind, random.Random(rng.random()), work, recipe, ref, f"{kind}-{i + 1}")
+                t = run_trial(kind, random.Random(rng.random()), work, recipe, ref, f"{kind}-{i + 1}", disk)
                 trials.append(t)
                 print(
                     f"{kind} #{i + 1}: at {t.moment}: clean {t.clean}, exact {t.exact}, ended in {t.end_s:.1f} s"
@@ -233,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
     finally:
         ref.job.kill()
+        if disk is not None:
+            disk.unmount()
     print("\n" + table(kinds, trials))
     print(f"\nseed {args.seed}; load average {os.getloadavg()}")
     return 0 if all(t.clean and t.exact for t in trials) else 1

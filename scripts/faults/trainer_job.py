@@ -62,8 +62,10 @@ class Job:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         env.setdefault("TORCH_EXTENSIONS_DIR", str(out.parent / "torch_extensions"))
         out.mkdir(parents=True, exist_ok=True)
+        log.with_suffix(".steps").unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-               str(SCRIPT), "--out", str(out), "--recipe", str(recipe), *flags]  # fmt: skip
+               str(SCRIPT), "--out", str(out), "--recipe", str(recipe), "--steps-file", str(log.with_suffix(".steps")),
+               *flags]  # fmt: skip
         with log.open("w") as f:
             proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         return cls(proc, out, log, time.monotonic())
@@ -86,7 +88,7 @@ class Job:
 
     def steps_done(self) -> int:
         try:
-            return len((self.out / "steps.txt").read_text().split())
+            return len(self.log.with_suffix(".steps").read_text().split())
         except OSError:
             return 0
 

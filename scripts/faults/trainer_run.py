@@ -7,7 +7,8 @@ A checkpoint every SAVE_STEPS steps, two kept. `--resume` continues from the new
 the output directory holds any (as run_clm does with get_last_checkpoint). A stop signal saves and exits
 128 + the signal; errors go through `dsx3d.handle_errors()` (a UserError: exit 2). At the end: the final model
 (DIR/final) and DIR/trainer_state.json. Rank 0 appends each finished step to DIR/steps.txt, so the campaign
-can aim its faults.
+can aim its faults (--steps-file: elsewhere, off a disk the campaign fills); a peer silent for
+--hang-timeout-s (10) is named as hung.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--recipe", required=True)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--steps-file", type=Path, default=None, help="where rank 0 appends each finished step (default OUT/steps.txt)")
+    p.add_argument("--hang-timeout-s", type=float, default=10.0, help="Trainer.hang_timeout_s")
     args, _ = p.parse_known_args(argv)  # the launcher appends --local_rank=N
 
     import torch
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     class Progress(TrainerCallback):
         def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.is_world_process_zero:
-                with (args.out / "steps.txt").open("a") as f:
+                with (args.steps_file or args.out / "steps.txt").open("a") as f:
                     f.write(f"{state.global_step}\n")
 
     torch.set_num_threads(1)
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=0,
         )
         trainer = Trainer(model=model, args=training, train_dataset=_dataset(96), callbacks=[Progress()])
+        trainer.hang_timeout_s = args.hang_timeout_s
         resume = args.resume and any(args.out.glob("checkpoint-*"))
         trainer.train(resume_from_checkpoint=True if resume else None)
         if trainer.preemption.preempted is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -145,9 +145,13 @@ def export_hf(
             staging = staging_dir(out)
         except UserError as err:
             staging = err
+        except OSError as err:  # a read-only or full parent directory
+            staging = [(f"rank 0: {err}", err.errno)]
     staging = comm.broadcast_object(staging, src=0)
     if isinstance(staging, UserError):
         raise staging
+    if isinstance(staging, list):
+        _raise_failed(out, staging)
 
     error = _write_stage(engine, stages, files, model, full, dtype, staging, merge_lora)
     failed: list[tuple[str, int | None]] = [e for e in comm.all_gather_object(error) if e]
@@ -163,14 +167,7 @@ def export_hf(
     if failed:
         if comm.get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        said = "; ".join(message for message, _ in failed)
-        if all(no in WRITE_ERRNOS for _, no in failed):  # a full disk, a read-only directory: no traceback
-            raise RunFailure(
-                f"cannot write the export to {out}: {said}; free space or make the directory writable, then "
-                "export the last checkpoint (dsx3d export) or continue with --resume",
-                everywhere=True,
-            )
-        raise RuntimeError(f"export to {out} failed: {said}")
+        _raise_failed(out, failed)
     if comm.get_rank() == 0:
         log.info(
             "exported %d tensors in %d files to %s (%s)",
@@ -248,3 +245,16 @@ def _write_stage(
             except (OSError, RuntimeError) as err:
                 error = (f"rank {place.rank}, {f.name}: {err}", getattr(err, "errno", None))
     return error
+
+
+def _raise_failed(out: Path, failed: list[tuple[str, int | None]]) -> NoReturn:
+    """The export's failed writes (on every rank alike): a full disk or a read-only directory is the user's to
+    mend (RunFailure, no traceback); anything else is a defect."""
+    said = "; ".join(message for message, _ in failed)
+    if all(no in WRITE_ERRNOS for _, no in failed):
+        raise RunFailure(
+            f"cannot write the export to {out}: {said}; free space or make the directory writable, then "
+            "export the last checkpoint (dsx3d export) or continue with --resume",
+            everywhere=True,
+        )
+    raise RuntimeError(f"export to {out} failed: {said}")
