@@ -56,7 +56,7 @@ class PreemptionCallback(TrainerCallback):
             from dsx3d.integrations.script_errors import exit_now
 
             exit_now(1)
-        elif self.stop.signum is None and self.stop.stopped_at is None:  # not a second signal: the save goes on
+        elif self.stop.signum is None and self.preempted is None:  # never a second signal: a stop goes on
             self.stop.request(signal.SIGTERM, cause="the launcher has ended")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -66,22 +66,32 @@ class PreemptionCallback(TrainerCallback):
         if got:
             control.should_save = True
             control.should_training_stop = True
-            self.stop.stopped_at = state.global_step
             self.preempted = (got, state.global_step, Path(args.output_dir) / f"checkpoint-{state.global_step}")
         return control
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The stop's checkpoint is complete (manifest written): said now, so that a signal that ends a rank
+        from here on (deepspeed's launcher SIGTERMs the slower ranks) only ends it, and no message is lost.
+        A second signal before this point stops at once, saying so."""
         from dsx3d.distributed import comm
 
-        if self.stop is not None:
-            self.stop.cancel()
-        if self.preempted is not None and comm.get_rank() == 0:
+        if self.stop is None or self.preempted is None:
+            return
+        self.stop.stopped_at = state.global_step
+        self.stop.cancel()
+        if comm.get_rank() == 0:
             signum, step, where = self.preempted
             log.warning(
                 "stopped by %s after step %d: checkpoint %s saved; continue with "
                 "trainer.train(resume_from_checkpoint=%r)",
                 signal_name(signum), step, where, str(where),
             )
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from dsx3d.distributed import comm
+
+        if self.stop is not None:
+            self.stop.cancel()
         if self.preempted is not None:
             comm.barrier()  # a script that exits right after train() does not cut rank 0's message short
         self.restore()

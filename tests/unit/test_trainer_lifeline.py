@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -57,7 +58,7 @@ def test_a_launcher_that_ends_is_reported_once(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_launchers_end_is_a_stop_request_but_never_a_second_signal(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     exits: list[int] = []
     callback = trainer_preempt.PreemptionCallback()
@@ -66,9 +67,17 @@ def test_a_launchers_end_is_a_stop_request_but_never_a_second_signal(
         callback.launcher_gone()
     assert callback.stop.signum == signal.SIGTERM and exits == []
     assert "the launcher has ended: finishing this step" in caplog.text
-    callback.stop.stopped_at = 7  # the ranks agreed and are saving: a later notice changes nothing
-    callback.launcher_gone()
+    callback.launcher_gone()  # noticed again: nothing more
     assert exits == []
+    agreed = trainer_preempt.PreemptionCallback()
+    agreed.stop = StopRequest(exit_now=exits.append)
+    agreed.preempted = (signal.SIGUSR1, 7, tmp_path / "checkpoint-7")  # the ranks agreed on a peer's signal
+    agreed.launcher_gone()
+    assert agreed.stop.signum is None and exits == []  # the stop goes on: not a second signal
+    with caplog.at_level("WARNING", logger="dsx3d"):
+        agreed.on_save(None, SimpleNamespace(global_step=7), None)
+    assert agreed.stop.stopped_at == 7  # saved: a signal from here on only ends the rank
+    assert f"stopped by SIGUSR1 after step 7: checkpoint {tmp_path / 'checkpoint-7'} saved" in caplog.text
     import dsx3d.integrations.script_errors as script_errors
 
     monkeypatch.setattr(script_errors, "exit_now", exits.append)
