@@ -15,8 +15,7 @@ replaced:
 - evaluation and predict(): through the engine; the last stage keeps what compute_metrics needs
   (dsx3d.integrations.last_stage) and every rank receives it in dataset order;
 - after train(), trainer.model holds the trained weights (a meta-device model refuses save_pretrained);
-- save_model: a Hugging Face checkpoint (dsx3d.checkpoint.hf.export.export_hf); checkpoints for
-  resume_from_checkpoint add the engine's own (DeepSpeed) checkpoint;
+- save_model: a Hugging Face checkpoint (export_hf); resume checkpoints add the engine's own (DeepSpeed);
 - the figures HF reports (total batch size, samples/s, tokens/s, FLOPs) count every DP shard once.
 """
 
