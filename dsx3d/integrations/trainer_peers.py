@@ -14,7 +14,8 @@ process keeps pending) and exits 1.
 
 When the launcher above the ranks ends (deepspeed's runner or launch.py, torchrun, `accelerate launch`,
 killed by a scheduler or a closed terminal), nobody is left to collect the ranks: each rank says so and
-treats it as a stop signal, so the ranks finish their step, save a checkpoint and end train().
+treats it as a stop signal, so the ranks finish their step, save a checkpoint and end train(). One that
+ends after the watch's last look, as the last steps finish, is named when train() returns.
 """
 
 from __future__ import annotations
@@ -64,7 +65,14 @@ def ending_on_peer_death(hang_timeout_s: float = 0.0, on_launcher_gone: Callable
         if on_launcher_gone is not None:
             on_launcher_gone()
 
-    watch = watching_launchers(launcher_gone) if on_launcher_gone is not None else contextlib.nullcontext()
+    def launcher_gone_at_the_end(owner: Owner, cmd: str) -> None:
+        log.error("the launcher of this job (pid %d: %s) has ended as training finished: %s", owner.pid, cmd, info.where())
+
+    watch = (
+        watching_launchers(launcher_gone, on_gone_at_exit=launcher_gone_at_the_end)
+        if on_launcher_gone is not None
+        else contextlib.nullcontext()
+    )
     try:
         with (
             naming_dead_peers(info, peers),

@@ -151,19 +151,28 @@ def launcher_chain(max_depth: int = 4) -> list[tuple[Owner, str]]:
 
 
 @contextlib.contextmanager
-def watching_launchers(on_gone: Callable[[Owner, str], None], interval_s: float = 1.0) -> Iterator[None]:
+def watching_launchers(
+    on_gone: Callable[[Owner, str], None],
+    interval_s: float = 1.0,
+    on_gone_at_exit: Callable[[Owner, str], None] | None = None,
+) -> Iterator[None]:
     """Inside: a thread checks once per `interval_s` that every launcher above this process still runs
-    (`launcher_chain`) and calls `on_gone` once for the first one that has ended."""
+    (`launcher_chain`) and calls `on_gone` once for the first one that has ended. One that ended after the
+    thread's last look (the work inside finished within `interval_s` of it) is given to `on_gone_at_exit`."""
     chain = launcher_chain()
     if not chain:
         yield
         return
-    stop = threading.Event()
+    stop, fired = threading.Event(), threading.Event()
+
+    def first_gone() -> tuple[Owner, str] | None:
+        return next(((o, cmd) for o, cmd in chain if not o.alive()), None)
 
     def loop() -> None:
         while not stop.wait(interval_s):
-            gone = next(((o, cmd) for o, cmd in chain if not o.alive()), None)
+            gone = first_gone()
             if gone is not None:
+                fired.set()
                 on_gone(*gone)
                 return
 
@@ -174,6 +183,9 @@ def watching_launchers(on_gone: Callable[[Owner, str], None], interval_s: float 
     finally:
         stop.set()
         thread.join(timeout=interval_s + 1)
+        gone = None if fired.is_set() or on_gone_at_exit is None else first_gone()
+        if gone is not None and on_gone_at_exit is not None:
+            on_gone_at_exit(*gone)
 
 
 # --- heartbeats ------------------------------------------------------------------------------------------

@@ -57,6 +57,24 @@ def test_a_launcher_that_ends_is_reported_once(monkeypatch: pytest.MonkeyPatch) 
     assert gone == [(sleeper.pid, "sleeper")]
 
 
+def test_a_launcher_that_ends_after_the_last_look_is_named_at_exit_and_only_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Trainer face's sigkill-launcher at step 20 of 24: training finished within the watch's interval."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(lifeline, "launcher_chain", lambda: [(_owner(sleeper), "sleeper")])
+    during: list[int] = []
+    at_exit: list[int] = []
+    with watching_launchers(lambda o, _: during.append(o.pid), interval_s=30, on_gone_at_exit=lambda o, _: at_exit.append(o.pid)):
+        sleeper.kill()
+        sleeper.wait()
+    assert (during, at_exit) == ([], [sleeper.pid])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with watching_launchers(lambda o, _: during.append(o.pid), interval_s=30, on_gone_at_exit=lambda o, _: at_exit.append(o.pid)):
+        pass
+    sleeper.kill()
+    sleeper.wait()
+    assert len(at_exit) == 1  # alive at exit: nothing more said
+
+
 def test_a_launchers_end_is_a_stop_request_but_never_a_second_signal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
