@@ -12,7 +12,7 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from dsx3d.checkpoint.training.checkpointer import _recording
+from dsx3d.checkpoint.training.checkpointer import _recording, _SaveLog
 from dsx3d.checkpoint.training.write_failure import mendable_write_failure
 from dsx3d.distributed import comm
 from dsx3d.errors import RunFailure
@@ -27,6 +27,9 @@ log = logging.getLogger("dsx3d")
 
 class SavingMixin(EngineTrainerBase):
     """The Trainer's save_model and the checkpoint hooks HF's loop calls."""
+
+    _save_log: _SaveLog
+    """The checkpoint save in progress (`_save_checkpoint`): its files, their checksums, its failed writes."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the trained model as a Hugging Face checkpoint into `output_dir` (default args.output_dir),
@@ -73,7 +76,7 @@ class SavingMixin(EngineTrainerBase):
         checkpoint counts as complete, and older ones may go, only once every rank's files are written."""
         run_dir = self._get_output_dir(trial=trial)
         ckpt = Path(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))  # HF's name
-        record = start_save(ckpt)
+        record = self._save_log = start_save(ckpt)
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # HF's save ends by rotating: not before the manifest
         try:
@@ -93,8 +96,15 @@ class SavingMixin(EngineTrainerBase):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's DeepSpeed checkpoint (stage weights, optimizer partitions) plus HF's scheduler state.
-        Resuming needs the same layout."""
-        self._engine().ds_engine.save_checkpoint(output_dir)
+        Resuming needs the same layout. DeepSpeed's `latest` (what load_checkpoint reads) is written here,
+        through the save's record: DeepSpeed writes it unguarded on rank 0 just before its closing barrier, so
+        a failed write there left rank 1 in that barrier and rank 0 in the manifest's exchange, for ever."""
+        ds_engine = self._engine().ds_engine
+        tag = f"global_step{ds_engine.global_steps}"  # DeepSpeed's default tag
+        ds_engine.save_checkpoint(output_dir, tag=tag, save_latest=False)
+        if comm.get_rank() == 0:
+            latest = Path(output_dir) / "latest"
+            self._save_log.attempt(latest, lambda: latest.write_text(tag))
         if self.args.should_save:
             scheduler = self.lr_scheduler
             assert scheduler is not None  # created with the optimizer, before any checkpoint

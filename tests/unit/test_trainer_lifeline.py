@@ -138,3 +138,24 @@ def test_a_write_the_user_can_mend_is_recognised_without_its_errno(tmp_path: Pat
     monkeypatch.setattr(os, "statvfs", lambda p: _ReadOnly(real_statvfs(p)))
     said = mendable_write_failure(target, torch_like) or ""
     assert said.startswith(f"read-only file system under {tmp_path}") and "scheduler.pt" in said
+
+
+def test_deepspeeds_latest_is_written_through_the_saves_record(tmp_path: Path) -> None:
+    """A read-only directory at the moment DeepSpeed wrote `latest` (rank 0 only, just before its closing
+    barrier) raised past that barrier: rank 1 waited there and rank 0 in the manifest's exchange, for ever (the
+    Trainer face's unwritable at step 4 + 0.08 s). The write now goes through the record, like every other."""
+    from dsx3d.checkpoint.training.checkpointer import _SaveLog
+    from dsx3d.integrations.trainer_saving import SavingMixin
+
+    calls: list[dict[str, Any]] = []
+    ds_engine = SimpleNamespace(global_steps=4, save_checkpoint=lambda d, **kw: calls.append({"dir": d, **kw}))
+    trainer = SimpleNamespace(_engine=lambda: SimpleNamespace(ds_engine=ds_engine), args=SimpleNamespace(should_save=False))
+    trainer._save_log = _SaveLog(tmp_path)
+    SavingMixin._save_optimizer_and_scheduler(trainer, str(tmp_path))  # type: ignore[arg-type]
+    assert calls == [{"dir": str(tmp_path), "tag": "global_step4", "save_latest": False}]
+    assert (tmp_path / "latest").read_text() == "global_step4" and "latest" in trainer._save_log.sums
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").mkdir()  # a write that fails
+    trainer._save_log = _SaveLog(tmp_path)
+    SavingMixin._save_optimizer_and_scheduler(trainer, str(tmp_path))  # type: ignore[arg-type]
+    assert [p for p, _ in trainer._save_log.failed] == [str(tmp_path / "latest")]  # recorded, not raised
