@@ -90,8 +90,17 @@ class Disk:
 
     @staticmethod
     def read_only(directory: Path) -> None:
+        """Bind-mount `directory` on itself, read-only. The remount is refused (busy) while a file opened
+        through the new bind is open for writing, which a job writing at that moment can do: tried again
+        every 10 ms for up to 2 s."""
         subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], check=True)
+        for _ in range(200):
+            done = subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], capture_output=True, text=True)
+            if done.returncode == 0:
+                return
+            time.sleep(0.01)
+        Disk.writable(directory)
+        raise RuntimeError(f"could not make {directory} read-only: {done.stderr.strip()}")
 
     @staticmethod
     def writable(directory: Path) -> None:
