@@ -93,6 +93,11 @@ class StopRequest:
         """A stop signal arrived: the first asks for a save; a second one stops at once. `cause` says why when
         it is not a signal received (a launcher that ended)."""
         if self.stopped_at is not None:  # saved and on the way out (the launcher ends the slower ranks)
+            # said by this rank too: the peer that would have said it may be the one this signal ends first
+            log.warning(
+                "stopped by %s after step %d: its checkpoint is saved (%s ended this rank on the way out)",
+                signal_name(self.agreed_signal or signum), self.stopped_at, signal_name(signum),
+            )
             self._exit_now(128 + (self.agreed_signal or signum))
             return
         if self.signum is not None:

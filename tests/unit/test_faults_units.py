@@ -153,13 +153,17 @@ def test_the_deadline_stops_at_once_unless_the_save_finished(caplog: pytest.LogC
     assert exits.codes == []
 
 
-def test_after_the_save_a_signal_only_ends_the_rank_quietly(caplog: pytest.LogCaptureFixture) -> None:
-    """The launcher ends the slower ranks with SIGTERM once one rank exits: not a 'second signal'."""
+def test_after_the_save_a_signal_only_ends_the_rank_saying_the_save(caplog: pytest.LogCaptureFixture) -> None:
+    """The launcher ends the slower ranks with SIGTERM once one rank exits: not a 'second signal'. The rank says
+    the stop and its step itself: the one that would have said it may be ended first (the Trainer face's
+    sigterm-twice: rank 1 ended by the second signal, rank 0 then saying only that rank 1 died)."""
     exits = _Exits()
     stop = StopRequest(exit_now=exits)
     stop.agreed_signal, stop.stopped_at = signal.SIGUSR1, 6
-    stop.request(signal.SIGTERM)
+    with caplog.at_level("WARNING", logger="dsx3d"):
+        stop.request(signal.SIGTERM)
     assert exits.codes == [128 + signal.SIGUSR1] and "stopping at once" not in caplog.text
+    assert "stopped by SIGUSR1 after step 6: its checkpoint is saved (SIGTERM ended this rank" in caplog.text
 
 
 def test_the_messages_name_the_signal_and_the_checkpoint(tmp_path: Path) -> None:
