@@ -183,8 +183,7 @@ def watching_launchers(
     finally:
         stop.set()
         thread.join(timeout=interval_s + 1)
-        gone = None if fired.is_set() or on_gone_at_exit is None else first_gone()
-        if gone is not None and on_gone_at_exit is not None:
+        if on_gone_at_exit is not None and not fired.is_set() and (gone := first_gone()) is not None:
             on_gone_at_exit(*gone)
 
 

@@ -60,12 +60,12 @@ def observation(run_dir: Path, name: str | None = None) -> Observation:
     return Observation(name or run_dir.name, shape, setup, gpus_per_node, seconds)
 
 
-def best_run(name: str, repeats: int) -> Path:
+def best_observation(name: str, repeats: int) -> Observation:
     """The repeat of `name` with the shortest measured step (the one least disturbed by other load)."""
     runs = [ROOT / f"{name}.{r}" for r in range(repeats) if (ROOT / f"{name}.{r}" / "metrics.jsonl").is_file()]
     if not runs:
         sys.exit(f"{ROOT / name}.*: no run; train first (--train)")
-    return min(runs, key=lambda r: observation(r).step_time_s)
+    return min((observation(r, name) for r in runs), key=lambda o: o.step_time_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for name in layouts:
                 subprocess.run(["dsx3d", "train", str(write_recipe(name, args.steps, r)), "--overwrite"], check=True)
-    observations = {name: observation(best_run(name, args.repeats), name) for name in layouts}
+    observations = {name: best_observation(name, args.repeats) for name in layouts}
     base = get_profile("cpu")
     worst = 0.0
     for name in layouts:
