@@ -46,6 +46,7 @@ def _ensure_process_group() -> None:
         comm.init_distributed()
     else:
         comm.init_single_process(tempfile.mkdtemp(prefix="dsx3d-pg-"))
+    comm.destroy_at_exit()  # before the interpreter's finalization, where gloo's threads can abort the rank
 
 
 def _align_accelerate_state(args: transformers.TrainingArguments) -> None:

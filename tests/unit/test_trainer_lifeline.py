@@ -159,3 +159,26 @@ def test_deepspeeds_latest_is_written_through_the_saves_record(tmp_path: Path) -
     trainer._save_log = _SaveLog(tmp_path)
     SavingMixin._save_optimizer_and_scheduler(trainer, str(tmp_path))  # type: ignore[arg-type]
     assert [p for p, _ in trainer._save_log.failed] == [str(tmp_path / "latest")]  # recorded, not raised
+
+
+def test_the_process_group_is_destroyed_at_exit_before_the_interpreter_finalizes(tmp_path: Path) -> None:
+    """Left to finalization, gloo's threads can abort a rank that finished (exit -6, "terminate called without
+    an active exception"); the Trainer's set-up registers the group's destruction at exit, once however often."""
+    script = """
+import atexit
+import torch.distributed as dist
+from dsx3d.distributed import comm
+calls = []
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), "destroyed", len(calls), "times"))
+destroy = comm.destroy
+comm.destroy = lambda: (calls.append(1), destroy())
+from dsx3d.integrations.trainer_setup import _ensure_process_group
+_ensure_process_group()
+_ensure_process_group()  # a second Trainer in the same script
+print("initialized:", dist.is_initialized())
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-2:] == ["initialized: True", "initialized at exit: False destroyed 1 times"]
