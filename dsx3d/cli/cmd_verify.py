@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--schedule", choices=list(SCHEDULE_NAMES), default=DEFAULT_SCHEDULE, help="pipeline schedule (pp > 1)")
     p.add_argument(
+        "--virtual-stages", type=bounded_int(1, 64), default=None, metavar="V",
+        help="parallel.virtual_stages: model chunks per rank (interleaved-1f1b; default: the schedule's own, 2)",
+    )
+    p.add_argument(
         "--stage-layers", type=_layer_counts, default=None, metavar="N,N,...",
         help="decoder layers per pipeline stage (parallel.stage_layers; default: the cost-balanced split)",
     )
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         config, dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, ep=args.ep, steps=args.steps, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr, dtype=args.dtype, seed=args.seed,
         activation_checkpointing=args.activation_checkpointing, zero_stage=args.zero_stage, schedule=args.schedule,
-        stage_layers=args.stage_layers, loss_tile_tokens=args.loss_tile_tokens,
+        stage_layers=args.stage_layers, loss_tile_tokens=args.loss_tile_tokens, virtual_stages=args.virtual_stages,
     )
     if args.objective == "dpo" and args.dtype != "fp32":
         raise UserError.single("--dtype", args.dtype, "--objective dpo compares fp32 steps", "use --dtype fp32")

@@ -1,4 +1,4 @@
-"""Interleaved 1F1B (1F1B-I, Narayanan et al. 2021, Sec. 2.2.2) as the estimator models it until the pipeline registry offers it: v model chunks per rank.
+"""Interleaved 1F1B (1F1B-I, Narayanan et al. 2021, Sec. 2.2.2) as the estimator models it: v model chunks per rank.
 
 With v virtual stages per rank each micro-batch passes every rank v times on chunks of L/(p*v) layers. The
 warm-up and drain shrink by v: a step lasts m + (p - 1)/v micro-batch times of a whole stage, the bubble is

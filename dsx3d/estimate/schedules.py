@@ -1,8 +1,8 @@
 """What the pipeline schedule (`parallel.schedule`) changes in the estimate: the step's length in micro-batch
 times, its idle fraction, and how many micro-batches a stage holds activations for. Each schedule's model is
 its entry in `dsx3d.pipeline.registry` (1F1B: m + p - 1 and min(p - s, m); zb-h1: its simulated order), except
-interleaved 1F1B's, which the engine runs at v = 2 and `dsx3d.estimate.interleaved` models for any v (published
-runs used more chunks); ZB-2p, `dsx3d.estimate.zero_bubble`, is ESTIMATOR ONLY (the engine does not run it):
+interleaved 1F1B's, which `dsx3d.estimate.interleaved` models for any v with the published activation count
+(Korthikanti et al.; the engine runs any v >= 2); ZB-2p, `dsx3d.estimate.zero_bubble`, is ESTIMATOR ONLY (the engine does not run it):
 `runnable` says which a planner may pick."""
 
 from __future__ import annotations

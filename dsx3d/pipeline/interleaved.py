@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 NAME = "interleaved-1f1b"
 KEY = "parallel.virtual_stages"
 VIRTUAL_STAGES = 2
-"""The v the model below describes (the only one the schedule is built for)."""
+"""The v that `dsx3d verify --schedule interleaved-1f1b` and the planner use when none is named, and that the
+spec's step model below describes (the estimator reads the recipe's v: `dsx3d.estimate.interleaved`). The
+runtime runs any v >= 2 with p v decoder layers or more."""
 
 
 @dataclass(frozen=True)
@@ -121,12 +123,12 @@ def simulate(pp: int, micro_batches: int, v: int = VIRTUAL_STAGES, f: float = 1.
     return Simulation(max(free), tuple(peak))
 
 
-def pipeline_units(pp: int, micro_batches: int, costs: Ratios | None = None) -> float:
-    return micro_batches + (pp - 1) / VIRTUAL_STAGES
+def pipeline_units(pp: int, micro_batches: int, costs: Ratios | None = None, v: int = VIRTUAL_STAGES) -> float:
+    return micro_batches + (pp - 1) / v
 
 
-def idle(pp: int, micro_batches: int, costs: Ratios | None = None) -> float:
-    return (pp - 1) / (VIRTUAL_STAGES * micro_batches + pp - 1)
+def idle(pp: int, micro_batches: int, costs: Ratios | None = None, v: int = VIRTUAL_STAGES) -> float:
+    return (pp - 1) / (v * micro_batches + pp - 1)
 
 
 def held_chunks(stage: int, pp: int, micro_batches: int, v: int = VIRTUAL_STAGES) -> int:
@@ -135,18 +137,19 @@ def held_chunks(stage: int, pp: int, micro_batches: int, v: int = VIRTUAL_STAGES
     return warm + 1 if warm < micro_batches * v else warm
 
 
-def held_micro_batches(stage: int, pp: int, micro_batches: int, costs: Ratios | None = None) -> int:
+def held_micro_batches(stage: int, pp: int, micro_batches: int, costs: Ratios | None = None, v: int = VIRTUAL_STAGES) -> int:
     """Whole-stage micro-batches' worth of activations, rounded up: rank 0 holds p + (p - 1) / v."""
-    return math.ceil(held_chunks(stage, pp, micro_batches) / VIRTUAL_STAGES)
+    return math.ceil(held_chunks(stage, pp, micro_batches, v) / v)
 
 
 def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
-    """What the checker refuses with this schedule: everything but dp x tp x pp with v = 2, fp32 or bf16,
+    """What the checker refuses with this schedule: everything but dp x tp x pp with v >= 2, fp32 or bf16,
     ZeRO-0/1, tied or untied embeddings, and m a multiple of pp (`_unsupported` says why each is left out)."""
     p = recipe.parallel
+    v = p.virtual_stages
     fix = "set parallel.schedule: 1f1b and parallel.virtual_stages: 1"
-    if p.virtual_stages != VIRTUAL_STAGES:
-        yield Problem(KEY, p.virtual_stages, f"{NAME} is built for {VIRTUAL_STAGES} chunks per rank", f"set {KEY}: {VIRTUAL_STAGES}")
+    if v < 2:
+        yield Problem(KEY, v, f"{NAME} interleaves two or more chunks per rank", f"set {KEY}: {VIRTUAL_STAGES} (or more)")
     if p.pp < 2:
         yield Problem("parallel.pp", p.pp, f"{NAME} interleaves the chunks of a pipeline; pp = 1 has none", f"set parallel.pp >= 2, or {fix}")
     m = recipe.train.gradient_accumulation_steps
@@ -166,14 +169,21 @@ def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
         if experts_per_layer(hf_config) is not None:
             yield Problem("model", hf_config.model_type, f"{NAME}: mixture-of-experts models are not verified with chunks", fix)
         layers = getattr(hf_config.get_text_config(), "num_hidden_layers", None)
-        if isinstance(layers, int) and p.pp * VIRTUAL_STAGES > layers:
+        if isinstance(layers, int) and p.pp * max(v, 1) > layers:
             yield Problem(
                 "parallel.pp",
                 p.pp,
-                f"{NAME} cuts the model into pp x {VIRTUAL_STAGES} = {p.pp * VIRTUAL_STAGES} stages, each with at least "
+                f"{NAME} cuts the model into pp x {v} = {p.pp * v} stages, each with at least "
                 f"one decoder layer, and the model has {layers}",
-                f"set parallel.pp <= {layers // VIRTUAL_STAGES}, or {fix}",
+                _fewer_stages(layers, p.pp, v, fix),
             )
+
+
+def _fewer_stages(layers: int, pp: int, v: int, fix: str) -> str:
+    """The changes that give every one of the pp x v stages a decoder layer (pp >= 2, v >= 2 kept)."""
+    ways = [f"parallel.pp <= {layers // v}"] if layers // max(v, 1) >= 2 else []
+    ways += [f"{KEY} <= {layers // pp}"] if layers // pp >= 2 else []
+    return "set " + " or ".join([*ways, f"parallel.schedule: 1f1b and {KEY}: 1" if ways else fix.removeprefix("set ")])
 
 
 def _unsupported(recipe: Recipe) -> list[tuple[str, object, bool, str, str]]:
@@ -223,7 +233,7 @@ def virtual_stage_problems(recipe: Recipe, spec_chunks: int) -> Iterator[Problem
 
 SPEC = ScheduleSpec(
     name=NAME,
-    summary=f"interleaved 1F1B over {VIRTUAL_STAGES} looped virtual stages per rank (parallel.virtual_stages: {VIRTUAL_STAGES})",
+    summary=f"interleaved 1F1B over v looped virtual stages per rank (parallel.virtual_stages: {VIRTUAL_STAGES} or more)",
     pipeline_units=pipeline_units,
     held_micro_batches=held_micro_batches,
     problems=problems,

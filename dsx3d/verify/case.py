@@ -96,6 +96,8 @@ class ParityCase(HasDegrees):
     """parallel.sequence_parallel (takes effect with tp > 1)"""
     schedule: str = DEFAULT_SCHEDULE
     """parallel.schedule (with pp > 1): a name in `dsx3d.pipeline.registry`."""
+    virtual_stages: int | None = None
+    """parallel.virtual_stages: model chunks per rank (None: the schedule's own, `ScheduleSpec.virtual_stages`)."""
     zb_costs: tuple[float, float, float] | str | None = None
     """parallel.zb_costs: the F, B, W durations zb-h1's order is built for, or "auto" (measured)."""
     lora: dict[str, Any] | None = None

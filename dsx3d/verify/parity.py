@@ -111,7 +111,7 @@ def case_recipe(case: ParityCase) -> Recipe:
                 "stage_layers": case.stage_layers,
                 "sequence_parallel": case.sequence_parallel,
                 "schedule": case.schedule,
-                "virtual_stages": get_schedule(case.schedule).virtual_stages,
+                "virtual_stages": case.virtual_stages or get_schedule(case.schedule).virtual_stages,
                 "zb_costs": case.zb_costs,
             },
             "cluster": {"nodes": 1, "gpus_per_node": case.world_size},

@@ -1,4 +1,4 @@
-"""Interleaved 1F1B inside DeepSpeed's PipelineEngine (parallel.schedule: interleaved-1f1b, virtual_stages: 2):
+"""Interleaved 1F1B inside DeepSpeed's PipelineEngine (parallel.schedule: interleaved-1f1b, virtual_stages: 2 to 4):
 parity with single-process HF through `dsx3d verify` (losses, gradient norms, SGD gradients, AdamW weights) with
 tied embeddings, TP 2 and m > p (one step in CI, two in the sweep), and that verify catches a chunk's gradient dropped and micro-batches swapped
 between chunks. DSX3D_INTERLEAVED_SWEEP=1 adds pp 4, dp 2, untied Llama and bf16."""
@@ -12,7 +12,7 @@ import pytest
 from dsx3d.models.known_families import tiny_config
 from dsx3d.pipeline.interleaved import NAME
 from dsx3d.verify.interleaved_faults import INTERLEAVED_FAULTS
-from dsx3d.verify.parity import ParityCase, run_parity, run_verify
+from dsx3d.verify.parity import ParityCase, case_recipe, run_parity, run_verify
 
 
 def _ok(case: ParityCase) -> bool:
@@ -20,15 +20,19 @@ def _ok(case: ParityCase) -> bool:
 
 
 CI_CASES = [
-    # (family, dp, tp, pp, m, layers, dtype): tied embeddings (qwen3), TP 2 with sequence parallelism, m = 2p
-    ("qwen3", 1, 2, 2, 4, 4, "fp32"),
+    # (family, dp, tp, pp, m, layers, dtype, v): tied embeddings (qwen3), TP 2 with sequence parallelism, m = 2p;
+    # four chunks per rank on an untied model
+    ("qwen3", 1, 2, 2, 4, 4, "fp32", 2),
+    ("llama", 1, 1, 2, 2, 8, "fp32", 4),
 ]
 SWEEP_CASES = [
-    ("llama", 1, 1, 2, 4, 4, "fp32"),
-    ("llama", 2, 1, 2, 2, 4, "fp32"),
-    ("qwen3", 1, 1, 4, 8, 8, "fp32"),
-    ("qwen3", 1, 2, 4, 4, 8, "fp32"),
-    ("qwen3", 1, 2, 2, 4, 4, "bf16"),
+    ("llama", 1, 1, 2, 4, 4, "fp32", 2),
+    ("llama", 2, 1, 2, 2, 4, "fp32", 2),
+    ("qwen3", 1, 1, 4, 8, 8, "fp32", 2),
+    ("qwen3", 1, 2, 4, 4, 8, "fp32", 2),
+    ("qwen3", 1, 2, 2, 4, 4, "bf16", 2),
+    ("qwen3", 1, 1, 2, 4, 8, "bf16", 3),
+    ("qwen3", 2, 2, 2, 4, 8, "fp32", 4),
 ]
 CASES = CI_CASES + SWEEP_CASES if os.environ.get("DSX3D_INTERLEAVED_SWEEP") else CI_CASES
 
@@ -40,10 +44,12 @@ def _config(fam: str, layers: int):  # type: ignore[no-untyped-def]
 
 @pytest.mark.usefixtures("warm")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_interleaved_parity(case: tuple[str, int, int, int, int, int, str]) -> None:
-    fam, dp, tp, pp, m, layers, dtype = case
+def test_interleaved_parity(case: tuple[str, int, int, int, int, int, str, int]) -> None:
+    fam, dp, tp, pp, m, layers, dtype, v = case
     config, steps = _config(fam, layers), 2 if case in SWEEP_CASES else 1  # CI: one step (the checkpoint test takes two)
-    assert _ok(ParityCase(config, dp=dp, tp=tp, pp=pp, micro_batches=m, steps=steps, schedule=NAME, dtype=dtype))
+    parity = ParityCase(config, dp=dp, tp=tp, pp=pp, micro_batches=m, steps=steps, schedule=NAME, dtype=dtype, virtual_stages=v)
+    assert case_recipe(parity).parallel.virtual_stages == v
+    assert _ok(parity)
 
 
 @pytest.mark.usefixtures("warm")

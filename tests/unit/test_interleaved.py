@@ -11,14 +11,13 @@ from dsx3d.pipeline import interleaved
 from dsx3d.pipeline.interleaved import Op, rank_program, simulate
 from dsx3d.recipe.schema import recipe_from_dict
 
-GRID = [(p, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 4 * p)]
+GRID = [(p, m, v) for p in (2, 3, 4, 8) for m in (p, 2 * p, 4 * p) for v in (2, 3, 4)]
 
 
-@pytest.mark.parametrize(("pp", "m"), GRID)
-def test_every_chunk_and_micro_batch_runs_forward_and_backward_once_per_rank(pp: int, m: int) -> None:
-    v = interleaved.VIRTUAL_STAGES
+@pytest.mark.parametrize(("pp", "m", "v"), GRID)
+def test_every_chunk_and_micro_batch_runs_forward_and_backward_once_per_rank(pp: int, m: int, v: int) -> None:
     for r in range(pp):
-        program = rank_program(r, pp, m)
+        program = rank_program(r, pp, m, v)
         expected = {Op(k, c, j) for k in "FB" for c in range(v) for j in range(m)}
         assert len(program) == len(expected) and set(program) == expected
         # each op's backward after its forward; a chunk's micro-batches in order (tagged FIFO channels)
@@ -40,15 +39,14 @@ def test_the_first_ranks_order_is_megatrons() -> None:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("pp", "m"), GRID)
-def test_simulated_run_has_no_deadlock_and_the_papers_bubble(pp: int, m: int) -> None:
+@pytest.mark.parametrize(("pp", "m", "v"), GRID)
+def test_simulated_run_has_no_deadlock_and_the_papers_bubble(pp: int, m: int, v: int) -> None:
     """F costs 1/v, B 2/v of a whole stage's: the step lasts (m + (p - 1) / v) stage micro-batch times."""
-    v = interleaved.VIRTUAL_STAGES
-    sim = simulate(pp, m, f=1 / v, b=2 / v)
-    assert sim.finish / 3 == pytest.approx(interleaved.pipeline_units(pp, m))
-    assert interleaved.SPEC.bubble(pp, m) == pytest.approx((pp - 1) / (v * m + pp - 1))
-    assert interleaved.SPEC.bubble(pp, m) < (pp - 1) / (m + pp - 1)  # 1F1B's
-    assert list(sim.peak_held) == [interleaved.held_chunks(r, pp, m) for r in range(pp)]
+    sim = simulate(pp, m, v, f=1 / v, b=2 / v)
+    assert sim.finish / 3 == pytest.approx(interleaved.pipeline_units(pp, m, v=v))
+    assert interleaved.idle(pp, m, v=v) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    assert interleaved.idle(pp, m, v=v) < (pp - 1) / (m + pp - 1)  # 1F1B's
+    assert list(sim.peak_held) == [interleaved.held_chunks(r, pp, m, v) for r in range(pp)]
     # the paper's rank-0 memory: p + (p - 1) / v micro-batches' worth of a stage, all m v chunks when fewer
     assert sim.peak_held[0] / v == pytest.approx(min(pp + (pp - 1) / v, m))
 
@@ -108,16 +106,20 @@ def test_the_schedules_own_rules_name_what_it_does_not_run() -> None:
         }
     )
     keys = {p.key: p for p in interleaved.problems(recipe, None)}
-    assert set(keys) == {interleaved.KEY, "train.gradient_accumulation_steps", "train.activation_checkpointing"}
+    assert set(keys) == {"train.gradient_accumulation_steps", "train.activation_checkpointing"}  # any v >= 2 runs
     assert all(p.reason and p.fix for p in keys.values())
-    ok = _recipe(virtual_stages=2)
-    assert list(interleaved.problems(ok, None)) == []  # type: ignore[arg-type]
+    for v in (2, 3, 4):
+        assert list(interleaved.problems(_recipe(virtual_stages=v), None)) == []  # type: ignore[arg-type]
+    (one,) = interleaved.problems(_recipe(virtual_stages=1), None)  # type: ignore[arg-type]
+    assert one.key == interleaved.KEY and one.value == 1 and "virtual_stages: 2" in one.fix
     lora = _recipe(virtual_stages=2, stage_layers=[1, 1, 1, 1])
     assert {p.key for p in interleaved.problems(lora, None)} == {"parallel.stage_layers"}  # type: ignore[arg-type]
     from dsx3d.models.known_families import tiny_config
 
     (deep,) = interleaved.problems(_recipe(virtual_stages=2), tiny_config("llama", num_hidden_layers=3))  # type: ignore[arg-type]
-    assert deep.key == "parallel.pp" and "pp x 2 = 4 stages" in deep.reason
+    assert deep.key == "parallel.pp" and "pp x 2 = 4 stages" in deep.reason and "1f1b" in deep.fix
+    (wide,) = interleaved.problems(_recipe(virtual_stages=5), tiny_config("llama", num_hidden_layers=8))  # type: ignore[arg-type]
+    assert "pp x 5 = 10 stages" in wide.reason and wide.fix.startswith("set parallel.virtual_stages <= 4 or")
 
 
 def test_a_resume_refuses_a_changed_virtual_stage_count_and_resharding_chunks() -> None:
