@@ -341,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     setup_logging(rank)
     info = RankInfo.from_env(rank, world)
+    stop: StopRequest | None = None
     try:
         recipe = load_recipe(args.recipe)
-        stop = None
         if recipe.train.save_on_signal:  # from here on a stop signal means: save, then stop
             stop = StopRequest(recipe.train.signal_deadline_s, RunPaths.of(recipe).checkpoints, loud=rank == 0).install()
         _init_process_group(args.pg_timeout_s)
@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, OSError) and err.errno in WRITE_ERRNOS:  # a full disk, a read-only directory
             log.error("%s", write_failure_message(info, err))
             return _exit_now(1)
+        if stop is not None and (isinstance(err, PeerDied) or is_peer_lost(err)):
+            stop.peer_ended(failure_message(info, err))  # a stop under way is the cause: said, and exits
         log.error("%s", failure_message(info, err))
         if not isinstance(err, PeerDied) and not is_peer_lost(err):
             traceback.print_exc()

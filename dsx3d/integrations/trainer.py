@@ -316,7 +316,7 @@ class Trainer(EvaluationMixin, DataLoadersMixin, SavingMixin):
         rank whose peer dies or hangs names it and exits 1, and one whose launcher ends saves and stops as on a
         signal (trainer_checkpoints, trainer_peers, trainer_preempt)."""
         checkpoint = resume_checkpoint(resume_from_checkpoint, str(self.args.output_dir))
-        with ending_on_peer_death(self.hang_timeout_s, on_launcher_gone=self.preemption.launcher_gone):
+        with ending_on_peer_death(self.hang_timeout_s, self.preemption.launcher_gone, self.preemption.peer_died):
             output = super().train(checkpoint, *args, **kwargs)
         if not _is_meta(self._hf_model):
             _load_trained_weights(self._engine(), self._hf_model)  # so that trainer.model.save_pretrained() saves them

@@ -50,8 +50,13 @@ def _killing_hung(peers: list[RankInfo]) -> Callable[[Path, RankInfo, list[Hung]
 
 
 @contextlib.contextmanager
-def ending_on_peer_death(hang_timeout_s: float = 0.0, on_launcher_gone: Callable[[], None] | None = None) -> Iterator[None]:
-    """Inside: a collective that fails because a peer died ends this rank (exit 1) with one message naming it;
+def ending_on_peer_death(
+    hang_timeout_s: float = 0.0,
+    on_launcher_gone: Callable[[], None] | None = None,
+    on_peer_died: Callable[[str], None] | None = None,
+) -> Iterator[None]:
+    """Inside: a collective that fails because a peer died ends this rank (exit 1) with one message naming it
+    (`on_peer_died` first hears the message, and may end the rank itself: a stop under way is the cause);
     a peer on this host silent for `hang_timeout_s` (> 0) is named and killed; `on_launcher_gone` (when given)
     is called once if the launcher above this rank ends. A collective on entry (every rank calls train())."""
     if comm.get_world_size() == 1:
@@ -81,5 +86,7 @@ def ending_on_peer_death(hang_timeout_s: float = 0.0, on_launcher_gone: Callable
         ):
             yield
     except PeerDied as err:
+        if on_peer_died is not None:
+            on_peer_died(str(err))
         log.error("%s", err)
         exit_now(1)

@@ -59,6 +59,11 @@ class PreemptionCallback(TrainerCallback):
         elif self.stop.signum is None and self.preempted is None:  # never a second signal: a stop goes on
             self.stop.request(signal.SIGTERM, cause="the launcher has ended")
 
+    def peer_died(self, message: str) -> None:
+        """A peer ended (dsx3d.integrations.trainer_peers): with a stop under way, the stop is said as the cause."""
+        if self.stop is not None:
+            self.stop.peer_ended(message)
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.stop is None:
             return control

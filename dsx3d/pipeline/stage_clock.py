@@ -25,10 +25,10 @@ import torch
 
 from dsx3d.boundary_types import PipeEngine
 
-PARTS = {"F": ("ForwardPass",), "B": ("BackwardPass", "BackwardInput"), "W": ("BackwardWeight",)}
-RECV = ("RecvActivation", "RecvGrad")
-SEND = ("SendActivation", "SendGrad", "PostActivation", "PostGrad")
-LOAD = ("LoadMicroBatch",)
+PARTS = {"F": ("ForwardPass", "ChunkForward"), "B": ("BackwardPass", "BackwardInput", "ChunkBackward"), "W": ("BackwardWeight",)}
+RECV = ("RecvActivation", "RecvGrad", "ChunkRecvAct", "ChunkRecvGrad")
+SEND = ("SendActivation", "SendGrad", "PostActivation", "PostGrad", "ChunkSendAct", "ChunkSendGrad")
+LOAD = ("LoadMicroBatch", "ChunkLoad")
 _PASS_NAMES = frozenset(n for names in PARTS.values() for n in names)
 
 
@@ -39,6 +39,8 @@ class Event:
     start: float
     end: float
     busy: float
+    chunk: int | None = None
+    """The model chunk the instruction ran (interleaved schedules' `Chunk*` instructions), else None."""
 
     @property
     def wall(self) -> float:
@@ -73,7 +75,8 @@ class StageClock:
             t1 = time.perf_counter()
             k = self._seen.get(name, 0)
             self._seen[name] = k + 1
-            self.events.append(Event(name, k, t0, t1, time.thread_time() - c0 if self.cpu_time else t1 - t0))
+            busy = time.thread_time() - c0 if self.cpu_time else t1 - t0
+            self.events.append(Event(name, k, t0, t1, busy, kwargs.get("chunk")))  # type: ignore[arg-type]
 
         return run
 

@@ -118,9 +118,25 @@ class StopRequest:
             self._timer.daemon = True
             self._timer.start()
 
-    def stop_now(self, why: str, signum: int) -> None:
+    def peer_ended(self, what: str) -> None:
+        """A peer ended (`what`: the message naming it) while this rank was stopping: the stop is the cause,
+        and this rank says so itself and exits 128 + the signal (with no stop under way it returns). A second
+        signal sent to every rank can end a peer first while this rank's main thread waits in a collective,
+        where Python cannot run this rank's handler: the peer's end is then all this rank sees of the signal."""
+        if self.stopped_at is not None:
+            signum = self.agreed_signal or self.signum or signal.SIGTERM
+            log.warning(
+                "stopped by %s after step %d: its checkpoint is saved (%s on the way out)",
+                signal_name(signum), self.stopped_at, what,
+            )
+            self._exit_now(128 + signum)
+        elif self.signum is not None:
+            self.stop_now(f"{what}, after {signal_name(self.signum)} asked for a stop (a second signal ends a rank at once)",
+                          self.signum, loud=True)
+
+    def stop_now(self, why: str, signum: int, *, loud: bool | None = None) -> None:
         """End this rank immediately; `latest` still names the last complete checkpoint."""
-        if self.loud:
+        if self.loud if loud is None else loud:
             kept = self._last_complete()
             log.error(
                 "%s: stopping at once without a new checkpoint; %s", why,

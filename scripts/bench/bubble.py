@@ -1,5 +1,6 @@
-"""Pipeline bubble: 1F1B, zb-h1 (the ZB-H1 order for equal costs) and zb-h1 with `zb_costs: auto` (the
-cost-aware order built from the F, B, W durations the engine measured in its second and third steps), at p = 2 and 4.
+"""Pipeline bubble: 1F1B, zb-h1 (the ZB-H1 order for equal costs), zb-h1 with `zb_costs: auto` (the
+cost-aware order built from the F, B, W durations the engine measured in its second and third steps) and
+interleaved 1F1B at v = 2 and 4 chunks per rank, at p = 2 and 4.
 
 Method. For each p, one engine per (schedule, m) (pp = p, dp = tp = 1, same model, micro-batch and split) is
 built in the same p forked ranks; all are stepped in every round, the order reversed every other round
@@ -20,6 +21,7 @@ MALLOC_MMAP_THRESHOLD_=65536 so freed tensors leave the RSS).
 
     python -m scripts.bench.bubble [--quick] [--pp 2 4] [--micro-batches 4 8 16] [--rounds N] [--no-write]
         [--stage-layers 2 1 1 0]   (an explicit split for the p it fits; results under their own key)
+        [--schedules 1f1b interleaved-v2 interleaved-v4 --layers 16 --vocab 1024]   (interleaved 1F1B at v = 2, 4)
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
 from scripts.bench.bubble_figures import compare, stage_figures
 
-SCHEDULES = {"1f1b": ("1f1b", None), "zb-h1": ("zb-h1", None), "zb-h1-auto": ("zb-h1", "auto")}
+SCHEDULES: dict[str, tuple[str, str | None, int]] = {  # row name: (parallel.schedule, zb_costs, virtual stages)
+    "1f1b": ("1f1b", None, 1),
+    "zb-h1": ("zb-h1", None, 1),
+    "zb-h1-auto": ("zb-h1", "auto", 1),
+    "interleaved-v2": ("interleaved-1f1b", None, 2),
+    "interleaved-v4": ("interleaved-1f1b", None, 4),
+}
+DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "zb-h1-auto")
+"""The interleaved rows need p v decoder layers (`--layers`) and m a multiple of p: named with --schedules."""
 
 
 def _key(schedule: str, m: int) -> str:
@@ -49,10 +59,11 @@ def worker(
 ) -> dict[str, Any]:
     contenders, clocks, batches = [], {}, {}
     for name in schedules:
-        schedule, costs = SCHEDULES[name]
+        schedule, costs, v = SCHEDULES[name]
         for m, work in works.items():
             c = bc.dsx3d_contender(
-                _key(name, m), work, state, dp=1, pp=pp, schedule=schedule, zb_costs=costs, stage_layers=stage_layers
+                _key(name, m), work, state, dp=1, pp=pp, schedule=schedule, zb_costs=costs, stage_layers=stage_layers,
+                virtual_stages=v,
             )
             clocks[c.name] = StageClock(c.engine.ds_engine)
             contenders.append(c)
@@ -69,8 +80,8 @@ def worker(
             peak = None if rss is None else bc.proc_status_kb("VmHWM") - rss
             if r >= warmup:
                 steps[c.name].append({"start": t0, "events": events, "peak_kb": peak})
-    costs = {c.name: getattr(c.engine.ds_engine, "dsx3d_zb_costs", None) for c in contenders}
-    return {"stage": c.engine.placement.pp, "steps": steps, "costs": costs}
+    measured = {c.name: getattr(c.engine.ds_engine, "dsx3d_zb_costs", None) for c in contenders}
+    return {"stage": c.engine.placement.pp, "steps": steps, "costs": measured}
 
 
 def run_pp(
@@ -98,12 +109,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8, quick 2)")
     parser.add_argument("--no-write", action="store_true", help="do not write scripts/bench/results.json")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16], help="m values")
-    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(DEFAULT_SCHEDULES))
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; interleaved rows need p v)")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 8192)")
+    parser.add_argument("--hidden", type=int, default=None, help="width (default 256; the MLP 2.6875 times it, as the default's)")
     parser.add_argument("--stage-layers", type=int, nargs="+", default=None,
                         help="parallel.stage_layers for the p with that many stages (default: the cost-balanced split)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 8)
-    config = bc.bench_config(args.quick)
+    shape = {k: v for k, v in (("num_hidden_layers", args.layers), ("vocab_size", args.vocab)) if v}
+    if args.hidden:
+        shape.update(hidden_size=args.hidden, intermediate_size=args.hidden * 688 // 256)
+    config = bc.bench_config(args.quick, **shape)
     seq = 32 if args.quick else 128
     warm_up()
     state = bc.make_state(config)
@@ -117,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
     result = {
         **meta,
-        "what": "idle fraction per pipeline stage, 1F1B vs zb-h1 vs zb-h1 with measured costs, against each order's bound",
+        "what": "idle fraction per pipeline stage of each schedule (1F1B, zb-h1, zb-h1 with measured costs, interleaved "
+        "1F1B at v chunks per rank), against each order's bound",
         "cores": len(__import__("os").sched_getaffinity(0)),
         "workload": {
             "micro_batch": 2, "seq_len": seq, "dtype": "fp32",
@@ -128,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": runs,
     }
     key = "bubble" + ("_stage_layers_" + "_".join(map(str, args.stage_layers)) if args.stage_layers else "")
+    key += "".join(f"_{k}{v}" for k, v in (("layers", args.layers), ("vocab", args.vocab), ("hidden", args.hidden)) if v)
     bc.emit(key, result, write=not args.no_write)
     return result
 

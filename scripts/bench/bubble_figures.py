@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dsx3d.pipeline import zb_greedy, zb_plan
-from dsx3d.pipeline.stage_clock import PARTS, breakdown, part_costs
+from dsx3d.pipeline import interleaved, zb_greedy, zb_plan
+from dsx3d.pipeline.stage_clock import LOAD, PARTS, RECV, SEND, breakdown, part_costs
 from scripts.bench.replay import replay
 from scripts.bench.results import rounded
 
@@ -30,7 +30,7 @@ def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int) -> dict[str
     windows, replayed = [], []
     for i in range(n_steps):
         steps = {r["stage"]: r["steps"][name][i] for r in per_rank}
-        replayed.append(replay({s: [(e.name, e.busy) for e in st["events"]] for s, st in steps.items()}))
+        replayed.append(replay({s: [(e.name, e.busy, e.chunk) for e in st["events"]] for s, st in steps.items()}))
         start = max(st["start"] for st in steps.values())
         end = max(e.end for st in steps.values() for e in st["events"] if e.name in PASSES)
         windows.append(end - start)
@@ -62,12 +62,24 @@ def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int) -> dict[str
         "wall_ms_per_micro_batch": {
             key: [per_mb(s, key) for s in stages] for key in ("F", "B", "W", "recv", "send", "load", "other", "dispatch")
         },
+        "cpu_ms_per_micro_batch": {
+            key: [_ms([_cpu(st["events"], key) / m for st in (r["steps"][name][i] for i in range(n_steps))]) for r in per_rank]
+            for key in ("recv", "send", "load", "other")
+        },
         "window_ms": _ms(windows),
         "replayed_window_ms": _ms([x["window"] for x in replayed]),
         "window_s_per_step": [rounded(w, 4) for w in windows],
         "replayed_s_per_step": [rounded(x["window"], 4) for x in replayed],
         "peak_mib_per_stage": [rounded(max(peaks[s]) / 1024, 3) if peaks[s] else None for s in stages],
     }
+
+
+def _cpu(events: list[Any], key: str) -> float:
+    """CPU seconds of one step's instructions of a kind: `recv`, `send`, `load` or `other` (as `breakdown`)."""
+    names = {"recv": RECV, "send": SEND, "load": LOAD}
+    if key in names:
+        return sum(e.busy for e in events if e.name in names[key])
+    return sum(e.busy for e in events if e.name not in PASSES and not any(e.name in n for n in names.values()))
 
 
 def _idle(plan: zb_greedy.Plan | tuple[tuple[zb_greedy.Timed, ...], ...]) -> float:
@@ -86,23 +98,37 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": rounded(statistics.median(values), 3), "min": rounded(min(values), 3), "max": rounded(max(values), 3)}
 
 
-def compare(rows: list[dict[str, Any]], per_rank: list[dict[str, Any]], schedules: dict[str, tuple[str, str | None]]) -> None:
-    """Adds to each row its bounds and, for the zero-bubble rows, the per-round ratios against 1F1B."""
+def _interleaved_bounds(row: dict[str, Any], p: int, m: int, v: int) -> None:
+    """The paper's idle, and the order simulated with this row's CPU costs per chunk pass (mean over ranks)."""
+    row["analytic"] = rounded(interleaved.idle(p, m, v=v), 3)
+    c = row["cpu_ms_per_pass"]
+    f, b = (statistics.fmean(x for x in c[k] if x is not None) for k in ("F", "B"))
+    finish = interleaved.simulate(p, m, v, f, b).finish
+    row["simulated"] = rounded(1 - m * v * (f + b) / finish, 3)
+
+
+def compare(
+    rows: list[dict[str, Any]], per_rank: list[dict[str, Any]], schedules: dict[str, tuple[str, str | None, int]]
+) -> None:
+    """Adds to each row its bounds and, for the rows other than 1F1B, the per-round ratios against 1F1B."""
     by = {(r["schedule"], r["m"]): r for r in rows}
     for row in rows:
         p, m, name = row["p"], row["m"], row["schedule"]
-        kind, costs = schedules[name]
+        kind, costs, v = schedules[name]
+        row["v"] = v
         agreed = per_rank[0]["costs"].get(f"{name}:m{m}") if costs == "auto" else None
         if agreed is not None:
             row["measured_costs_ms"] = {k: [rounded(1e3 * x, 3) for x in getattr(agreed, k)] for k in ("f", "b", "w")}
-        if kind == "1f1b":
+        if kind == interleaved.NAME:
+            _interleaved_bounds(row, p, m, v)
+        elif kind == "1f1b":
             row["analytic"] = rounded((p - 1) / (m + p - 1), 3)
         else:
             row["analytic"] = _idle(zb_greedy.simulate(_orders(kind, p, m, agreed), agreed)) if agreed else rounded(
                 zb_plan.analytic_idle(p, m), 3
             )
         source = by.get(("zb-h1", m)) or by.get(("zb-h1-auto", m))
-        if source is not None:  # this run's per-stage CPU costs of F, B and W
+        if source is not None and kind != interleaved.NAME:  # this run's per-stage CPU costs of F, B and W
             c = source["cpu_ms_per_pass"]
             measured = zb_greedy.Costs(*(tuple(x or 1e-3 for x in c[k]) for k in ("F", "B", "W")))
             row["simulated"] = _idle(zb_greedy.simulate(_orders(kind, p, m, agreed), measured))

@@ -205,21 +205,23 @@ def dsx3d_contender(
     schedule: str = "1f1b",
     zb_costs: tuple[float, float, float] | str | None = None,
     stage_layers: list[int] | None = None,
+    virtual_stages: int | None = None,
     **train: Any,
 ) -> Contender:
-    """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides; `schedule`: parallel.schedule."""
+    """dsx3d's engine for `work`; `deepspeed`: the recipe's raw DeepSpeed overrides; `schedule`: parallel.schedule;
+    `virtual_stages`: its chunks per rank (None: the schedule's own)."""
     from dsx3d.engine.builder import build_engine
     from dsx3d.models.weights import StateDictSource
 
     recipe = recipe_for(work, dp, tp, pp, **train)
-    if schedule != recipe.parallel.schedule or zb_costs or stage_layers:
+    if schedule != recipe.parallel.schedule or zb_costs or stage_layers or virtual_stages:
         from dsx3d.pipeline.registry import get_schedule
 
         update = {
             "schedule": schedule,
             "zb_costs": zb_costs,
             "stage_layers": stage_layers,
-            "virtual_stages": get_schedule(schedule).virtual_stages,
+            "virtual_stages": virtual_stages or get_schedule(schedule).virtual_stages,
         }
         recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update=update)})
     if deepspeed:

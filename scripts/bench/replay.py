@@ -6,16 +6,19 @@ the schedule decides, the order of every stage's instructions and which receive 
 replaces the durations by the CPU time each instruction took. A receive ends no earlier than the matching
 send (the k-th SendActivation of stage s pairs with the k-th RecvActivation of stage s+1; SendGrad and
 RecvGrad the other way); a blocking send (DeepSpeed's) also ends no earlier than its receive starts, a
-posted one (zb-h1's PostActivation and PostGrad) does not wait. Transfers take no time.
+posted one (zb-h1's PostActivation and PostGrad, interleaved 1F1B's chunk sends) does not wait. Transfers take
+no time. An instruction of an interleaved schedule carries its chunk c: on rank r it belongs to virtual stage
+c p + r, and its messages pair by virtual stage (the k-th send of virtual stage s to s + 1 with the k-th
+receive of s + 1 from s, whichever ranks hold them).
 
-    replay({stage: [(name, cpu_seconds), ...]}) -> {"window": s, "busy": {stage: s}, "finish": {stage: s}}
+    replay({stage: [(name, cpu_seconds[, chunk]), ...]}) -> {"window": s, "busy": {stage: s}, "finish": {stage: s}}
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-BUSY = ("ForwardPass", "BackwardPass", "BackwardInput", "BackwardWeight")
+BUSY = ("ForwardPass", "BackwardPass", "BackwardInput", "BackwardWeight", "ChunkForward", "ChunkBackward")
 _PEER = {  # instruction -> (channel, role, stage offset of the peer)
     "SendActivation": ("act", "send", 1),
     "PostActivation": ("act", "post", 1),
@@ -23,28 +26,34 @@ _PEER = {  # instruction -> (channel, role, stage offset of the peer)
     "SendGrad": ("grad", "send", -1),
     "PostGrad": ("grad", "post", -1),
     "RecvGrad": ("grad", "recv", 1),
+    "ChunkSendAct": ("act", "post", 1),
+    "ChunkRecvAct": ("act", "recv", -1),
+    "ChunkSendGrad": ("grad", "post", -1),
+    "ChunkRecvGrad": ("grad", "recv", 1),
 }
 
 
-def replay(programs: dict[int, list[tuple[str, float]]]) -> dict[str, Any]:
-    """Each stage's instructions in order, with durations; the replayed window (to the last busy end)."""
+def replay(programs: dict[int, list[tuple[Any, ...]]]) -> dict[str, Any]:
+    """Each stage's instructions in order, with durations (and chunks); the replayed window (to the last busy end)."""
+    p = len(programs)
     clock = dict.fromkeys(programs, 0.0)
     pos = dict.fromkeys(programs, 0)
     sends: dict[tuple[str, int, int], list[float]] = {}  # (channel, from, to) -> post times
     recvs: dict[tuple[str, int, int], list[float]] = {}  # (channel, from, to) -> recv start times
-    count: dict[tuple[str, int, str], int] = {}
+    count: dict[tuple[tuple[str, int, int], str], int] = {}
     busy = dict.fromkeys(programs, 0.0)
     finish = dict.fromkeys(programs, 0.0)
     while any(pos[s] < len(programs[s]) for s in programs):
         moved = False
         for s, program in programs.items():
             while pos[s] < len(program):
-                name, dur = program[pos[s]]
+                name, dur, *chunk = program[pos[s]]
                 start = clock[s]
                 if name in _PEER:
                     channel, role, off = _PEER[name]
-                    key = (channel, s, s + off) if role != "recv" else (channel, s + off, s)
-                    k = count.get((channel, s, role), 0)
+                    vs = (chunk[0] or 0) * p + s if chunk else s  # the virtual stage
+                    key = (channel, vs, vs + off) if role != "recv" else (channel, vs + off, vs)
+                    k = count.get((key, role), 0)
                     if role == "recv":
                         posted = sends.get(key, [])
                         if len(posted) <= k:
@@ -59,7 +68,7 @@ def replay(programs: dict[int, list[tuple[str, float]]]) -> dict[str, Any]:
                             if len(got) <= k:
                                 break
                             start = max(start, got[k])
-                    count[(channel, s, role)] = k + 1
+                    count[(key, role)] = k + 1
                 clock[s] = start + dur
                 if name in BUSY:
                     busy[s] += dur

@@ -16,7 +16,9 @@ def _span(x: dict[str, float] | None) -> str:
 def bubble(r: dict[str, Any], header: list[str]) -> list[str]:
     """1F1B, zb-h1 and zb-h1 with measured costs at p = 2 and 4 (scripts/bench/bubble.py, one run)."""
     split = f", stage_layers {r['stage_layers']}" if r.get("stage_layers") else ""
-    out = [f"## Pipeline bubble: 1F1B, zb-h1 and zb-h1 with measured costs{split}", ""] + header
+    names = sorted({row["schedule"] for run in r["runs"].values() for row in run["rows"]})
+    title = "1F1B, zb-h1 and zb-h1 with measured costs" if not any("interleaved" in n for n in names) else ", ".join(names)
+    out = [f"## Pipeline bubble: {title}{split}", ""] + header
     w = r["workload"]
     bounds = "; ".join(f"p = {p}: {run['stage_bounds']}" for p, run in r["runs"].items())
     out += [
@@ -26,17 +28,18 @@ def bubble(r: dict[str, Any], header: list[str]) -> list[str]:
         "alternately in each. `zb-h1 auto`: `parallel.zb_costs: auto` (order built from the F, B, W measured in the "
         "second and third steps). Idle: mean over stages; wall, and replayed with each instruction's CPU time as its duration "
         "(`scripts/bench/replay.py`; wall time on this shared machine mostly measures the wait for a core). `bound`: the "
-        "schedule's own (1F1B (p-1)/(m+p-1); ZB-H1 for F = B = W; the auto order simulated with its measured costs); "
+        "schedule's own (1F1B (p-1)/(m+p-1); ZB-H1 for F = B = W; the auto order simulated with its measured costs; "
+        "interleaved (p-1)/(v m+p-1)); v: chunks per rank; "
         "`simulated`: the row's order with this run's per-stage CPU costs and free transfers. Ratios: new / 1F1B per "
         "round, median [min-max].",
         "",
-        "| schedule | p | m | bound | simulated | idle wall | idle replayed | replayed idle per stage | step ratio wall | step ratio replayed | peak memory ratio per stage |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| schedule | p | m | v | bound | simulated | idle wall | idle replayed | replayed idle per stage | step ratio wall | step ratio replayed | peak memory ratio per stage |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in r["runs"].values():
         for row in run["rows"]:
             out.append(
-                f"| {row['schedule'].replace('-auto', ' auto')} | {row['p']} | {row['m']} | {row['analytic']:.3f} | "
+                f"| {row['schedule'].replace('-auto', ' auto')} | {row['p']} | {row['m']} | {row.get('v', 1)} | {row['analytic']:.3f} | "
                 f"{row.get('simulated', float('nan')):.3f} | {row['idle_mean']:.3f} | {row['replayed_idle_mean']:.3f} | "
                 f"{_cells(row['replayed_idle_per_stage'], '.3f')} | {_span(row.get('step_ratio_vs_1f1b'))} | "
                 f"{_span(row.get('replayed_ratio_vs_1f1b'))} | {_cells(row.get('peak_ratio_vs_1f1b', []), '.2f') or '-'} |"

@@ -166,6 +166,27 @@ def test_after_the_save_a_signal_only_ends_the_rank_saying_the_save(caplog: pyte
     assert "stopped by SIGUSR1 after step 6: its checkpoint is saved (SIGTERM ended this rank" in caplog.text
 
 
+def test_a_peer_ending_during_a_stop_is_said_as_the_stop(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """The second SIGTERM ends rank 1 while rank 0 waits in a collective, where its handler cannot run: rank 0
+    sees only rank 1's end (the Trainer face's sigterm-twice #7 of 20, seed 36), and says the stop at once, on
+    any rank. Without a stop under way a peer's end is left to the caller (exit 1 and its message)."""
+    exits = _Exits()
+    stop = StopRequest(ckpt_dir=tmp_path, loud=False, exit_now=exits)
+    stop.peer_ended("rank 0 stopped: rank 1 died")
+    assert exits.codes == []
+    stop.request(signal.SIGTERM)
+    with caplog.at_level("WARNING", logger="dsx3d"):
+        stop.peer_ended("rank 0 stopped: rank 1 died")
+    assert exits.codes == [128 + signal.SIGTERM]
+    assert "rank 1 died, after SIGTERM asked for a stop (a second signal ends a rank at once): stopping at once" in caplog.text
+    stop.stopped_at, stop.agreed_signal = 8, signal.SIGTERM
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dsx3d"):
+        stop.peer_ended("rank 0 stopped: rank 1 died")
+    assert exits.codes[-1] == 128 + signal.SIGTERM and "stopping at once" not in caplog.text
+    assert "stopped by SIGTERM after step 8: its checkpoint is saved (rank 0 stopped: rank 1 died on the way out)" in caplog.text
+
+
 def test_the_messages_name_the_signal_and_the_checkpoint(tmp_path: Path) -> None:
     text = preempted_message(signal.SIGTERM, 12, tmp_path / tag_for(12), "r.yaml")
     assert text == f"stopped by SIGTERM after step 12: checkpoint {tmp_path / tag_for(12)} saved; continue with dsx3d train r.yaml --resume"
