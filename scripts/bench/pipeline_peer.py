@@ -22,7 +22,7 @@ range (min, max) of those ratios. First-step losses of all contenders are record
 they agree to round-off, or the comparison would be void).
 
     python -m scripts.bench.pipeline_peer [--quick] [--micro-batches 8 16] [--rounds 12] [--zero 1]
-        [--only torch:1f1b dsx3d:1f1b dsx3d:1f1b/z0] [--no-write]
+        [--only torch:1f1b dsx3d:1f1b dsx3d:1f1b/z0 dsx3d:interleaved-1f1b/v4] [--no-write]
 """
 
 from __future__ import annotations
@@ -143,10 +143,14 @@ def torch_contender(name: str, work: bc.Workload, state: dict[str, torch.Tensor]
 
 
 def dsx3d_contender(name: str, work: bc.Workload, state: dict[str, torch.Tensor], zero: int) -> bc.Contender:
-    """`dsx3d:SCHEDULE`, or `dsx3d:SCHEDULE/zN` for zero.stage N instead of `zero`."""
-    schedule, _, stage = name.split(":", 1)[1].partition("/z")
-    zero = int(stage) if stage else zero
-    return bc.dsx3d_contender(name, work, state, dp=1, pp=comm.get_world_size(), schedule=schedule, zero_stage=zero)
+    """`dsx3d:SCHEDULE`, with `/zN` for zero.stage N instead of `zero` and `/vN` for N virtual stages per rank
+    (interleaved-1f1b; default 2)."""
+    schedule, *options = name.split(":", 1)[1].split("/")
+    given = {o[0]: int(o[1:]) for o in options}
+    return bc.dsx3d_contender(
+        name, work, state, dp=1, pp=comm.get_world_size(), schedule=schedule, zero_stage=given.get("z", zero),
+        virtual_stages=given.get("v"),
+    )
 
 
 def worker(
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--zero", type=int, default=1, choices=(0, 1), help="dsx3d's zero.stage")
     parser.add_argument("--only", nargs="+", default=None,
                         help=f"contenders (default all): {', '.join([*TORCH_SCHEDULES, *DSX3D_SCHEDULES])}; "
-                        "dsx3d:NAME/z0 runs dsx3d at zero.stage 0")
+                        "dsx3d:NAME/z0 runs dsx3d at zero.stage 0, dsx3d:interleaved-1f1b/v4 at 4 virtual stages")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 12)
