@@ -15,6 +15,7 @@ from scripts.bench.report_async_save import async_save
 from scripts.bench.report_bubble import bubble
 from scripts.bench.report_cp import context_parallel
 from scripts.bench.report_packing import packing
+from scripts.bench.report_peer import pipeline_peer
 from scripts.bench.report_tiled import tiled_loss
 from scripts.bench.report_verify import verify_sweep
 
@@ -492,6 +493,7 @@ def render(results: dict[str, Any]) -> str:
         "alternatives",
         "tp_minimum",
         "bubble",
+        "pipeline_peer",
         "communication",
         "estimator_memory",
         "moe",
@@ -513,6 +515,8 @@ def render(results: dict[str, Any]) -> str:
             lines += renderers[key](r)
         elif key.startswith("bubble"):
             lines += bubble(r, _header(r))
+        elif key == "pipeline_peer":
+            lines += pipeline_peer(r, _header(r))
         elif key == "communication_sweep":
             lines += communication_sweep(r)
         elif key.startswith("communication"):
