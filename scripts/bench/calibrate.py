@@ -40,7 +40,7 @@ def default_layouts(world: int) -> list[str]:
 def write_recipe(name: str, steps: int, repeat: int = 0) -> Path:
     dp, tp, pp = (int(x) for x in re.findall(r"\d+", name))
     text = Path("recipes/tiny-llama-3d.yaml").read_text()
-    for key, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+    for key, value in (("dp", dp), ("tp", tp), ("pp", pp), ("gpus_per_node", dp * tp * pp)):
         text = re.sub(rf"(?m)^  {key}: \d+", f"  {key}: {value}", text)
     text = re.sub(r"(?m)^  steps: \d+", f"  steps: {steps}", text)
     text = re.sub(r"(?m)^  log_interval: \d+", f"  log_interval: {max(steps // 4, 1)}", text)
