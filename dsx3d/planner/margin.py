@@ -83,7 +83,7 @@ def estimator_only_alternatives(shape: ModelShape, chosen: Candidate, hardware: 
     if setup.pp == 1:
         return []
     tries: list[tuple[str, int]] = []
-    # interleaved 1F1B runs in the engine (v = 2) but the search holds one stage per rank: reported here too
+    # interleaved 1F1B runs in the engine (any v >= 2) but the search holds one stage per rank: reported here too
     unsearched = (*schedules.ESTIMATOR_ONLY, *((INTERLEAVED,) if schedules.runnable(INTERLEAVED) else ()))
     for name in unsearched:
         if name == INTERLEAVED:
