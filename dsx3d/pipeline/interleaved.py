@@ -169,7 +169,7 @@ def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
         if experts_per_layer(hf_config) is not None:
             yield Problem("model", hf_config.model_type, f"{NAME}: mixture-of-experts models are not verified with chunks", fix)
         layers = getattr(hf_config.get_text_config(), "num_hidden_layers", None)
-        if isinstance(layers, int) and p.pp * max(v, 1) > layers:
+        if isinstance(layers, int) and p.pp * v > layers:
             yield Problem(
                 "parallel.pp",
                 p.pp,
@@ -181,7 +181,7 @@ def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
 
 def _fewer_stages(layers: int, pp: int, v: int, fix: str) -> str:
     """The changes that give every one of the pp x v stages a decoder layer (pp >= 2, v >= 2 kept)."""
-    ways = [f"parallel.pp <= {layers // v}"] if layers // max(v, 1) >= 2 else []
+    ways = [f"parallel.pp <= {layers // v}"] if layers // v >= 2 else []
     ways += [f"{KEY} <= {layers // pp}"] if layers // pp >= 2 else []
     return "set " + " or ".join([*ways, f"parallel.schedule: 1f1b and {KEY}: 1" if ways else fix.removeprefix("set ")])
 

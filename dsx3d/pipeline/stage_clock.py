@@ -95,6 +95,12 @@ def part_costs(events: list[Event]) -> dict[str, float | None]:
     return out
 
 
+def category(name: str) -> str:
+    """What an instruction is: `F`, `B` or `W` (a pass), `recv`, `send`, `load` or `other`."""
+    part = next((p for p, names in PARTS.items() if name in names), None)
+    return part or ("recv" if name in RECV else "send" if name in SEND else "load" if name in LOAD else "other")
+
+
 def breakdown(events: list[Event]) -> dict[str, float]:
     """Wall seconds of one step on this stage, from its first instruction's start to its last one's end:
     `F`, `B`, `W` (the passes), `recv` and `send` (point-to-point, mostly waiting for the peer), `load`, `other`
@@ -104,9 +110,7 @@ def breakdown(events: list[Event]) -> dict[str, float]:
         return {}
     out = dict.fromkeys(("F", "B", "W", "recv", "send", "load", "other"), 0.0)
     for e in events:
-        part = next((p for p, names in PARTS.items() if e.name in names), None)
-        key = part or ("recv" if e.name in RECV else "send" if e.name in SEND else "load" if e.name in LOAD else "other")
-        out[key] += e.wall
+        out[category(e.name)] += e.wall
     window = max(e.end for e in events) - min(e.start for e in events)
     out["dispatch"] = max(0.0, window - sum(out.values()))
     out["window"] = window

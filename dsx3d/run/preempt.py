@@ -94,11 +94,7 @@ class StopRequest:
         it is not a signal received (a launcher that ended)."""
         if self.stopped_at is not None:  # saved and on the way out (the launcher ends the slower ranks)
             # said by this rank too: the peer that would have said it may be the one this signal ends first
-            log.warning(
-                "stopped by %s after step %d: its checkpoint is saved (%s ended this rank on the way out)",
-                signal_name(self.agreed_signal or signum), self.stopped_at, signal_name(signum),
-            )
-            self._exit_now(128 + (self.agreed_signal or signum))
+            self._end_after_save(f"{signal_name(signum)} ended this rank", self.agreed_signal or signum)
             return
         if self.signum is not None:
             self.stop_now(f"a second signal ({signal_name(signum)})", signum)
@@ -124,15 +120,18 @@ class StopRequest:
         signal sent to every rank can end a peer first while this rank's main thread waits in a collective,
         where Python cannot run this rank's handler: the peer's end is then all this rank sees of the signal."""
         if self.stopped_at is not None:
-            signum = self.agreed_signal or self.signum or signal.SIGTERM
-            log.warning(
-                "stopped by %s after step %d: its checkpoint is saved (%s on the way out)",
-                signal_name(signum), self.stopped_at, what,
-            )
-            self._exit_now(128 + signum)
+            self._end_after_save(what, self.agreed_signal or self.signum or signal.SIGTERM)
         elif self.signum is not None:
             self.stop_now(f"{what}, after {signal_name(self.signum)} asked for a stop (a second signal ends a rank at once)",
                           self.signum, loud=True)
+
+    def _end_after_save(self, cause: str, signum: int) -> None:
+        """End this rank after the stop's checkpoint is complete, saying the stop (`cause`: what ended it)."""
+        log.warning(
+            "stopped by %s after step %d: its checkpoint is saved (%s on the way out)",
+            signal_name(signum), self.stopped_at, cause,
+        )
+        self._exit_now(128 + signum)
 
     def stop_now(self, why: str, signum: int, *, loud: bool | None = None) -> None:
         """End this rank immediately; `latest` still names the last complete checkpoint."""

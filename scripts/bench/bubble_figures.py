@@ -9,7 +9,7 @@ import statistics
 from typing import Any
 
 from dsx3d.pipeline import interleaved, zb_greedy, zb_plan
-from dsx3d.pipeline.stage_clock import LOAD, PARTS, RECV, SEND, breakdown, part_costs
+from dsx3d.pipeline.stage_clock import PARTS, breakdown, category, part_costs
 from scripts.bench.replay import replay
 from scripts.bench.results import rounded
 
@@ -63,7 +63,7 @@ def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int) -> dict[str
             key: [per_mb(s, key) for s in stages] for key in ("F", "B", "W", "recv", "send", "load", "other", "dispatch")
         },
         "cpu_ms_per_micro_batch": {
-            key: [_ms([_cpu(st["events"], key) / m for st in (r["steps"][name][i] for i in range(n_steps))]) for r in per_rank]
+            key: [_ms([_cpu(st["events"], key) / m for st in r["steps"][name]]) for r in per_rank]
             for key in ("recv", "send", "load", "other")
         },
         "window_ms": _ms(windows),
@@ -75,11 +75,8 @@ def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int) -> dict[str
 
 
 def _cpu(events: list[Any], key: str) -> float:
-    """CPU seconds of one step's instructions of a kind: `recv`, `send`, `load` or `other` (as `breakdown`)."""
-    names = {"recv": RECV, "send": SEND, "load": LOAD}
-    if key in names:
-        return sum(e.busy for e in events if e.name in names[key])
-    return sum(e.busy for e in events if e.name not in PASSES and not any(e.name in n for n in names.values()))
+    """CPU seconds of one step's instructions of a kind (`stage_clock.category`: `recv`, `send`, `load`, `other`)."""
+    return sum(e.busy for e in events if category(e.name) == key)
 
 
 def _idle(plan: zb_greedy.Plan | tuple[tuple[zb_greedy.Timed, ...], ...]) -> float:
