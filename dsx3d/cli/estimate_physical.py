@@ -30,6 +30,7 @@ TERM_NOTES = {
     "dp": "DP gradient reduction not hidden by the backward",
     "optimizer": "Adam step on the rank's partition",
     "tied": "tied embedding/head all-reduce",
+    "scalars": "the gradient norm's and the loss's few-byte collectives",
 }
 
 

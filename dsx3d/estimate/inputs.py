@@ -89,6 +89,10 @@ class Setup(HasDegrees):
     """Pipeline messages split over the TP ranks, each sending 1/t over its own link and the receivers
     all-gathering inside the node (Megatron's scatter/gather, Narayanan et al. 2021, Sec. 4.1; physical
     model only). Sequence parallelism already sends 1/t."""
+    token_ids_sent: bool = True
+    """Whether the forward message carries the token ids beside the hidden states, each tensor in its own send
+    (DeepSpeed's pipeline engine, dsx3d: two sends of one latency each); Megatron sends the hidden states
+    only. Physical model only."""
     dp_overlap: bool = False
     """Whether the DP gradient reduction overlaps the last micro-batch's backward (torch DDP, Megatron's
     overlapped reduction); DeepSpeed's pipeline engine reduces after the pipeline drains (False). Physical

@@ -104,8 +104,9 @@ def sent_seconds(sent_bytes: float, calls: float, steps: float, profile: DeviceP
     return sent_bytes / rate + calls * steps * a
 
 
-def p2p_seconds(nbytes: float, profile: DeviceProfile, crosses_node: bool) -> float:
+def p2p_seconds(nbytes: float, profile: DeviceProfile, crosses_node: bool, sends: int = 1) -> float:
+    """`nbytes` sent point to point in `sends` sends (a latency each)."""
     if nbytes <= 0:
         return 0.0
     rate, a = link_rate(profile, crosses_node)
-    return a + nbytes / rate
+    return sends * a + nbytes / rate

@@ -16,8 +16,10 @@ width d, f the MLP width (`dsx3d.estimate.kernels` times every piece):
     backward moves twice the forward's bytes; 12 kernels forward, 24 backward.
   recompute: with full activation checkpointing the forward again (before the backward).
   tp, cp, ep: the bytes `dsx3d.estimate.timing` counts, at the bandwidth of the link the group crosses,
-    plus the latency of each call (2(g-1) steps for an all-reduce, g-1 for a half).
-  pp: one message forward and one backward per boundary and virtual stage (blocking: on the critical path);
+    plus the latency of each call (2(g-1) steps for an all-reduce, g-1 for a half; TP's calls as the engine
+    issues them, `timing.tp_latency_steps_per_micro_batch`).
+  pp: one message forward (with `token_ids_sent`, two sends: the hidden states and the token ids) and one
+    backward per boundary and virtual stage (blocking: on the critical path);
     with `scatter_gather` each TP rank sends 1/t of it and the receiver all-gathers the pieces over NVLink.
   head (last stage): the vocab GEMM (T x h x V/t), its backward, and the cross-entropy's passes over the
     T x V/t logits (4 forward, 4 backward fp32 values per logit).
@@ -194,8 +196,10 @@ def _communication(
             )
         fwd_calls = shape.tp_forward_allreduces * (2 if ckpt else 1)
         bwd_calls = shape.tp_backward_allreduces
-        calls, steps = (fwd_calls + bwd_calls, 2 * (t - 1)) if not sp else (2 * (fwd_calls + bwd_calls), t - 1)
-        seconds = kernels.sent_seconds(sent, calls * layers + 2, steps, dev, place.tp_crosses_node())
+        steps = timing.tp_latency_steps_per_micro_batch(
+            shape, layers=layers, tp=t, first=stage == 0, last=last, checkpointing=ckpt, sequence_parallel=sp
+        )
+        seconds = kernels.sent_seconds(sent, steps, 1, dev, place.tp_crosses_node())
         share = fwd_calls / (fwd_calls + bwd_calls)
         terms.add("tp", seconds * share * (1 / 2 if ckpt else 1), seconds * (1 - share * (1 / 2 if ckpt else 1)))
         terms.sent["tp"] = sent
@@ -220,14 +224,14 @@ def _communication(
     if setup.pp > 1 and shape.hidden_size:
         split = t if sp or setup.scatter_gather else 1
         forward_msg, backward_msg = timing.p2p_bytes_per_micro_batch(
-            seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=w, shards=split
+            seq_len=s, micro_batch=b, hidden=shape.hidden_size, width=w, shards=split, token_ids=setup.token_ids_sent
         )
         v = max(setup.virtual_stages, 1)
         if setup.scatter_gather and not sp and t > 1:  # the receiver all-gathers the t pieces inside the node
             gather = kernels.gather_seconds(forward_msg * t, t, dev, place.tp_crosses_node())
             terms.add("pp", v * gather if stage > 0 or v > 1 else 0.0, v * gather if not last or v > 1 else 0.0)
         fwd = 0.0 if last and v == 1 else v * kernels.p2p_seconds(
-            forward_msg, dev, place.boundary_crosses_node(min(stage, setup.pp - 2))
+            forward_msg, dev, place.boundary_crosses_node(min(stage, setup.pp - 2)), 2 if setup.token_ids_sent else 1
         )
         bwd = 0.0 if stage == 0 and v == 1 else v * kernels.p2p_seconds(
             backward_msg, dev, place.boundary_crosses_node(max(stage - 1, 0))

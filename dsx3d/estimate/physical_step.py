@@ -11,6 +11,10 @@
     momentum and variance read and written (24), the 16-bit weights written (2), the gradient norm's read (4):
     34 bytes per parameter at HBM bandwidth.
   tied: the tied embedding/head all-reduce between the end stages.
+  scalars: the few-byte collectives of every step, latency only (counted by `scripts.bench.counting` at dp 2,
+    tp 2 and pp 2): the gradient norm's all-reduce over the model-parallel group (tp x pp > 1) and over the
+    data group (dp > 1, ZeRO's partitions), the loss's broadcast down the pipeline (pp > 1) and its mean over
+    the data group (dp > 1).
 """
 
 from __future__ import annotations
@@ -52,6 +56,21 @@ def optimizer_seconds(setup: Setup, dev: DeviceProfile, per_device: tuple[float,
     dense, experts = per_device
     partition = dense / setup.data_size + experts / max(setup.data_size // setup.ep, 1) if setup.zero_stage else dense + experts
     return kernels.memory_seconds(ADAM_BYTES * partition, dev, 8)
+
+
+def scalar_seconds(setup: Setup, dev: DeviceProfile, gpus_per_node: int) -> float:
+    """The step's few-byte collectives (module docstring): each a latency-bound all-reduce of its group."""
+    place = Layout(dp=setup.dp, tp=setup.tp, pp=setup.pp, gpus_per_node=gpus_per_node, ep=setup.ep, cp=setup.cp)
+    data = setup.data_size
+    groups: list[tuple[int, bool]] = []
+    if setup.tp * setup.pp > 1:
+        groups.append((setup.tp * setup.pp, place.ends_cross_node() if setup.pp > 1 else place.tp_crosses_node()))
+    if setup.pp > 1:
+        groups.append((setup.pp, place.ends_cross_node()))
+    if data > 1:
+        crosses = any(place.crosses_node(g) for g in place.data_groups())
+        groups += [(data, crosses)] * 2
+    return sum(kernels.allreduce_seconds(4, g, dev, crosses)[0] for g, crosses in groups)
 
 
 def step_time(
@@ -96,6 +115,7 @@ def step_time(
         tied, _ = kernels.allreduce_seconds(nbytes, 2, dev, place.ends_cross_node())
         sent["tied"] = nbytes
     terms["tied"] = tied
+    terms["scalars"] = scalar_seconds(setup, dev, gpus_per_node)
     step = sum(terms.values())
     terms["dp_overlapped"] = dp_hidden
     return step, terms, sent

@@ -119,6 +119,7 @@ def megatron_setup(row: MegatronRow) -> Setup:
         dp_overlap=row.torch_ddp,
         attention_dropout=True,
         scatter_gather=True,
+        token_ids_sent=False,
         fp32_grad_accum=False,
     )
 

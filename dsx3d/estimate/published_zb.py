@@ -126,7 +126,7 @@ def zb_setup(row: ZBRow) -> Setup:
         dp=1, tp=1, pp=row.model.gpus, zero_stage=0, dtype="fp16", micro_batch_size=row.model.micro_batch,
         seq_len=1024, grad_accum=row.micro_batches, activation_checkpointing=False, stage_layers=layers,
         sequence_parallel=False, schedule=schedule, virtual_stages=max(layers) if schedule == INTERLEAVED else 1,
-        attention_dropout=True, fp32_grad_accum=True,
+        attention_dropout=True, fp32_grad_accum=True, token_ids_sent=False,
     )
 
 

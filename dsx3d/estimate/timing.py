@@ -51,6 +51,8 @@ A group uses the inter-node bandwidth when its ranks span nodes (rank order pipe
 
 from __future__ import annotations
 
+from dsx3d.models.shape import ModelShape
+
 
 def ring_allreduce_factor(group: int) -> float:
     """Bytes a rank sends per byte of buffer in a ring all-reduce: 2*(g-1)/g."""
@@ -180,11 +182,47 @@ def tp_edge_bytes_per_micro_batch(
     return ring_allreduce_factor(tp) * buffer
 
 
+def tp_latency_steps_per_micro_batch(
+    shape: ModelShape, *, layers: int, tp: int, first: bool, last: bool, checkpointing: bool, sequence_parallel: bool
+) -> float:
+    """Ring latency steps of the TP calls one rank makes per micro-batch, as the engine issues them (counted
+    on the tiny Llama at tp 2 by `scripts.bench.counting`: 60 steps, this count): an all-reduce takes
+    2(t-1) steps, an all-gather or reduce-scatter t-1. Per layer: the entries and exits of
+    `tp_bytes_per_micro_batch` (with sequence parallelism each a half, forward and backward), one all-reduce
+    per gradient-summed tensor (q/k norms; with sequence parallelism the norms and row biases too), the
+    gathers and the routing weights' all-reduce. The ends: the embedding (first stage: one all-reduce, with
+    sequence parallelism a reduce-scatter and its all-gather backward), the head's input (last stage: one
+    all-reduce backward, with sequence parallelism an all-gather and its reduce-scatter), the cross-entropy's
+    three all-reduces, and with sequence parallelism the final norm's gradient."""
+    if tp == 1:
+        return 0.0
+    full, half = 2 * (tp - 1), tp - 1
+    recompute = 2 if checkpointing else 1
+    grads, seq, fwd_gathers, bwd_gathers = shape.tp_call_counts
+    entries = shape.tp_forward_allreduces * recompute + shape.tp_backward_allreduces
+    if sequence_parallel:
+        exits = (shape.tp_forward_allreduces + shape.tp_backward_allreduces) * (recompute + 1) * half
+        reduced = (grads + seq) * full
+    else:
+        exits = entries * full
+        reduced = grads * full
+    gathers = (fwd_gathers * recompute + bwd_gathers) * half
+    routing = full if shape.tp_routing_allreduce_width else 0.0
+    per_layer = exits + reduced + gathers + routing
+    ends = 0.0
+    if first:
+        ends += 2 * half if sequence_parallel else full
+    if last:
+        ends += 2 * half if sequence_parallel else full
+        ends += 3 * full + (full if sequence_parallel and shape.final_norm else 0)
+    return layers * per_layer + ends
+
+
 def p2p_bytes_per_micro_batch(
-    *, seq_len: int, micro_batch: int, hidden: int, width: int, shards: int = 1
+    *, seq_len: int, micro_batch: int, hidden: int, width: int, shards: int = 1, token_ids: bool = True
 ) -> tuple[int, int]:
     """(forward, backward) message bytes one rank sends across one stage boundary: hidden states plus int64
-    token ids forward, the hidden states' gradient backward; with sequence parallelism (`shards` = tp) the
-    hidden states are this rank's 1/tp of the sequence."""
+    token ids forward (`token_ids`), the hidden states' gradient backward; with sequence parallelism (`shards`
+    = tp) the hidden states are this rank's 1/tp of the sequence."""
     activations = seq_len * micro_batch * hidden * width // shards
-    return activations + seq_len * micro_batch * 8, activations
+    return activations + (seq_len * micro_batch * 8 if token_ids else 0), activations

@@ -143,6 +143,10 @@ class ModelShape:
     tp_routing_allreduce_width: float = 0
     """fp32 values per token a decoder layer all-reduces backward besides those: the routing weights (top-k
     per token) entering an experts region."""
+    tp_call_counts: tuple[float, float, float, float] = (0, 0, 0, 0)
+    """Calls per layer the byte counts above leave out: all-reduces of `tp_grad_allreduce_params` tensors and
+    of `tp_sequence_params` tensors (one per tensor), all-gathers forward and backward
+    (`dsx3d.models.tp_traffic.TPTraffic`)."""
     per_layer: tuple[LayerShape, ...] = ()
     """Layer by layer, when layers differ (MoE models); empty: `num_layers` copies of `layer`."""
     num_experts: int = 0
@@ -356,4 +360,5 @@ def shape_from_hf_config(config: HFConfig) -> ModelShape:
         sequence_parallel_blocker=tp.sequence_parallel_blocker,
         tp_forward_gather_width=tp.forward_gather_width,
         tp_backward_gather_width=tp.backward_gather_width,
+        tp_call_counts=(tp.grad_allreduce_tensors, tp.sequence_tensors, tp.forward_gathers, tp.backward_gathers),
     )

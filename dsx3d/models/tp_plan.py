@@ -146,22 +146,23 @@ def inside(name: str, regions: list[str]) -> bool:
     return any(name == r or name.startswith(r + ".") for r in regions)
 
 
-def sequence_shard_params(layer: nn.Module, shardings: list[Planned]) -> int:
+def sequence_shard_params(layer: nn.Module, shardings: list[Planned]) -> list[nn.Parameter]:
     """Replicated parameters of `layer` that see sequence shards under sequence parallelism: those of
     modules outside the TP regions (norms) and the biases of row-parallel linears (added after the
-    reduce-scatter), the set the engine all-reduces (`LayerBuilder._shard`). Parameters of whole-kept
-    modules outside the regions count too (such layers run without sequence parallelism)."""
+    reduce-scatter), the set the engine all-reduces, one call per tensor and micro-batch
+    (`LayerBuilder._shard`). Parameters of whole-kept modules outside the regions count too (such layers
+    run without sequence parallelism)."""
     regions = region_modules(shardings)
     styles = {name: sharding for name, _, sharding in shardings}
-    total = 0
+    found: list[nn.Parameter] = []
     for name, sub in layer.named_modules():
         sharding = styles.get(name)
         if sharding is not None and sharding.row:
             bias = getattr(sub, "bias", None)
-            total += bias.numel() if bias is not None else 0
+            found += [bias] if bias is not None else []
         elif sharding is None and not inside(name, regions):
-            total += sum(p.numel() for p in sub.parameters(recurse=False))
-    return total
+            found += list(sub.parameters(recurse=False))
+    return found
 
 
 def sequence_parallel_blockers(

@@ -23,6 +23,14 @@ class TPTraffic:
     routing_allreduce_width: float = 0
     sequence_params: float = 0
     sequence_parallel_blocker: str | None = None
+    grad_allreduce_tensors: float = 0
+    """Calls, where the fields above count bytes: the q/k-norm-like tensors all-reduced one by one, ..."""
+    sequence_tensors: float = 0
+    """... the sequence-sharded replicated tensors (norms, row biases), ..."""
+    forward_gathers: float = 0
+    """... the `colwise_gather_output` linears, and ..."""
+    backward_gathers: float = 0
+    """... the `rowwise_split_input` linears."""
 
 
 def tp_traffic(config: HFConfig) -> TPTraffic:
@@ -53,27 +61,34 @@ def _tp_traffic(config: HFConfig) -> TPTraffic:
     spec, layers = _meta_layers(config)
     top_k = model_dim(config, "num_experts_per_tok") or 1
     fwd = bwd = grad = fwd_gather = bwd_gather = seq = routing = 0
+    grad_calls = seq_calls = fwd_gathers = bwd_gathers = 0
     for i, layer in enumerate(layers):
         shardings = tp_plan.plan_modules(
             layer, f"{spec.layers_name}.{i}", spec.tp_plan, lambda m: isinstance(m, nn.Linear)
         )
         regions = tp_plan.region_modules(shardings)
         bwd += len(regions)
-        seq += tp_plan.sequence_shard_params(layer, shardings)
+        shard_params = tp_plan.sequence_shard_params(layer, shardings)
+        seq += sum(p.numel() for p in shard_params)
+        seq_calls += len(shard_params)
         for _, sub, sharding in shardings:
             if sharding.grad_allreduce:
                 grad += sum(p.numel() for p in sub.parameters())
+                grad_calls += len(list(sub.parameters()))
             elif sharding.experts:
                 fwd, bwd, routing = fwd + 1, bwd + 1, routing + top_k
             elif sharding.row:
                 fwd += 1
                 bwd_gather += sub.in_features if sharding.split_input else 0
+                bwd_gathers += 1 if sharding.split_input else 0
             else:
                 fwd_gather += sub.out_features if sharding.gather_output else 0
+                fwd_gathers += 1 if sharding.gather_output else 0
     n = len(layers)
     blocker = tp_plan.sequence_parallel_blocker(
         layers, spec.layers_name, spec.tp_plan, lambda m: isinstance(m, nn.Linear)
     )
     return TPTraffic(
-        fwd / n, bwd / n, grad / n, fwd_gather / n, bwd_gather / n, routing / n, seq / n, blocker
+        fwd / n, bwd / n, grad / n, fwd_gather / n, bwd_gather / n, routing / n, seq / n, blocker,
+        grad_calls / n, seq_calls / n, fwd_gathers / n, bwd_gathers / n,
     )
