@@ -82,7 +82,7 @@ def worker(
             contender.step(batches[1 + i])
         records = list(counter.records)
     per_kind: dict[str, dict[str, float]] = defaultdict(
-        lambda: {"sent_bytes": 0.0, "buffer_bytes": 0, "calls": 0}
+        lambda: {"sent_bytes": 0.0, "buffer_bytes": 0, "calls": 0, "latency_steps": 0.0}
     )
     ops: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in records:
@@ -90,6 +90,7 @@ def worker(
         per_kind[kind]["sent_bytes"] += r.sent_bytes() / steps
         per_kind[kind]["buffer_bytes"] += r.nbytes // steps
         per_kind[kind]["calls"] += 1
+        per_kind[kind]["latency_steps"] += ring_steps(r.op, r.group_size) / steps
         ops[kind][r.op] += 1
     for kind, d in per_kind.items():
         d["calls"] = d["calls"] // steps
@@ -98,8 +99,31 @@ def worker(
     return {"rank": rank, "stage": engine.placement.pp, "layers": layers, "per_kind": dict(per_kind)}
 
 
+def ring_steps(op: str, group: int) -> float:
+    """Latency steps of one call as `dsx3d.estimate.kernels` counts them: an all-reduce 2(g-1), an all-gather
+    or reduce-scatter g-1."""
+    return {"all_reduce": 2 * (group - 1), "all_gather": group - 1, "reduce_scatter": group - 1}.get(op, 0)
+
+
 def analytic(work: bc.Workload, dims: tuple[int, ...], stage_layers: list[int], ckpt: bool) -> Any:
     return bc.estimate_for(work, dims, stage_layers, activation_checkpointing=ckpt)
+
+
+def analytic_tp_steps(work: bc.Workload, dims: tuple[int, ...], stage_layers: list[int], ckpt: bool) -> list[float]:
+    """TP latency steps per optimizer step of each stage's rank (`timing.tp_latency_steps_per_micro_batch`)."""
+    from dsx3d.estimate import Setup, shape_from_hf_config, timing
+    from dsx3d.estimate.inputs import sequence_parallel
+
+    dp, tp, pp = dims[:3]
+    shape = shape_from_hf_config(work.config)
+    sp = sequence_parallel(shape, Setup(tp=tp, sequence_parallel=True))
+    m = work.micro_batches(dp)
+    return [
+        m * timing.tp_latency_steps_per_micro_batch(
+            shape, layers=n, tp=tp, first=i == 0, last=i == pp - 1, checkpointing=ckpt, sequence_parallel=sp
+        )
+        for i, n in enumerate(stage_layers)
+    ]
 
 
 def run(
@@ -124,6 +148,7 @@ def run(
         per_rank = run_ranks(worker, dp * tp * pp, work, state, dims, steps, ckpt, timeout_s=600)
     stage_layers = [next(r["layers"] for r in per_rank if r["stage"] == s) for s in range(pp)]
     est = analytic(work, dims, stage_layers, ckpt)
+    tp_steps = analytic_tp_steps(work, dims, stage_layers, ckpt)
     rows = []
     for r in per_rank:
         predicted = est.stages[r["stage"]].comm_bytes
@@ -135,6 +160,10 @@ def run(
                 "analytic": predicted.get(kind, 0.0),
                 "equal": math.isclose(measured, predicted.get(kind, 0.0), rel_tol=1e-9, abs_tol=1e-6),
             }
+        row["tp_latency_steps"] = {
+            "measured": r["per_kind"].get("tp", {}).get("latency_steps", 0.0),
+            "analytic": tp_steps[r["stage"]],
+        }
         row["other"] = {k: v for k, v in r["per_kind"].items() if k not in ("tp", "ep", "pp", "dp", "tied")}
         row["ops"] = {k: v["ops"] for k, v in r["per_kind"].items()}
         rows.append(row)

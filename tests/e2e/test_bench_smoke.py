@@ -1,5 +1,5 @@
 """The communication benchmark in quick mode: the TP and PP bytes counted on every rank of a tp2 x pp2 run
-equal `dsx3d.estimate`'s analytic volumes exactly. Guards the estimator's traffic model (it once counted 4
+equal `dsx3d.estimate`'s analytic volumes exactly, and the TP calls' latency steps its count. Guards the estimator's traffic model (it once counted 4
 TP all-reduces per layer where dsx3d issues 7, and left out the token ids sent with the activations) and
 the counting hook itself (a hook that saw nothing would fail the non-zero check)."""
 
@@ -19,6 +19,8 @@ def test_counted_tp_and_pp_bytes_equal_the_estimate() -> None:
         for kind in ("tp", "pp"):
             assert row[kind]["analytic"] > 0, row
             assert row[kind]["measured"] == pytest.approx(row[kind]["analytic"], rel=1e-12, abs=0), row
+        # the TP calls' latency steps (sequence parallelism: 36 halves and 16 or 32 all-reduces a step)
+        assert row["tp_latency_steps"]["measured"] == row["tp_latency_steps"]["analytic"] > 0, row
 
 
 def test_moe_tp_bytes_exact_and_all_to_all_counted() -> None:
@@ -29,6 +31,7 @@ def test_moe_tp_bytes_exact_and_all_to_all_counted() -> None:
     result = bench_comm.run(quick=True, dims=(2, 2, 2, 2), family="mixtral", config_overrides={"num_local_experts": 8})
     for row in result["ranks"]:
         assert row["tp"]["measured"] == pytest.approx(row["tp"]["analytic"], rel=1e-12, abs=0), row
+        assert row["tp_latency_steps"]["measured"] == row["tp_latency_steps"]["analytic"] > 0, row
         assert 0.5 < row["ep"]["measured"] / row["ep"]["analytic"] < 2.0, row
     assert result["layout"]["ep"] == 2
 

@@ -134,3 +134,50 @@ def test_cli_prints_the_terms(capsys):
     assert main([*args, "--device", "h100-sxm", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["device"] == "h100-sxm" and data["terms"]["matmul"] > 0
+
+
+def test_the_steps_scalar_collectives_are_latency_terms():
+    """The gradient norm's and the loss's few-byte collectives: none on one rank, one all-reduce over TP, the
+    norm's and the loss's broadcast over the pipeline, the norm's and the loss's mean over DP."""
+    cpu = get_profile("cpu")
+    a = cpu.intra_latency_us * 1e-6
+
+    def scalars(dp: int, tp: int, pp: int) -> float:
+        setup = Setup(dp=dp, tp=tp, pp=pp, micro_batch_size=2, grad_accum=4, seq_len=64, dtype="fp32")
+        return estimate(SHAPE, setup, Hardware(device=cpu, gpus_per_node=8)).terms["scalars"]
+
+    assert scalars(1, 1, 1) == 0.0
+    assert scalars(1, 2, 1) == pytest.approx(2 * a, rel=1e-3)  # a 2-rank all-reduce: two ring steps
+    assert scalars(1, 1, 2) == pytest.approx(4 * a, rel=1e-3)
+    assert scalars(2, 1, 1) == pytest.approx(4 * a, rel=1e-3)
+
+
+def test_dsx3ds_forward_message_is_two_sends_and_megatrons_one():
+    """DeepSpeed's engine sends the hidden states and the token ids, a latency each; Megatron the first only."""
+    from dsx3d.estimate import physical
+
+    cpu = get_profile("cpu")
+    setup = Setup(pp=2, micro_batch_size=2, grad_accum=4, seq_len=64, dtype="fp32")
+
+    def first_stage_pp(s: Setup) -> float:
+        return physical.stage_terms(SHAPE, s, cpu, 8, 0, 0, 4).forward["pp"]
+
+    ids = 2 * 64 * 8 / (cpu.intra_node_gbps * 1e9 * cpu.link_efficiency)  # int64 token ids of one micro-batch
+    difference = first_stage_pp(setup) - first_stage_pp(replace(setup, token_ids_sent=False))
+    assert difference == pytest.approx(cpu.intra_latency_us * 1e-6 + ids)
+
+
+def test_tp_latency_steps_count_every_call_the_engine_issues():
+    """The tiny recipe's Llama (4 layers) on one stage at tp 2: with sequence parallelism 8 halves and 2 norm
+    all-reduces a layer, 4 halves at the ends, the cross-entropy's 3 all-reduces and the final norm's: 60 ring
+    steps, as `scripts.bench.counting` counts them in a run; without it 4 all-reduces a layer, 2 at the ends
+    and the cross-entropy's 3: 42."""
+    from dsx3d.estimate import timing
+
+    tiny = shape_from_hf_config(
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=2048)
+    )
+    steps = {sp: timing.tp_latency_steps_per_micro_batch(
+        tiny, layers=4, tp=2, first=True, last=True, checkpointing=False, sequence_parallel=sp) for sp in (True, False)}
+    assert steps == {True: 60, False: 42}
