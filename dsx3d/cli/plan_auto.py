@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_option(
         group, "--schedule", choices=(*SCHEDULE_NAMES, "any"), default="any",
-        help="pipeline schedule of the candidates with pp > 1 (default any: both are tried)",
+        help="pipeline schedule of the candidates with pp > 1 (default any: every one is tried, interleaved at each v it allows)",
     )
     add_option(
         group,
@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     base = Setup(
         dtype=args.dtype, flash_attention=args.flash_attention, fp32_grad_accum=args.fp32_grad_accum, loss_tile_tokens=tiles
     )
+    searched = SCHEDULE_NAMES if getattr(args, "schedule", "any") in (None, "any") else (args.schedule,)
     result = plan_layouts(
         shape,
         cluster,
@@ -121,14 +122,16 @@ def run(args: argparse.Namespace) -> int:
         model=model,
         hf_config=hf_config,
         max_micro_batch=args.max_micro_batch,
-        schedules=SCHEDULE_NAMES if getattr(args, "schedule", "any") in (None, "any") else (args.schedule,),
+        schedules=searched,
         cps=(args.cp,) if getattr(args, "cp", None) else None,
     )
     if not result.checked:
         log.warning("no model config given (bare --params): candidates were not checked by dsx3d check")
     if args.write_recipe and result.best is not None:
         _write_recipe(args.write_recipe, result.best, cluster, model, recipe)
-    others = [] if result.best is None else estimator_only_alternatives(shape, result.best, hw, cluster.gpu_memory_gb)
+    others = (
+        [] if result.best is None else estimator_only_alternatives(shape, result.best, hw, cluster.gpu_memory_gb, searched)
+    )
     if args.json:
         data = _as_json(result, args.top, shape.total_params)
         data["estimator_only"] = [
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = render(result, args.top, cluster, shape.total_params, args.global_batch, seq_len)
         if others:
-            text += "\n\nschedules dsx3d's engine does not run, on the chosen layout (reported, never picked):"
+            text += "\n\nschedules the search did not try, on the chosen layout (reported, never picked):"
             text += "".join(f"\n  {describe_alternative(a)}" for a in others[:3])
         print(text)
     if result.best is None:

@@ -34,12 +34,23 @@ def measured_cost_schedules() -> tuple[str, ...]:
     return tuple(s.name for s in _SPECS if s.measured_costs)
 
 
-def planner_options(pp: int, default: str, schedules: tuple[str, ...]) -> list[tuple[bool, str]]:
-    """(activation checkpointing, schedule) pairs the planner tries: with pp > 1 each of `schedules`, with
-    checkpointing only where the schedule takes it; with pp = 1 the schedule does not matter (`default`). Schedules
-    that run several chunks per rank are left out: the planner's candidates hold one stage per rank."""
+def planner_options(
+    pp: int, default: str, schedules: tuple[str, ...], num_layers: int = 0, micro_batches: int = 0, max_chunks: int = 4
+) -> list[tuple[bool, str, int]]:
+    """(activation checkpointing, schedule, virtual stages) the planner tries: with pp > 1 each of `schedules`,
+    with checkpointing only where the schedule takes it, and a schedule that runs several chunks per rank at
+    every v from 2 to `max_chunks` its checker accepts (equal chunks of whole layers: pp x v dividing
+    `num_layers`; the micro-batches a multiple of pp); with pp = 1 the schedule does not matter (`default`)."""
     if pp == 1:
-        return [(False, default), (True, default)]
-    single = [s for s in schedules if get_schedule(s).virtual_stages == 1]
-    return [(ckpt, s) for ckpt in (False, True) for s in single if not ckpt or get_schedule(s).with_activation_checkpointing]
-
+        return [(False, default, 1), (True, default, 1)]
+    out = []
+    for ckpt in (False, True):
+        for name in schedules:
+            spec = get_schedule(name)
+            if ckpt and not spec.with_activation_checkpointing:
+                continue
+            if spec.virtual_stages == 1:
+                out.append((ckpt, name, 1))
+            elif micro_batches % pp == 0:
+                out += [(ckpt, name, v) for v in range(2, max_chunks + 1) if num_layers and num_layers % (pp * v) == 0]
+    return out

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 from dsx3d.estimate import Estimate, Hardware, ModelShape, Setup, estimate, schedules
 from dsx3d.estimate.interleaved import NAME as INTERLEAVED
+from dsx3d.pipeline.registry import SCHEDULE_NAMES
 from dsx3d.planner.search import Candidate, PlanResult
 
 
@@ -75,16 +76,18 @@ def _virtual_stage_options(shape: ModelShape, setup: Setup, limit: int = 4) -> l
     return [v for v in range(2, limit + 1) if shape.num_layers % (setup.pp * v) == 0]
 
 
-def estimator_only_alternatives(shape: ModelShape, chosen: Candidate, hardware: Hardware, memory_gb: float) -> list[Alternative]:
-    """The chosen layout under every estimator-only schedule (and, interleaved, every virtual-stage count it
-    allows) on devices of `memory_gb`, fastest first; empty without a pipeline."""
+def estimator_only_alternatives(
+    shape: ModelShape, chosen: Candidate, hardware: Hardware, memory_gb: float, searched: tuple[str, ...] = SCHEDULE_NAMES
+) -> list[Alternative]:
+    """The chosen layout under every schedule the search did not try (`searched`: those it did): the
+    estimator-only ones and, where `--schedule` left it out, interleaved 1F1B at every virtual-stage count it
+    allows; on devices of `memory_gb`, fastest first; empty without a pipeline."""
     setup = chosen.setup
     hardware = replace(hardware, gpu_memory_gb=memory_gb)
     if setup.pp == 1:
         return []
     tries: list[tuple[str, int]] = []
-    # interleaved 1F1B runs in the engine (any v >= 2) but the search holds one stage per rank: reported here too
-    unsearched = (*schedules.ESTIMATOR_ONLY, *((INTERLEAVED,) if schedules.runnable(INTERLEAVED) else ()))
+    unsearched = [n for n in (*schedules.ESTIMATOR_ONLY, INTERLEAVED) if n not in searched]
     for name in unsearched:
         if name == INTERLEAVED:
             tries += [(name, v) for v in _virtual_stage_options(shape, setup)]

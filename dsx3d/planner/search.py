@@ -11,7 +11,9 @@ Pure: every candidate is a `Setup` scored by `dsx3d.estimate.estimate` and a `Re
   ep (MoE models): 1 and the divisors of dp whose tp x ep splits the experts evenly;
   ZeRO 1 with pp > 1 (DeepSpeed refuses 2/3 with a pipeline), 1..3 with pp = 1;
   micro-batch b: divisors of global_batch / dp up to `max_micro_batch`, m = global_batch / (dp * b);
-  activation checkpointing off and on.
+  activation checkpointing off and on;
+  pipeline schedule (pp > 1): each registry schedule, a several-chunk one (interleaved 1F1B) at every v its
+     checker accepts (`dsx3d.pipeline.registry.planner_options`).
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ class Candidate:
     def label(self) -> str:
         s = self.setup
         ckpt = "on" if s.activation_checkpointing else "off"
+        chunks = f" v{s.virtual_stages}" if s.virtual_stages > 1 else ""
         return (
-            f"{layout_label(s.dp, s.tp, s.pp, s.zero_stage, s.ep, s.cp)} b{s.micro_batch_size} m{s.grad_accum} ckpt {ckpt}"
+            f"{layout_label(s.dp, s.tp, s.pp, s.zero_stage, s.ep, s.cp)} b{s.micro_batch_size} m{s.grad_accum}{chunks} ckpt {ckpt}"
         )
 
 
@@ -153,7 +156,8 @@ def enumerate_setups(
             ]
             for ep, zero in [(e, z) for e in eps for z in ([1] if pp > 1 else [1, 2, 3]) if e == 1 or z < 3]:
                 for b in _divisors(per_replica, max_micro_batch):
-                    for ckpt, schedule in _schedule_options(pp, base.schedule, schedules):
+                    options = planner_options(pp, base.schedule, schedules, shape.num_layers, per_replica // b)
+                    for ckpt, schedule, v in options:
                         setups.append(
                             replace(
                                 base,
@@ -168,6 +172,7 @@ def enumerate_setups(
                                 grad_accum=per_replica // b,
                                 activation_checkpointing=ckpt,
                                 schedule=schedule,
+                                virtual_stages=v,
                                 stage_layers=None,
                             )
                         )
@@ -200,18 +205,14 @@ def _cp_choices(
     return out
 
 
-def _schedule_options(pp: int, default: str, schedules: tuple[str, ...]) -> list[tuple[bool, str]]:
-    """(activation checkpointing, pipeline schedule) pairs to try (`dsx3d.pipeline.registry.planner_options`)."""
-    return planner_options(pp, default, schedules)
-
-
 def recipe_for(setup: Setup, cluster: Cluster, model: ModelSection, output_dir: str = "runs/auto") -> Recipe:
     """The recipe that runs `setup` on `cluster` (valid for `dsx3d.recipe.schema.load_recipe` once dumped)."""
     return Recipe.model_validate(
         {
             "model": model,
             "parallel": {
-                "dp": setup.dp, "tp": setup.tp, "pp": setup.pp, "ep": setup.ep, "cp": setup.cp, "schedule": setup.schedule
+                "dp": setup.dp, "tp": setup.tp, "pp": setup.pp, "ep": setup.ep, "cp": setup.cp, "schedule": setup.schedule,
+                **({"virtual_stages": setup.virtual_stages} if setup.virtual_stages > 1 else {}),
             },  # fmt: skip
             "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
             "train": {

@@ -150,3 +150,26 @@ def test_cli_nothing_fits_exits_2(tmp_path, capsys):
     ]
     assert main(argv) == 2
     assert "no layout fits" in capsys.readouterr().err
+
+
+def test_interleaved_is_searched_and_picked_where_it_wins():
+    """With few micro-batches the bubble dominates: interleaved 1F1B (searched at every v that splits the
+    layers evenly) beats plain 1F1B, and its recipe carries `virtual_stages` and passes the checker."""
+    config = {**LLAMA3_8B, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16,
+              "num_key_value_heads": 16, "intermediate_size": 5632, "vocab_size": 32000}  # fmt: skip
+    model = ModelSection(config=config)
+    hf_config = load_hf_config(model)
+    cluster = Cluster(2, 8, 80)
+    result = plan_layouts(shape_from_hf_config(hf_config), cluster, global_batch=8, seq_len=2048, model=model,
+                          hf_config=hf_config, max_micro_batch=2, schedules=("1f1b", "interleaved-1f1b"))  # fmt: skip
+    chunked = [c for c in result.ranked if c.setup.virtual_stages > 1]
+    assert {c.setup.virtual_stages for c in chunked} >= {2, 4}
+    assert all(c.setup.schedule == "interleaved-1f1b" and c.setup.grad_accum % c.setup.pp == 0 for c in chunked)
+    best = result.best
+    assert best.setup.schedule == "interleaved-1f1b" and f" v{best.setup.virtual_stages} " in best.label()
+    plain = min((c for c in result.ranked if c.setup.schedule == "1f1b" and c.setup.pp > 1),
+                key=lambda c: c.estimate.step_time_s)  # fmt: skip
+    assert best.estimate.step_time_s < plain.estimate.step_time_s
+    written = recipe_from_dict(yaml.safe_load(dump_recipe(recipe_for(best.setup, cluster, model))))
+    assert written.parallel.virtual_stages == best.setup.virtual_stages
+    assert not [p for p in check_recipe(written, hf_config=hf_config) if p.severity == "error"]
