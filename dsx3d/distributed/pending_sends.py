@@ -30,6 +30,7 @@ class PendingSends:
 
         def send(tensor: torch.Tensor, dest_stage: int, async_op: bool = False) -> None:
             rank = p2p._grid.stage_to_global(stage_id=dest_stage)
+            self.works = [(w, t) for w, t in self.works if not w.is_completed()]  # their tensors may go
             self.works.append((dist.isend(tensor, rank), tensor))
 
         p2p.send = send

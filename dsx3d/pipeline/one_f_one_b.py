@@ -1,4 +1,5 @@
-"""1F1B: DeepSpeed's own synchronous `TrainSchedule`, each backward fused (input and weight gradients together).
+"""1F1B, each backward fused (input and weight gradients together), in the order of DeepSpeed's `TrainSchedule`
+with each output sent as soon as it is computed, posted (`dsx3d.pipeline.posted_1f1b`).
 
 A step lasts m + p - 1 micro-batch times; stage s holds the activations of min(p - s, m) micro-batches.
 """
@@ -37,9 +38,10 @@ def problems(recipe: Recipe, hf_config: HFConfig | None) -> Iterator[Problem]:
 
 SPEC = ScheduleSpec(
     name=NAME,
-    summary="one forward, one backward (DeepSpeed's TrainSchedule)",
+    summary="one forward, one backward (sends posted as soon as each pass ends)",
     pipeline_units=pipeline_units,
     held_micro_batches=held_micro_batches,
     problems=problems,
     idle=idle,
+    installer="dsx3d.pipeline.posted_1f1b:install_for_recipe",
 )

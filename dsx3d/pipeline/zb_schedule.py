@@ -15,13 +15,13 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
-from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from dsx3d.boundary_types import PipeEngine
 from dsx3d.distributed.pending_sends import PendingSends
 from dsx3d.distributed.tensor_parallel.weight_grad import DEFER_OK, WEIGHT_GRADS, defer_linears
 from dsx3d.pipeline import zb_greedy
+from dsx3d.pipeline.posted_1f1b import PostActivation, PostGrad, add_posted_sends
 from dsx3d.pipeline.zb_auto import MeasuredCosts
 
 if TYPE_CHECKING:
@@ -34,14 +34,6 @@ class BackwardInput(ds_schedule.BufferOpInstruction):
 
 class BackwardWeight(ds_schedule.BufferOpInstruction):
     """W: the queued weight gradients of one micro-batch, added to the parameters' `.grad`."""
-
-
-class PostActivation(ds_schedule.SendActivation):
-    """SendActivation that does not wait for the next stage's receive (`PendingSends`)."""
-
-
-class PostGrad(ds_schedule.SendGrad):
-    """SendGrad that does not wait for the previous stage's receive (`PendingSends`)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,13 +115,6 @@ def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | 
         # micro-batch's gradient. Only those get a private copy.
         WEIGHT_GRADS.own_grads(buffer_id, _storages(self.grad_layer))
 
-    def post(instruction: Any) -> Any:
-        def run(self: PipeEngine, buffer_id: int) -> None:
-            with SENDS.posting(ds_p2p):
-                instruction(self, buffer_id)
-
-        return run
-
     def backward_weight(self: PipeEngine, buffer_id: int) -> None:
         bf16 = bool(getattr(self, "using_bf16_optimizer", False))
         if bf16:  # B's low-precision grads are in the fp32 accumulators already; add W's the same way
@@ -148,8 +133,7 @@ def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | 
 
     table[BackwardInput] = backward_input
     table[BackwardWeight] = backward_weight
-    table[PostActivation] = post(table[ds_schedule.SendActivation])
-    table[PostGrad] = post(table[ds_schedule.SendGrad])
+    add_posted_sends(table, SENDS)
     table[ds_schedule.ReduceGrads] = reduce_grads_checked
     engine._INSTRUCTION_MAP = table
     fixed = zb_greedy.Costs.uniform(engine.num_stages, *costs) if isinstance(costs, tuple) else None

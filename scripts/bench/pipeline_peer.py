@@ -143,14 +143,19 @@ def torch_contender(name: str, work: bc.Workload, state: dict[str, torch.Tensor]
 
 
 def dsx3d_contender(name: str, work: bc.Workload, state: dict[str, torch.Tensor], zero: int) -> bc.Contender:
-    """`dsx3d:SCHEDULE`, with `/zN` for zero.stage N instead of `zero` and `/vN` for N virtual stages per rank
-    (interleaved-1f1b; default 2)."""
+    """`dsx3d:SCHEDULE`, with `/zN` for zero.stage N instead of `zero`, `/vN` for N virtual stages per rank
+    (interleaved-1f1b; default 2) and `/lockstep` for DeepSpeed's own TrainSchedule (1f1b: blocking sends,
+    each forward's output sent in the next step) instead of dsx3d's posted 1F1B."""
     schedule, *options = name.split(":", 1)[1].split("/")
-    given = {o[0]: int(o[1:]) for o in options}
-    return bc.dsx3d_contender(
+    given = {o[0]: int(o[1:]) for o in options if o != "lockstep"}
+    contender = bc.dsx3d_contender(
         name, work, state, dp=1, pp=comm.get_world_size(), schedule=schedule, zero_stage=given.get("z", zero),
         virtual_stages=given.get("v"),
     )
+    if "lockstep" in options:
+        assert schedule == "1f1b", "/lockstep: DeepSpeed's TrainSchedule is a 1F1B"
+        del contender.engine.ds_engine._train_schedule  # the class's own: TrainSchedule
+    return contender
 
 
 def worker(
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--zero", type=int, default=1, choices=(0, 1), help="dsx3d's zero.stage")
     parser.add_argument("--only", nargs="+", default=None,
                         help=f"contenders (default all): {', '.join([*TORCH_SCHEDULES, *DSX3D_SCHEDULES])}; "
-                        "dsx3d:NAME/z0 runs dsx3d at zero.stage 0, dsx3d:interleaved-1f1b/v4 at 4 virtual stages")
+                        "dsx3d:NAME/z0 runs dsx3d at zero.stage 0, dsx3d:interleaved-1f1b/v4 at 4 virtual stages, "
+                        "dsx3d:1f1b/lockstep on DeepSpeed's TrainSchedule")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 12)
