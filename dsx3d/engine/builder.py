@@ -70,6 +70,12 @@ class Engine3D:
         return self.mpu is None
 
     @property
+    def holds_loss(self) -> bool:
+        """Whether this rank's pipeline stage computes the loss (the last stage's rank; rank 0 of the pipe
+        with a V-shaped placement); True without a pipeline."""
+        return bool(self.ds_engine.is_last_stage()) if self.pipelined else True
+
+    @property
     def zero_stage(self) -> int:
         zero = cast(JSONObject, self.ds_config.get("zero_optimization", {}))
         return int(cast(int, zero.get("stage", 0)))
@@ -251,6 +257,7 @@ def build_engine(
             lora=lora,
             loss_tile_tokens=recipe.train.loss_tile_tokens,
             virtual_stages=recipe.parallel.virtual_stages,
+            placement=get_schedule(recipe.parallel.schedule).placement,
         )
     else:
         mpu = DataTensorParallelGroups(layout.tp_groups(), layout.data_groups())

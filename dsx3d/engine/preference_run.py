@@ -98,7 +98,7 @@ class PreferenceTraining:
     def evaluate(self, batches: Any) -> dict[str, float]:
         """eval_loss and eval_rewards/*, eval_logps/* over the held-out pairs (module docstring). A collective."""
         sums = torch.zeros(8, dtype=torch.float64)
-        last = self.engine.placement.pp == self.engine.layout.pp - 1
+        last = self.engine.holds_loss
         for b in range(batches.num_batches):
             micro = self.reference.fill(batches.batch(b))  # the reference's sums in the labels (last stage)
             policy = self.reference.sums(micro, reference=False)

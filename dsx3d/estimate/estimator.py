@@ -114,6 +114,8 @@ def _validate(shape: ModelShape, setup: Setup) -> list[int]:
             return memory.split_layers(shape.num_layers, setup.pp)
         if setup.split != "cost":
             raise UserError.single("split", setup.split, "unknown stage split", 'use "cost" or "even"')
+        if setup.pp > 1 and schedules.head_stage(setup.schedule, setup.pp) == 0:  # two chunks a rank, in a V
+            return schedules.rank_layers(setup.schedule, decoder_split(shape, 2 * setup.pp, setup.seq_len), setup.pp)
         return decoder_split(shape, setup.pp, setup.seq_len)
     layers = list(setup.stage_layers)
     if len(layers) != setup.pp or sum(layers) != shape.num_layers or min(layers) < 0:
@@ -157,6 +159,7 @@ def _stage(
         sequence_parallel=sequence_parallel(shape, setup),
         moe_layers=moe_layers,
         ep=setup.ep,
+        head_stage=schedules.head_stage(setup.schedule, setup.pp),
         held=schedules.held_micro_batches(
             setup.schedule, stage, setup.pp, setup.grad_accum, setup.zb_costs, setup.virtual_stages
         ),
@@ -227,7 +230,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
     """Memory per stage and step time for `setup` on `hardware` (see the package docstring)."""
     hw = hardware or Hardware()
     layers = _validate(shape, setup)
-    params = memory.stage_params(shape, layers)
+    params = memory.stage_params(shape, layers, schedules.head_stage(setup.schedule, setup.pp))
     firsts = [sum(layers[:i]) for i in range(len(layers))]
     stages = [_stage(shape, setup, hw, i, firsts[i], n, params[i]) for i, n in enumerate(layers)]
     m, p = setup.grad_accum, setup.pp
@@ -235,7 +238,7 @@ def estimate(shape: ModelShape, setup: Setup, hardware: Hardware | None = None) 
     pipeline = schedules.pipeline_units(setup.schedule, p, m, setup.zb_costs, setup.virtual_stages) * slowest.micro_batch_time_s
     dp_time = max(st.time_s["dp"] for st in stages)
     tied_time = 0.0
-    if shape.tie_word_embeddings and p > 1:
+    if shape.tie_word_embeddings and p > 1 and schedules.head_stage(setup.schedule, p) > 0:
         # 2-rank all-reduce of the tied V*h/t shard between the first and last stage: factor 2*(2-1)/2 = 1.
         tied_bytes = (
             shape.embedding / setup.tp * (4 if setup.grad_accum_fp32 else memory.dtype_bytes(setup.dtype))

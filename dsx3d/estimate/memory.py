@@ -135,10 +135,12 @@ def _check_stages(num_layers: int, pp: int) -> None:
         )
 
 
-def stage_params(shape: ModelShape, layers: list[int]) -> list[ParamCount]:
-    """Parameters of each stage: its decoder layers, the embedding on stage 0, final norm and head on the
-    last. A tied embedding/head lives on both end stages when pp > 1 (both hold a copy), once when pp == 1."""
+def stage_params(shape: ModelShape, layers: list[int], head_stage: int | None = None) -> list[ParamCount]:
+    """Parameters of each stage: its decoder layers, the embedding on stage 0, final norm and head on
+    `head_stage` (default the last). A tied embedding/head lives on both end stages when they differ (both hold
+    a copy), once when one rank holds both (pp == 1, V-shaped chunks)."""
     pp = len(layers)
+    head_stage = pp - 1 if head_stage is None else head_stage
     result = []
     first = 0
     for stage, n in enumerate(layers):
@@ -146,9 +148,9 @@ def stage_params(shape: ModelShape, layers: list[int]) -> list[ParamCount]:
         first += n
         if stage == 0:
             count += ParamCount(sharded=shape.embedding)
-        if stage == pp - 1:
+        if stage == head_stage:
             count += ParamCount(replicated=shape.final_norm)
-            if not (shape.tie_word_embeddings and pp == 1):
+            if not (shape.tie_word_embeddings and head_stage == 0):
                 count += ParamCount(sharded=shape.head)
         result.append(count)
     return result
@@ -245,10 +247,12 @@ def stage_activation_bytes(
     held: int | None = None,
     cp: int = 1,
     loss_tile_tokens: int = 0,
+    head_stage: int | None = None,
 ) -> float:
     """Peak activation bytes on one device of `stage` (see the module docstring for the model); `moe_layers`
     of its `layers` are MoE layers; `held`: micro-batches in flight (default 1F1B's, `in_flight`); `cp`:
-    context parallelism (s/cp tokens per rank); `loss_tile_tokens`: the last stage's logits a tile at a time."""
+    context parallelism (s/cp tokens per rank); `loss_tile_tokens`: the last stage's logits a tile at a time;
+    `head_stage`: the rank holding the head and the loss (default the last)."""
     if shape.hidden_size == 0:
         return 0.0
 
@@ -270,7 +274,7 @@ def stage_activation_bytes(
     all_layers = (layers - moe_layers) * one(False) + (moe_layers * one(True) if moe_layers else 0.0)
     tokens = seq_len * micro_batch / cp
     hidden = tokens * shape.hidden_size * dtype_bytes(dtype) / (tp if sequence_parallel else 1)
-    first, last = stage == 0, stage == pp - 1
+    first, last = stage == 0, stage == (pp - 1 if head_stage is None else head_stage)
     held = in_flight(stage, pp, micro_batches) if held is None else held
     if checkpointing:
         per_micro_batch = layers * hidden

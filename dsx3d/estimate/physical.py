@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsx3d.estimate import context_parallel, kernels, memory, timing
+from dsx3d.estimate import context_parallel, kernels, memory, schedules, timing
 from dsx3d.estimate.devices import DeviceProfile
 from dsx3d.estimate.inputs import Setup, sequence_parallel
 from dsx3d.models.shape import ModelShape
@@ -158,7 +158,7 @@ def stage_terms(
         _layer_compute(terms, shape, setup, dev, layer.flop_params, layer.moe)
     if setup.activation_checkpointing:
         terms.add("recompute", 0.0, sum(terms.forward.values()))
-    last = stage == setup.pp - 1
+    last = stage == schedules.head_stage(setup.schedule, setup.pp)
     if last:
         _head(terms, shape, setup, dev)
     _communication(terms, shape, setup, dev, gpus_per_node, stage, layers, shape.moe_layers(first, layers))
@@ -179,7 +179,7 @@ def _communication(
     sp = sequence_parallel(shape, setup)
     w = memory.dtype_bytes(setup.dtype)
     place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=gpus_per_node, ep=setup.ep, cp=setup.cp)
-    last = stage == setup.pp - 1
+    last = stage == schedules.head_stage(setup.schedule, setup.pp)
     ckpt = setup.activation_checkpointing
     if t > 1:
         sent = timing.tp_bytes_per_micro_batch(

@@ -108,7 +108,7 @@ def step_time(
     terms["dp"] = dp_exposed
     terms["optimizer"] = optimizer
     tied = 0.0
-    if shape.tie_word_embeddings and p > 1:
+    if shape.tie_word_embeddings and p > 1 and schedules.head_stage(setup.schedule, p) > 0:
         width = 4 if setup.grad_accum_fp32 else memory.dtype_bytes(setup.dtype)
         nbytes = shape.embedding / setup.tp * width
         place = Layout(dp=setup.dp, tp=setup.tp, pp=p, gpus_per_node=gpus_per_node, cp=setup.cp)

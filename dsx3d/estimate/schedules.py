@@ -33,6 +33,22 @@ def _chunks(schedule: str, virtual_stages: int) -> int:
     return get_schedule(schedule).virtual_stages
 
 
+def head_stage(schedule: str, pp: int) -> int:
+    """The pipeline rank that runs the final norm, the head and the loss: the last, or rank 0 where the schedule
+    places its two chunks in a V (zb-v: rank 0 holds the first and the last stage)."""
+    if schedule in SCHEDULE_NAMES and get_schedule(schedule).placement == "v":
+        return 0
+    return pp - 1
+
+
+def rank_layers(schedule: str, stage_split: list[int], pp: int) -> list[int]:
+    """Decoder layers per rank from the split over the schedule's stages: one stage per rank, or (V-shaped) the
+    2 pp stages folded, rank r holding stages r and 2 pp - 1 - r. Looped chunks keep the per-rank split."""
+    if len(stage_split) == 2 * pp and head_stage(schedule, pp) == 0:
+        return [stage_split[r] + stage_split[2 * pp - 1 - r] for r in range(pp)]
+    return stage_split
+
+
 def pipeline_units(
     schedule: str, pp: int, micro_batches: int, costs: Ratios | None = None, virtual_stages: int = 1
 ) -> float:

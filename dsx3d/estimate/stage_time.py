@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsx3d.estimate import context_parallel, memory, timing
+from dsx3d.estimate import context_parallel, memory, schedules, timing
 from dsx3d.estimate.inputs import GB, Hardware, Setup, sequence_parallel
 from dsx3d.models.shape import ModelShape
 from dsx3d.plan.layout import Layout
@@ -25,7 +25,7 @@ def _stage_time(
     sp = sequence_parallel(shape, setup)
     width = memory.dtype_bytes(setup.dtype)
     place = Layout(dp=setup.dp, tp=t, pp=setup.pp, gpus_per_node=hw.gpus_per_node, ep=setup.ep, cp=setup.cp)
-    last = stage == setup.pp - 1
+    last = stage == schedules.head_stage(setup.schedule, setup.pp)
 
     def link(crosses: bool) -> float:
         return (hw.inter_node_gbps if crosses else hw.intra_node_gbps) * GB
@@ -103,6 +103,9 @@ def _stage_time(
     if shape.hidden_size == 0:
         forward_msg = backward_msg = 0
     sends = ([(forward_msg, stage)] if not last else []) + ([(backward_msg, stage - 1)] if stage > 0 else [])
+    if setup.pp > 1 and schedules.head_stage(setup.schedule, setup.pp) == 0:  # V: one chunk sends each way
+        edges = [k for k in (stage - 1, stage) if 0 <= k < setup.pp - 1]
+        sends = [(msg, k) for k in edges for msg in (forward_msg, backward_msg)]
     p2p_time = sum(msg / link(place.boundary_crosses_node(k)) for msg, k in sends)
     grad_width = 4 if setup.grad_accum_fp32 else width
     dense, experts = per_device

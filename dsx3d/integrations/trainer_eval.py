@@ -151,7 +151,7 @@ class EvaluationMixin(EngineTrainerBase):
         eval_do_concat_batches=False). Only the last stage's TP- and CP-rank-0 ranks send theirs."""
         place, layout = self._dsx3d.placement, self.layout
         mine = None
-        if place.pp == layout.pp - 1 and place.tp == 0 and place.cp == 0:
+        if self._engine().holds_loss and place.tp == 0 and place.cp == 0:
             mine = (
                 place.dp,
                 [(_trim(p, lab.shape), lab, ids) for p, (lab, ids) in zip(captured, kept, strict=True)],

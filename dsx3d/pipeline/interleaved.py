@@ -226,7 +226,7 @@ def virtual_stage_problems(recipe: Recipe, spec_chunks: int) -> Iterator[Problem
         yield Problem(
             KEY,
             v,
-            f"parallel.schedule {recipe.parallel.schedule} runs one stage per rank; only {NAME} runs virtual stages",
+            f"parallel.schedule {recipe.parallel.schedule} runs one stage per rank; {NAME} and zb-v run virtual stages",
             f"set parallel.schedule: {NAME}, or {KEY}: 1",
         )
 

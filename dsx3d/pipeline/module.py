@@ -185,12 +185,15 @@ def stage_bounds(config: PretrainedConfig, pp: int, seq_len: int, stage_layers: 
     return bounds_from_stage_layers(stage_layers_for(config, pp, seq_len, stage_layers), num_extra_first=1, num_extra_last=2)
 
 
-def pipeline_specs(builder: LayerBuilder, plan: FamilySpec, pp: int) -> list[DSLayerSpec]:
+def pipeline_specs(builder: LayerBuilder, plan: FamilySpec, pp: int, both_ends_on_one_rank: bool = False) -> list[DSLayerSpec]:
+    """The pipeline items. A tied embedding is built once per rank from the first spec that rank holds (DeepSpeed
+    reuses it for the second): it installs the head too where the rank holds both ends (pp = 1, V placement)."""
     n = builder.skeleton.num_layers
+    both = pp == 1 or both_ends_on_one_rank
     if plan.tied:
-        first: DSLayerSpec = TiedLayerSpec("embed", TiedEmbeddingPipe, builder, True, pp == 1, tied_weight_attr=["embed.weight"])
+        first: DSLayerSpec = TiedLayerSpec("embed", TiedEmbeddingPipe, builder, True, both, tied_weight_attr=["embed.weight"])
         last: DSLayerSpec = TiedLayerSpec(
-            "embed", TiedEmbeddingPipe, builder, pp == 1, True, forward_fn=tied_head_forward, tied_weight_attr=["embed.weight"]
+            "embed", TiedEmbeddingPipe, builder, both, True, forward_fn=tied_head_forward, tied_weight_attr=["embed.weight"]
         )
     else:
         first, last = LayerSpec(EmbeddingPipe, builder), LayerSpec(HeadPipe, builder)
@@ -209,9 +212,12 @@ def build_pipeline(
     lora: LoraSpec | None = None,
     loss_tile_tokens: int = 0,
     virtual_stages: int = 1,
+    placement: str = "looped",
 ) -> StagedPipelineModule:
     """Build this rank's stage. Needs an initialised process group (dsx3d.distributed.comm.init_distributed).
-    `sequence_parallel` takes effect with tp > 1 for families that allow it (`LayerBuilder`)."""
+    `sequence_parallel` takes effect with tp > 1 for families that allow it (`LayerBuilder`). With
+    `virtual_stages` > 1 the rank holds that many chunks, placed `placement` ("looped" or "v",
+    `dsx3d.pipeline.split.stage_of`)."""
     plan = resolve_family(config)
     rank = comm.get_rank()
     place = layout.placement(rank)
@@ -226,11 +232,11 @@ def build_pipeline(
         experts.group, experts.group_name = groups.ep_group, groups.name
     builder = LayerBuilder(config, plan, tp, source, experts, lora, cp)
     builder.loss_tile_tokens = loss_tile_tokens
-    specs = pipeline_specs(builder, plan, layout.pp)
+    specs = pipeline_specs(builder, plan, layout.pp, both_ends_on_one_rank=placement == "v")
     bounds = stage_bounds(config, layout.pp * virtual_stages, seq_len, stage_layers)
     chunks, order = None, None
-    if virtual_stages > 1:  # rank r holds stages r, pp + r, ...: its items made contiguous for DeepSpeed
-        order, bounds, chunks = looped_placement(bounds, layout.pp, virtual_stages)
+    if virtual_stages > 1:  # rank r holds stages r, pp + r, ... (or r and 2 pp - 1 - r): contiguous for DeepSpeed
+        order, bounds, chunks = looped_placement(bounds, layout.pp, virtual_stages, placement)
         specs = [specs[i] for i in order]
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,14 @@ schedule is one module that defines its `ScheduleSpec`, one line in `_SPECS`, an
 
 from __future__ import annotations
 
-from dsx3d.pipeline import interleaved, one_f_one_b, zb_h1
+from dsx3d.pipeline import interleaved, one_f_one_b, zb_h1, zb_v
 from dsx3d.pipeline.spec import ScheduleSpec
 
 _SPECS = (
     one_f_one_b.SPEC,
     zb_h1.SPEC,
     interleaved.SPEC,
+    zb_v.SPEC,
 )
 SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in _SPECS}
 DEFAULT_SCHEDULE = one_f_one_b.NAME
@@ -40,7 +41,7 @@ def planner_options(
     """(activation checkpointing, schedule, virtual stages) the planner tries: with pp > 1 each of `schedules`,
     with checkpointing only where the schedule takes it, and a schedule that runs several chunks per rank at
     every v from 2 to `max_chunks` its checker accepts (equal chunks of whole layers: pp x v dividing
-    `num_layers`; the micro-batches a multiple of pp); with pp = 1 the schedule does not matter (`default`)."""
+    `num_layers`; the micro-batches a multiple of pp), a V-shaped one at its two chunks; with pp = 1 the schedule does not matter (`default`)."""
     if pp == 1:
         return [(False, default, 1), (True, default, 1)]
     out = []
@@ -51,6 +52,8 @@ def planner_options(
                 continue
             if spec.virtual_stages == 1:
                 out.append((ckpt, name, 1))
+            elif spec.placement == "v":  # two chunks, any m
+                out += [(ckpt, name, spec.virtual_stages)] if num_layers and num_layers % (pp * spec.virtual_stages) == 0 else []
             elif micro_batches % pp == 0:
                 out += [(ckpt, name, v) for v in range(2, max_chunks + 1) if num_layers and num_layers % (pp * v) == 0]
     return out

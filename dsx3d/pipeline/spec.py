@@ -36,6 +36,9 @@ class ScheduleSpec:
     virtual_stages: int = 1
     """Model chunks per rank it runs (`parallel.virtual_stages`): > 1 for interleaved schedules, whose step model
     and held micro-batches are for that many."""
+    placement: str = "looped"
+    """How a rank's chunks are placed (`dsx3d.pipeline.split.stage_of`): "looped" (chunk c of rank r is stage
+    c p + r) or "v" (rank r holds stages r and 2p - 1 - r)."""
     installer: str | None = None
     """"module:function" taking (engine, recipe) that installs it into a PipelineEngine; None: DeepSpeed's own
     `TrainSchedule` runs."""

@@ -195,10 +195,30 @@ def with_layout_counts(section: object) -> object:
     return {**section, "stage_layers": counts}
 
 
-def looped_placement(bounds: list[int], pp: int, v: int) -> tuple[list[int], list[int], list[list[int]]]:
-    """Virtual stages placed looped (chunk c of rank r is stage c pp + r of v pp), given `bounds` over the v pp
-    stages: (the items in rank order, so that each rank's chunks are contiguous as DeepSpeed's partition wants
-    them; the ranks' bounds over that order; per rank, its chunks' bounds within its own items)."""
+def stage_of(rank: int, chunk: int, pp: int, shape: str = "looped") -> int:
+    """The pipeline stage of chunk `chunk` on rank `rank`: looped, stage chunk x pp + rank; V-shaped (two chunks),
+    rank r holds stages r and 2 pp - 1 - r, so the first and the last stage are both on rank 0."""
+    if shape == "v":
+        if chunk not in (0, 1):
+            raise ValueError(f"a V-shaped placement has two chunks per rank, not chunk {chunk}")
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def rank_of(stage: int, pp: int, shape: str = "looped") -> int:
+    """The rank holding pipeline stage `stage` (the inverse of `stage_of`)."""
+    if shape == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def looped_placement(
+    bounds: list[int], pp: int, v: int, shape: str = "looped"
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """Virtual stages placed on ranks (`stage_of`: looped, chunk c of rank r is stage c pp + r of v pp; or
+    V-shaped), given `bounds` over the v pp stages: (the items in rank order, so that each rank's chunks are
+    contiguous as DeepSpeed's partition wants them; the ranks' bounds over that order; per rank, its chunks'
+    bounds within its own items)."""
     if len(bounds) != pp * v + 1:
         raise ValueError(f"{pp} ranks x {v} chunks need {pp * v + 1} bounds, got {len(bounds)}")
     order: list[int] = []
@@ -206,7 +226,7 @@ def looped_placement(bounds: list[int], pp: int, v: int) -> tuple[list[int], lis
     for r in range(pp):
         local = [0]
         for c in range(v):
-            s = c * pp + r
+            s = stage_of(r, c, pp, shape)
             order += range(bounds[s], bounds[s + 1])
             local.append(local[-1] + bounds[s + 1] - bounds[s])
         parts.append(parts[-1] + local[-1])

@@ -25,7 +25,11 @@ import torch
 
 from dsx3d.boundary_types import PipeEngine
 
-PARTS = {"F": ("ForwardPass", "ChunkForward"), "B": ("BackwardPass", "BackwardInput", "ChunkBackward"), "W": ("BackwardWeight",)}
+PARTS = {
+    "F": ("ForwardPass", "ChunkForward"),
+    "B": ("BackwardPass", "BackwardInput", "ChunkBackward", "ChunkBackwardInput"),
+    "W": ("BackwardWeight", "ChunkBackwardWeight"),
+}
 RECV = ("RecvActivation", "RecvGrad", "ChunkRecvAct", "ChunkRecvGrad")
 SEND = ("SendActivation", "SendGrad", "PostActivation", "PostGrad", "ChunkSendAct", "ChunkSendGrad")
 LOAD = ("LoadMicroBatch", "ChunkLoad")

@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from dsx3d.boundary_types import PipeEngine
 from dsx3d.distributed.pending_sends import PendingSends
 from dsx3d.distributed.tensor_parallel.weight_grad import DEFER_OK, WEIGHT_GRADS, defer_linears
-from dsx3d.pipeline import zb_greedy
+from dsx3d.pipeline import zb_greedy, zb_h1
 from dsx3d.pipeline.posted_1f1b import PostActivation, PostGrad, add_posted_sends
 from dsx3d.pipeline.zb_auto import MeasuredCosts
 
@@ -80,20 +80,19 @@ def _storages(received: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
 
-def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | str | None = None) -> None:
-    """Run `engine` (a DeepSpeed PipelineEngine) on ZB-H1: its train schedule, B and W instructions, and the
-    plain `nn.Linear`s of its stage rewired to defer their weight gradients. `costs`: the relative F, B, W
-    durations the order is built for (None: equal; "auto": measured in steps 2 and 3, `zb_auto`). Refuses a gradient path that
-    accumulates outside `.grad` (ZeRO's separate fp32 accumulation attribute, BF16 immediate updates)."""
+def prepare_deferred_weight_grads(engine: PipeEngine, name: str) -> None:
+    """Rewire the plain `nn.Linear`s of `engine`'s module to defer their weight gradients (B and W passes of
+    schedule `name`). Refuses a gradient path that accumulates outside `.grad` (ZeRO's separate fp32
+    accumulation attribute, BF16 immediate updates) or reduces from hooks inside the backward."""
     optimizer = getattr(engine, "optimizer", None)
     if getattr(optimizer, "use_grad_accum_attribute", False) or getattr(optimizer, "immediate_grad_update", False):
         raise RuntimeError(
-            "parallel.schedule zb-h1: this DeepSpeed optimizer accumulates gradients in hooks, which deferred "
+            f"parallel.schedule {name}: this DeepSpeed optimizer accumulates gradients in hooks, which deferred "
             "weight gradients bypass; use bf16 with data_types.grad_accum_dtype fp32, fp32, or schedule 1f1b"
         )
     if getattr(optimizer, "partition_gradients", False) or getattr(optimizer, "overlap_comm", False):
         raise RuntimeError(
-            "parallel.schedule zb-h1: ZeRO reduces gradients from hooks during the backward here (overlap_comm or "
+            f"parallel.schedule {name}: ZeRO reduces gradients from hooks during the backward here (overlap_comm or "
             "partitioned gradients); remove zero_optimization.overlap_comm, or use schedule 1f1b"
         )
     for p in engine.module.parameters():
@@ -102,6 +101,32 @@ def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | 
             setattr(p, DEFER_OK, True)  # ZeRO-1 bookkeeping only: it reduces `.grad` at ReduceGrads
     defer_linears(engine.module)
     WEIGHT_GRADS.clear()
+
+
+def weight_pass(engine: PipeEngine, buffer_id: int) -> None:
+    """W: the queued weight gradients of the B pass of `buffer_id`, added to `.grad` (with bf16, through the
+    optimizer's fp32 accumulators as B's were)."""
+    bf16 = bool(getattr(engine, "using_bf16_optimizer", False))
+    if bf16:  # B's low-precision grads are in the fp32 accumulators already; add W's the same way
+        engine.optimizer.clear_lp_grads()
+    WEIGHT_GRADS.run(buffer_id)
+    if bf16:
+        engine.optimizer.update_hp_grads(clear_lp_grads=False)
+
+
+def check_weight_passes_ran(name: str) -> None:
+    """Before the gradient reduce: every B pass's W has run (and the queue is emptied either way)."""
+    left = sorted(k for k, jobs in WEIGHT_GRADS.pending.items() if jobs)
+    WEIGHT_GRADS.clear()
+    if left:
+        raise RuntimeError(f"{name}: the W passes of micro-batches {left} never ran before the gradient reduce")
+
+
+def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | str | None = None) -> None:
+    """Run `engine` (a DeepSpeed PipelineEngine) on ZB-H1: its train schedule, B and W instructions, and the
+    plain `nn.Linear`s of its stage rewired to defer their weight gradients. `costs`: the relative F, B, W
+    durations the order is built for (None: equal; "auto": measured in steps 2 and 3, `zb_auto`)."""
+    prepare_deferred_weight_grads(engine, zb_h1.NAME)
     SENDS.wait()
     table = dict(engine._INSTRUCTION_MAP)
     backward = table[ds_schedule.BackwardPass]
@@ -115,24 +140,13 @@ def install_zero_bubble(engine: PipeEngine, costs: tuple[float, float, float] | 
         # micro-batch's gradient. Only those get a private copy.
         WEIGHT_GRADS.own_grads(buffer_id, _storages(self.grad_layer))
 
-    def backward_weight(self: PipeEngine, buffer_id: int) -> None:
-        bf16 = bool(getattr(self, "using_bf16_optimizer", False))
-        if bf16:  # B's low-precision grads are in the fp32 accumulators already; add W's the same way
-            self.optimizer.clear_lp_grads()
-        WEIGHT_GRADS.run(buffer_id)
-        if bf16:
-            self.optimizer.update_hp_grads(clear_lp_grads=False)
-
     def reduce_grads_checked(self: PipeEngine) -> None:
         SENDS.wait()
-        left = sorted(k for k, jobs in WEIGHT_GRADS.pending.items() if jobs)
-        WEIGHT_GRADS.clear()
-        if left:
-            raise RuntimeError(f"zb-h1: the W passes of micro-batches {left} never ran before the gradient reduce")
+        check_weight_passes_ran(zb_h1.NAME)
         reduce_grads(self)
 
     table[BackwardInput] = backward_input
-    table[BackwardWeight] = backward_weight
+    table[BackwardWeight] = weight_pass
     add_posted_sends(table, SENDS)
     table[ds_schedule.ReduceGrads] = reduce_grads_checked
     engine._INSTRUCTION_MAP = table

@@ -49,6 +49,9 @@ class SweepCase:
     """Saved as a published checkpoint (bf16, sharded, indexed) and read back through verify's --model."""
     cp: int = 1
     """Context parallelism (`cp_sweep_cases`); layout stays (dp, tp, pp)."""
+    schedule: str = ""
+    """parallel.schedule (`schedule_sweep_cases`; empty: the default), with `micro_batches` micro-batches."""
+    micro_batches: int = 0
 
     def config(self) -> PretrainedConfig:
         return tiny_config(self.family, **self.dims)
@@ -58,14 +61,15 @@ class SweepCase:
         dims = ",".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
         ckpt = ",ckpt" if self.checkpoint else ""
         cp = f"cp{self.cp}" if self.cp > 1 else ""
-        return f"{self.family}[{dims}]@dp{self.layout[0]}{cp}tp{self.layout[1]}pp{self.layout[2]}z{self.zero_stage},{self.dtype}{ckpt}"
+        sched = f",{self.schedule}m{self.micro_batches}" if self.schedule else ""
+        return f"{self.family}[{dims}]@dp{self.layout[0]}{cp}tp{self.layout[1]}pp{self.layout[2]}z{self.zero_stage},{self.dtype}{ckpt}{sched}"
 
     def stage_layers(self) -> list[int] | None:
         """An even split for bf16 pipelines: DeepSpeed's BF16_Optimizer crashes on a stage without parameter
         groups ("stack expects a non-empty TensorList"), which the cost-balanced split of a large-vocabulary
         head produces; fp32 keeps the balanced split."""
         pp = self.layout[2]
-        if self.dtype != "bf16" or pp == 1:
+        if self.dtype != "bf16" or pp == 1 or self.schedule:  # schedules with chunks take the cost split only
             return None
         layers = int(self.config().get_text_config().num_hidden_layers)
         if layers < pp:
@@ -138,6 +142,37 @@ def sweep_cases(count: int, seed: int = 0, layouts: list[tuple[tuple[int, int, i
         return SweepCase(family, _dims(rng), layout, zero, dtype, checkpoint=rng.random() < 0.25)
 
     return _draw_cases(count, [f for f in families_with_plans() if refusal(f, 2) is None], draw)
+
+
+SCHEDULE_LAYOUTS: list[tuple[int, int, int]] = [(1, 1, 2), (1, 2, 2), (2, 1, 2), (1, 1, 4)]
+
+
+def schedule_sweep_cases(count: int, seed: int = 0, schedules: tuple[str, ...] | None = None) -> list[SweepCase]:
+    """`count` cases, round-robin over the pipeline schedules of the registry (`schedules`: those only): a dense
+    family at tp 2 with random awkward sizes, 2 pp decoder layers (one per virtual stage of two chunks a rank),
+    a pipelined layout, ZeRO-1, fp32 or bf16, and pp or 2 pp micro-batches (every schedule's order takes a
+    multiple of pp)."""
+    from dsx3d.models.moe import experts_per_layer
+    from dsx3d.pipeline.registry import SCHEDULE_NAMES
+
+    rng = random.Random(seed)
+    names = schedules or SCHEDULE_NAMES
+    drawn = [0]
+
+    def draw(family: str) -> SweepCase:
+        layout = SCHEDULE_LAYOUTS[rng.randrange(len(SCHEDULE_LAYOUTS))]
+        pp = layout[2]
+        dims = {**_dims(rng), "num_hidden_layers": 2 * pp}
+        schedule = names[drawn[0] % len(names)]
+        return SweepCase(family, dims, layout, 1, rng.choice(DTYPES), schedule=schedule, micro_batches=pp * rng.choice((1, 2)))
+
+    def accept(case: SweepCase, config: PretrainedConfig) -> bool:
+        if experts_per_layer(config) is not None or getattr(config.get_text_config(), "num_hidden_layers", 0) != 2 * case.layout[2]:
+            return False
+        drawn[0] += 1
+        return True
+
+    return _draw_cases(count, [f for f in families_with_plans() if refusal(f, 2) is None], draw, accept)
 
 
 CP_LAYOUTS: list[tuple[tuple[int, int, int, int], int]] = [

@@ -1,6 +1,7 @@
 """Pipeline bubble: 1F1B, zb-h1 (the ZB-H1 order for equal costs), zb-h1 with `zb_costs: auto` (the
 cost-aware order built from the F, B, W durations the engine measured in its second and third steps) and
-interleaved 1F1B at v = 2 and 4 chunks per rank, at p = 2 and 4.
+interleaved 1F1B at v = 2 and 4 chunks per rank, and ZB-V (two chunks per rank in a V; equal or measured
+costs), at p = 2 and 4.
 
 Method. For each p, one engine per (schedule, m) (pp = p, dp = tp = 1, same model, micro-batch and split) is
 built in the same p forked ranks; all are stepped in every round, the order reversed every other round
@@ -21,7 +22,7 @@ MALLOC_MMAP_THRESHOLD_=65536 so freed tensors leave the RSS).
 
     python -m scripts.bench.bubble [--quick] [--pp 2 4] [--micro-batches 4 8 16] [--rounds N] [--no-write]
         [--stage-layers 2 1 1 0]   (an explicit split for the p it fits; results under their own key)
-        [--schedules 1f1b interleaved-v2 interleaved-v4 --layers 16 --vocab 1024]   (interleaved 1F1B at v = 2, 4)
+        [--schedules 1f1b interleaved-v2 interleaved-v4 zb-v zb-v-auto --layers 16 --vocab 1024]   (chunked rows)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from dsx3d.distributed import comm
+from dsx3d.pipeline.registry import get_schedule
 from dsx3d.pipeline.stage_clock import StageClock
 from dsx3d.verify.harness import run_ranks, warm_up
 from scripts.bench import common as bc
@@ -44,9 +46,12 @@ SCHEDULES: dict[str, tuple[str, str | None, int]] = {  # row name: (parallel.sch
     "zb-h1-auto": ("zb-h1", "auto", 1),
     "interleaved-v2": ("interleaved-1f1b", None, 2),
     "interleaved-v4": ("interleaved-1f1b", None, 4),
+    "zb-v": ("zb-v", None, 2),
+    "zb-v-auto": ("zb-v", "auto", 2),
 }
 DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "zb-h1-auto")
-"""The interleaved rows need p v decoder layers (`--layers`) and m a multiple of p: named with --schedules."""
+"""The interleaved rows need p v decoder layers (`--layers`) and m a multiple of p, the zb-v rows 2p layers: named
+with --schedules."""
 
 
 def _key(schedule: str, m: int) -> str:
@@ -92,7 +97,7 @@ def run_pp(
     per_rank = run_ranks(worker, p, works, state, p, rounds, 4, schedules, stage_layers, timeout_s=3000)
     per_rank.sort(key=lambda r: r["stage"])
     rows = [
-        {"schedule": name, "p": p, "m": m, **stage_figures(per_rank, _key(name, m), m)}
+        {"schedule": name, "p": p, "m": m, **stage_figures(per_rank, _key(name, m), m, get_schedule(SCHEDULES[name][0]).placement)}
         for name in schedules
         for m in works
     ]
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         **meta,
         "what": "idle fraction per pipeline stage of each schedule (1F1B, zb-h1, zb-h1 with measured costs, interleaved "
-        "1F1B at v chunks per rank), against each order's bound",
+        "1F1B at v chunks per rank, ZB-V), against each order's bound",
         "cores": len(__import__("os").sched_getaffinity(0)),
         "workload": {
             "micro_batch": 2, "seq_len": seq, "dtype": "fp32",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dsx3d.pipeline import interleaved, zb_greedy, zb_plan
+from dsx3d.pipeline import interleaved, zb_greedy, zb_plan, zb_v, zb_v_order
 from dsx3d.pipeline.stage_clock import PARTS, breakdown, category, part_costs
 from scripts.bench.replay import replay
 from scripts.bench.results import rounded
@@ -20,7 +20,7 @@ def _ms(values: list[float]) -> float:
     return rounded(1e3 * statistics.median(values), 3)
 
 
-def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int) -> dict[str, Any]:
+def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int, shape: str = "looped") -> dict[str, Any]:
     n_steps = len(per_rank[0]["steps"][name])
     stages = [r["stage"] for r in per_rank]
     idle: dict[int, list[float]] = {s: [] for s in stages}
@@ -30,7 +30,7 @@ def stage_figures(per_rank: list[dict[str, Any]], name: str, m: int) -> dict[str
     windows, replayed = [], []
     for i in range(n_steps):
         steps = {r["stage"]: r["steps"][name][i] for r in per_rank}
-        replayed.append(replay({s: [(e.name, e.busy, e.chunk) for e in st["events"]] for s, st in steps.items()}))
+        replayed.append(replay({s: [(e.name, e.busy, e.chunk) for e in st["events"]] for s, st in steps.items()}, shape))
         start = max(st["start"] for st in steps.values())
         end = max(e.end for st in steps.values() for e in st["events"] if e.name in PASSES)
         windows.append(end - start)
@@ -104,6 +104,19 @@ def _interleaved_bounds(row: dict[str, Any], p: int, m: int, v: int) -> None:
     row["simulated"] = rounded(1 - m * v * (f + b) / finish, 3)
 
 
+def _zb_v_bounds(row: dict[str, Any], p: int, m: int, agreed: zb_greedy.Costs | None) -> None:
+    """The row's ZB-V order (built for the costs the run measured, else `BUILD_DEFAULT`) with the costs it was
+    built for, and with this row's CPU costs per chunk pass (mean over ranks)."""
+    build = zb_v_order.BUILD_DEFAULT
+    if agreed is not None:
+        build = zb_v_order.VCosts(*(statistics.fmean(getattr(agreed, k)) for k in ("f", "b", "w")))
+    c = row["cpu_ms_per_pass"]
+    real = zb_v_order.VCosts(*(statistics.fmean(x for x in c[k] if x is not None) for k in ("F", "B", "W")))
+    for key, costs in (("analytic", build), ("simulated", real)):
+        plan = zb_v_order.run_plan(p, m, build, costs)
+        row[key] = rounded(1 - 2 * m * (costs.f + costs.b + costs.w) / zb_v_order.makespan(plan), 3)
+
+
 def compare(
     rows: list[dict[str, Any]], per_rank: list[dict[str, Any]], schedules: dict[str, tuple[str, str | None, int]]
 ) -> None:
@@ -118,6 +131,8 @@ def compare(
             row["measured_costs_ms"] = {k: [rounded(1e3 * x, 3) for x in getattr(agreed, k)] for k in ("f", "b", "w")}
         if kind == interleaved.NAME:
             _interleaved_bounds(row, p, m, v)
+        elif kind == zb_v.NAME:
+            _zb_v_bounds(row, p, m, agreed)
         elif kind == "1f1b":
             row["analytic"] = rounded((p - 1) / (m + p - 1), 3)
         else:
@@ -125,7 +140,7 @@ def compare(
                 zb_plan.analytic_idle(p, m), 3
             )
         source = by.get(("zb-h1", m)) or by.get(("zb-h1-auto", m))
-        if source is not None and kind != interleaved.NAME:  # this run's per-stage CPU costs of F, B and W
+        if source is not None and kind not in (interleaved.NAME, zb_v.NAME):  # this run's per-stage CPU costs of F, B and W
             c = source["cpu_ms_per_pass"]
             measured = zb_greedy.Costs(*(tuple(x or 1e-3 for x in c[k]) for k in ("F", "B", "W")))
             row["simulated"] = _idle(zb_greedy.simulate(_orders(kind, p, m, agreed), measured))

@@ -53,10 +53,11 @@ timeout 450 "$PY" -m scripts.bench.gpu "$@"
 if [ "${DSX3D_GPU_MEMORY:-1}" != 0 ]; then
   timeout 300 "$PY" -m scripts.bench.memory --device cuda >&2
 fi
-# zero bubble: measured idle per stage and step-window ratio, zb-h1 against 1f1b (p 2, m 4 8 16; CPU ranks on
-# the GPU box: the schedule's order and the engine's overheads, not GPU kernels); DSX3D_GPU_ZB=0 skips it
+# zero bubble: measured idle per stage and step-window ratio, zb-h1 and zb-v against 1f1b (p 2, m 4 8 16; CPU
+# ranks on the GPU box: the schedule's order and the engine's overheads, not GPU kernels); DSX3D_GPU_ZB=0 skips it
 if [ "${DSX3D_GPU_ZB:-1}" != 0 ]; then
-  timeout 500 "$PY" -m scripts.bench.bubble --pp 2 --micro-batches 4 8 16 --rounds 6 >&2
+  timeout 500 "$PY" -m scripts.bench.bubble --pp 2 --micro-batches 4 8 16 --rounds 6 \
+    --schedules 1f1b zb-h1 zb-h1-auto zb-v zb-v-auto >&2
 fi
 # issue 32: torch.distributed.pipelining's schedules beside dsx3d's (p 2, m 8 16), CPU ranks with gloo on the GPU
 # box's idle cores (a quiet machine for the ratios; one GPU cannot hold two NCCL ranks); DSX3D_GPU_PEER=0 skips it

@@ -10,7 +10,8 @@ Contenders, all from the same initial weights and the same batches, in the same 
                       the squared norm all-reduced over the pipeline (as torchtitan does), torch AdamW;
   dsx3d:<schedule>  - dsx3d's engine (DeepSpeed's PipelineEngine) with the recipe a user writes for the same
                       step (AdamW, clipping 1.0, constant LR, fp32, ZeRO stage `--zero`); interleaved-1f1b with
-                      parallel.virtual_stages 2 (rank r holding stages r and r + p, as torch's looped ones).
+                      parallel.virtual_stages 2 (rank r holding stages r and r + p, as torch's looped ones);
+                      zb-v with two chunks V-shaped, as torch's ZBVZeroBubble and DualPipeV.
 The split: dsx3d's cost-balanced split (`dsx3d.pipeline.split.stage_layers_for`) for the number of stages
 (p for dsx3d and the one-stage-per-rank schedules, 2p for the two-stage-per-rank ones).
 
@@ -48,7 +49,7 @@ TORCH_SCHEDULES = {  # name -> (class name, placement): one stage per rank, loop
     "torch:zbv": ("ScheduleZBVZeroBubble", "v"),
     "torch:dualpipev": ("ScheduleDualPipeV", "v"),
 }
-DSX3D_SCHEDULES = ("dsx3d:1f1b", "dsx3d:zb-h1", "dsx3d:interleaved-1f1b")
+DSX3D_SCHEDULES = ("dsx3d:1f1b", "dsx3d:zb-h1", "dsx3d:interleaved-1f1b", "dsx3d:zb-v")
 
 
 def peer_config(quick: bool) -> Any:
@@ -144,13 +145,14 @@ def torch_contender(name: str, work: bc.Workload, state: dict[str, torch.Tensor]
 
 def dsx3d_contender(name: str, work: bc.Workload, state: dict[str, torch.Tensor], zero: int) -> bc.Contender:
     """`dsx3d:SCHEDULE`, with `/zN` for zero.stage N instead of `zero`, `/vN` for N virtual stages per rank
-    (interleaved-1f1b; default 2) and `/lockstep` for DeepSpeed's own TrainSchedule (1f1b: blocking sends,
-    each forward's output sent in the next step) instead of dsx3d's posted 1F1B."""
+    (interleaved-1f1b; default 2), `/auto` for parallel.zb_costs auto (zb-h1, zb-v: the order built from the
+    F, B and W durations measured in the run) and `/lockstep` for DeepSpeed's own TrainSchedule (1f1b: blocking
+    sends, each forward's output sent in the next step) instead of dsx3d's posted 1F1B."""
     schedule, *options = name.split(":", 1)[1].split("/")
-    given = {o[0]: int(o[1:]) for o in options if o != "lockstep"}
+    given = {o[0]: int(o[1:]) for o in options if o not in ("lockstep", "auto")}
     contender = bc.dsx3d_contender(
         name, work, state, dp=1, pp=comm.get_world_size(), schedule=schedule, zero_stage=given.get("z", zero),
-        virtual_stages=given.get("v"),
+        virtual_stages=given.get("v"), zb_costs="auto" if "auto" in options else None,
     )
     if "lockstep" in options:
         assert schedule == "1f1b", "/lockstep: DeepSpeed's TrainSchedule is a 1F1B"

@@ -8,7 +8,7 @@ send (the k-th SendActivation of stage s pairs with the k-th RecvActivation of s
 RecvGrad the other way); a blocking send (DeepSpeed's) also ends no earlier than its receive starts, a
 posted one (zb-h1's PostActivation and PostGrad, interleaved 1F1B's chunk sends) does not wait. Transfers take
 no time. An instruction of an interleaved schedule carries its chunk c: on rank r it belongs to virtual stage
-c p + r, and its messages pair by virtual stage (the k-th send of virtual stage s to s + 1 with the k-th
+c p + r (V-shaped, zb-v: r or 2p - 1 - r), and its messages pair by virtual stage (the k-th send of virtual stage s to s + 1 with the k-th
 receive of s + 1 from s, whichever ranks hold them).
 
     replay({stage: [(name, cpu_seconds[, chunk]), ...]}) -> {"window": s, "busy": {stage: s}, "finish": {stage: s}}
@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-BUSY = ("ForwardPass", "BackwardPass", "BackwardInput", "BackwardWeight", "ChunkForward", "ChunkBackward")
+from dsx3d.pipeline.split import stage_of
+
+BUSY = (
+    "ForwardPass", "BackwardPass", "BackwardInput", "BackwardWeight",
+    "ChunkForward", "ChunkBackward", "ChunkBackwardInput", "ChunkBackwardWeight",
+)
 _PEER = {  # instruction -> (channel, role, stage offset of the peer)
     "SendActivation": ("act", "send", 1),
     "PostActivation": ("act", "post", 1),
@@ -33,8 +38,9 @@ _PEER = {  # instruction -> (channel, role, stage offset of the peer)
 }
 
 
-def replay(programs: dict[int, list[tuple[Any, ...]]]) -> dict[str, Any]:
-    """Each stage's instructions in order, with durations (and chunks); the replayed window (to the last busy end)."""
+def replay(programs: dict[int, list[tuple[Any, ...]]], shape: str = "looped") -> dict[str, Any]:
+    """Each stage's instructions in order, with durations (and chunks, placed `shape`:
+    `dsx3d.pipeline.split.stage_of`); the replayed window (to the last busy end)."""
     p = len(programs)
     clock = dict.fromkeys(programs, 0.0)
     pos = dict.fromkeys(programs, 0)
@@ -51,7 +57,7 @@ def replay(programs: dict[int, list[tuple[Any, ...]]]) -> dict[str, Any]:
                 start = clock[s]
                 if name in _PEER:
                     channel, role, off = _PEER[name]
-                    vs = (chunk[0] or 0) * p + s if chunk else s  # the virtual stage
+                    vs = stage_of(s, chunk[0] or 0, p, shape) if chunk else s  # the virtual stage
                     key = (channel, vs, vs + off) if role != "recv" else (channel, vs + off, vs)
                     k = count.get((key, role), 0)
                     if role == "recv":

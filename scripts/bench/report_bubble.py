@@ -29,7 +29,8 @@ def bubble(r: dict[str, Any], header: list[str]) -> list[str]:
         "second and third steps). Idle: mean over stages; wall, and replayed with each instruction's CPU time as its duration "
         "(`scripts/bench/replay.py`; wall time on this shared machine mostly measures the wait for a core). `bound`: the "
         "schedule's own (1F1B (p-1)/(m+p-1); ZB-H1 for F = B = W; the auto order simulated with its measured costs; "
-        "interleaved (p-1)/(v m+p-1)); v: chunks per rank; "
+        "interleaved (p-1)/(v m+p-1); ZB-V: its order with the costs it was built for, B = 1.25 F, W = 0.6 F by "
+        "default, the measured ones with `auto`); v: chunks per rank; "
         "`simulated`: the row's order with this run's per-stage CPU costs and free transfers. Ratios: new / 1F1B per "
         "round, median [min-max].",
         "",

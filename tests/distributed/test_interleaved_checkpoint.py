@@ -1,5 +1,6 @@
-"""Checkpoints and the HF export with virtual stages (parallel.virtual_stages: 2, interleaved-1f1b), on 2 forked
-gloo ranks with tied embeddings (chunk 0 of rank 0 and chunk 1 of rank 1 share the embedding): before any step
+"""Checkpoints and the HF export with virtual stages (parallel.virtual_stages: 2, interleaved-1f1b and zb-v), on 2
+forked gloo ranks with tied embeddings (looped: chunk 0 of rank 0 and chunk 1 of rank 1 share the embedding; V-shaped:
+both are rank 0's): before any step
 the last stage's logits equal HF's; after a step the collective export equals the offline `dsx3d export` of the DeepSpeed checkpoint bit for bit (its layer files
 are named by item, not by DeepSpeed's rank order), from_pretrained of the export gives the engine's own held-out
 loss (eval_batch runs the chunks forward only), and a fresh engine loading the checkpoint takes the next step
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from dsx3d.models.known_families import tiny_config
 from dsx3d.pipeline.interleaved import NAME
+from dsx3d.pipeline.zb_v import NAME as ZB_V
 from dsx3d.recipe.schema import ModelSection, Recipe, dump_recipe, recipe_from_dict
 from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import ParityCase, case_recipe, make_batches, micro_batch
@@ -56,18 +58,21 @@ def _rank(rank: int, case: ParityCase, recipe: Recipe, batches: torch.Tensor, tm
     return {"logits": logits, "eval": held_out, "next": uninterrupted, "resumed": again, "first": first}
 
 
-def test_checkpoint_export_and_resume_with_virtual_stages(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", [NAME, ZB_V])
+def test_checkpoint_export_and_resume_with_virtual_stages(tmp_path: Path, schedule: str) -> None:
+    """Looped chunks (the loss on rank 1) and V-shaped ones (both ends, and the tied embedding, on rank 0)."""
     from dsx3d.cli import main
 
     config = tiny_config("qwen3", tie_word_embeddings=True)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
-    case = ParityCase(config, dp=1, tp=1, pp=2, micro_batches=2, steps=3, lr=3e-3, schedule=NAME)
+    case = ParityCase(config, dp=1, tp=1, pp=2, micro_batches=2, steps=3, lr=3e-3, schedule=schedule)
     recipe = case_recipe(case)
     assert recipe.parallel.virtual_stages == 2
     recipe.model = ModelSection(name_or_path=str(tmp_path / "hf"))
     batches = make_batches(case)
-    (_, result) = run_ranks(_rank, case.world_size, case, recipe, batches, tmp_path)  # rank 1: the last stage
+    results = run_ranks(_rank, case.world_size, case, recipe, batches, tmp_path)
+    result = results[0 if schedule == ZB_V else 1]  # the rank of the last stage
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():  # before any step: the chunks' forward is the HF model's
         expected = reference(input_ids=batches[0][:2]).logits
@@ -91,7 +96,8 @@ def test_checkpoint_export_and_resume_with_virtual_stages(tmp_path: Path) -> Non
 
 
 @pytest.mark.skipif(not os.environ.get("DSX3D_INTERLEAVED_SWEEP"), reason="opt-in: DSX3D_INTERLEAVED_SWEEP=1")
-def test_dsx3d_train_with_virtual_stages_stops_and_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", [NAME, ZB_V])
+def test_dsx3d_train_with_virtual_stages_stops_and_resumes(tmp_path: Path, schedule: str) -> None:
     """`dsx3d.train.train` (what `dsx3d train` runs per rank) at pp 2 x v 2 with evaluation and checkpoints: a run
     stopped after 2 steps and resumed for 2 more gives the losses of an uninterrupted 4-step run."""
     from tests.helpers.recipes import tiny_recipe_dict
@@ -100,7 +106,7 @@ def test_dsx3d_train_with_virtual_stages_stops_and_resumes(tmp_path: Path) -> No
         return recipe_from_dict(
             tiny_recipe_dict(
                 model={"config": {"num_hidden_layers": 4}},  # one per virtual stage
-                parallel={"dp": 1, "tp": 1, "pp": 2, "schedule": NAME, "virtual_stages": 2},
+                parallel={"dp": 1, "tp": 1, "pp": 2, "schedule": schedule, "virtual_stages": 2},
                 cluster={"nodes": 1, "gpus_per_node": 2},
                 train={"steps": 4, "seq_len": 16, "micro_batch_size": 1, "gradient_accumulation_steps": 4,
                        "save_interval": 2, "keep_checkpoints": 2, "dtype": "fp32"},

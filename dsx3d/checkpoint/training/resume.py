@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dsx3d.checkpoint.training.disk_format import LAYOUT_FILE, RECIPE_FILE
 from dsx3d.errors import Problem, UserError
+from dsx3d.pipeline.registry import get_schedule
 from dsx3d.plan.layout import Layout
 from dsx3d.recipe.schema import Recipe, load_recipe
 
@@ -127,6 +128,15 @@ def plan_resume(
                 v_new,
                 "the optimizer state is laid out per rank's chunks, and resharding between virtual-stage counts is "
                 "not built (the layer files and `dsx3d export` are the same at any count)",
+            )
+        placed_old, placed_new = get_schedule(old.parallel.schedule).placement, get_schedule(new.parallel.schedule).placement
+        if v_old == v_new > 1 and placed_old != placed_new:
+            refuse(
+                "parallel.schedule",
+                old.parallel.schedule,
+                new.parallel.schedule,
+                f"the checkpoint's chunks are placed {placed_old}, this schedule's {placed_new}: each rank would hold "
+                "other layers, and the optimizer state is laid out per rank's chunks",
             )
         if saved_layout is not None:
             before, after = _global_batch(old, saved_layout.dp), _global_batch(new, layout.dp)
