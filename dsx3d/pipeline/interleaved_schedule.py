@@ -10,7 +10,8 @@ DeepSpeed's own `_exec_forward_pass`, `_exec_backward_pass` and `_exec_load_micr
 `is_first_stage` / `is_last_stage` answering for the chunk (stage 0 is chunk 0 of rank 0, the last stage chunk
 v - 1 of rank p - 1; outside a chunk's pass they answer for the rank, so the loss broadcast, the tied-gradient
 reduce and the data iterator stay DeepSpeed's). Messages go through `dsx3d.distributed.tagged_p2p` (posted
-sends, blocking receives, one tag per stream: receiving stage and direction), since with p = 2 two ranks
+sends; each stream's next receive posted ahead, `ChunkRuntime.next_message`; one tag per stream: receiving stage
+and direction), since with p = 2 two ranks
 exchange activations and gradients both ways; the first message of each activation stream carries the
 shapes and dtypes. ZeRO-1's optimizer, the gradient reduce, clipping and the optimizer step see the one module
 holding every chunk. `eval_batch` runs every micro-batch through the chunks in order (forward only).
@@ -156,6 +157,37 @@ class ChunkRuntime:
         self.micro_batches = 0
         """Of the schedule running (a V-shaped first stage's load puts the labels in the last stage's buffer)."""
         self.loading_both = False
+        self.ahead: dict[int, deque[list[tuple[Any, torch.Tensor]]]] = {}
+        """Per stream (tag), the next message's receives, posted ahead so that gloo can move it while both
+        ranks compute."""
+        self.left: dict[int, int] = {}
+        """Per stream, the messages of this step not yet posted."""
+
+    def begin(self, engine: PipeEngine, micro_batches: int, forward_only: bool) -> None:
+        """A step (or an evaluation) starts: each stream from another rank brings one message per micro-batch."""
+        self.micro_batches = micro_batches
+        if any(self.ahead.values()):
+            raise RuntimeError(f"interleaved-1f1b: receives {sorted(k for k, q in self.ahead.items() if q)} left from the last step")
+        self.left = {}
+        for c in range(self.chunks):
+            s = self.stage(c)
+            if s > 0 and self.peer(engine, s - 1) != engine.global_rank:
+                self.left[2 * s] = micro_batches
+            if not forward_only and s < self.last and self.peer(engine, s + 1) != engine.global_rank:
+                self.left[2 * s + 1] = micro_batches
+
+    def next_message(self, engine: PipeEngine, tag: int, src: int, likes: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """The stream's next message, from the receives posted ahead (or posted now); then the one after it is
+        posted, if this step has one."""
+        queue = self.ahead.setdefault(tag, deque())
+        if not queue:
+            queue.append(self.links.post_recv(likes, src, tag, engine.device))
+            self.left[tag] = self.left.get(tag, 1) - 1
+        got = self.links.take(queue.popleft())
+        if self.left.get(tag, 0) > 0:
+            queue.append(self.links.post_recv(likes, src, tag, engine.device))
+            self.left[tag] -= 1
+        return got
 
     def stage(self, chunk: int) -> int:
         return stage_of(self.rank, chunk, self.p, self.shape)
@@ -223,10 +255,7 @@ def recv_activation(engine: PipeEngine, buffer_id: int, chunk: int) -> None:
     if tag not in rt.shapes:
         rt.shapes[tag] = decode_meta(rt.links.recv(torch.empty(_META, dtype=torch.int64), src, tag))
     single, specs = rt.shapes[tag]
-    got = []
-    for dtype, shape in specs:
-        t = rt.links.recv(torch.empty(shape, dtype=dtype, device=engine.device), src, tag)
-        got.append(t.requires_grad_() if t.is_floating_point() else t)
+    got = [t.requires_grad_() if t.is_floating_point() else t for t in rt.next_message(engine, tag, src, specs)]
     engine.pipe_buffers["inputs"][buffer_id] = got[0] if single else tuple(got)
 
 
@@ -256,7 +285,8 @@ def recv_grad(engine: PipeEngine, buffer_id: int, chunk: int) -> None:
     if src == engine.global_rank:
         grads = rt.local[tag].popleft()
     else:
-        grads = tuple(rt.links.recv(t, src, tag) for t in _as_tuple(outputs) if t.is_floating_point())
+        likes = [(t.dtype, tuple(t.shape)) for t in _as_tuple(outputs) if t.is_floating_point()]
+        grads = tuple(rt.next_message(engine, tag, src, likes))
     rt.grads[buffer_id] = grads if isinstance(outputs, tuple) else grads[0]
 
 
@@ -331,7 +361,7 @@ def install_interleaved(engine: PipeEngine, chunks: int = 2, shape: str = "loope
     def schedule(micro_batches: int, forward_only: bool) -> InterleavedSchedule:
         sched = InterleavedSchedule(micro_batches=micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
         sched.chunks, sched.shape, sched.forward_only = chunks, shape, forward_only
-        rt.micro_batches = micro_batches
+        rt.begin(engine, micro_batches, forward_only)
         return sched
 
     engine._train_schedule = lambda: schedule(engine.micro_batches, False)
