@@ -81,12 +81,15 @@ class InterleavedSchedule(ds_schedule.PipeSchedule):
         labels (V-shaped: rank 0 holds both, and the first stage's load brings the labels too)."""
         return stage == 0 or (stage == self.chunks * self.stages - 1 and self.shape != "v")
 
+    def compute(self, c: int, j: int) -> list[Any]:
+        """Chunk `c`'s forward of micro-batch `j`, after its load where it has one (no transfers)."""
+        s, buf = stage_of(self.stage_id, c, self.stages, self.shape), c * self.micro_batches + j
+        return ([ChunkLoad(buf, chunk=c)] if self.loads(s) else []) + [ChunkForward(buf, chunk=c)]
+
     def forward(self, c: int, j: int) -> list[Any]:
+        """`compute` with its input received before and its output sent after."""
         s, buf, last = stage_of(self.stage_id, c, self.stages, self.shape), c * self.micro_batches + j, self.chunks * self.stages - 1
-        pre: list[Any] = [ChunkLoad(buf, chunk=c)] if self.loads(s) else []
-        if s > 0:
-            pre.append(ChunkRecvAct(buf, chunk=c))
-        return pre + [ChunkForward(buf, chunk=c)] + ([ChunkSendAct(buf, chunk=c)] if s < last else [])
+        return ([ChunkRecvAct(buf, chunk=c)] if s > 0 else []) + self.compute(c, j) + ([ChunkSendAct(buf, chunk=c)] if s < last else [])
 
     def steps(self):  # type: ignore[no-untyped-def]
         p, m, v, r = self.stages, self.micro_batches, self.chunks, self.stage_id

@@ -25,7 +25,9 @@ its tensor, each receive right before the pass that needs it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 Op = tuple[str, int]
 """("F" | "B" | "W", micro-batch)."""
@@ -56,6 +58,23 @@ class Timed:
 
 
 Plan = list[list[Timed]]
+
+
+class TimedPass(Protocol):
+    """A timed pass of any order (`Timed`; ZB-V's `zb_v_order.VTimed`): its op, whose kind comes first."""
+
+    @property
+    def op(self) -> tuple[Any, ...]: ...
+
+    @property
+    def start(self) -> float: ...
+
+    @property
+    def end(self) -> float: ...
+
+
+Rows = Sequence[Sequence[TimedPass]]
+"""Per stage (or rank), its timed passes in order."""
 POLICIES: tuple[tuple[str, float], ...] = tuple(
     (cap, patience) for cap in ("per-stage", "h1") for patience in (0.0, 0.25, 0.5, 1.0, float("inf"))
 )
@@ -129,7 +148,7 @@ def greedy(stages: int, micro_batches: int, costs: Costs, cap: str = "per-stage"
             nw[s] += 1
 
 
-def makespan(plan: Plan) -> float:
+def makespan(plan: Rows) -> float:
     return max(x.end for row in plan for x in row)
 
 
@@ -139,7 +158,8 @@ def idle_fraction(plan: Plan) -> list[float]:
     return [1 - sum(x.end - x.start for x in row) / span for row in plan]
 
 
-def peak_in_flight(plan: Plan, stage: int) -> int:
+def peak_in_flight(plan: Rows, stage: int) -> int:
+    """The most micro-batches (ZB-V: chunk activations) `stage` holds at once: F run, W not yet."""
     held = peak = 0
     for x in plan[stage]:
         held += {"F": 1, "W": -1}.get(x.op[0], 0)

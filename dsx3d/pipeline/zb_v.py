@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from dsx3d.errors import Problem
 from dsx3d.pipeline import interleaved, zb_h1
 from dsx3d.pipeline.spec import Ratios, ScheduleSpec
-from dsx3d.pipeline.zb_v_order import BUILD_DEFAULT, VCosts, best_plan, makespan, peak_held, run_plan
+from dsx3d.pipeline.zb_greedy import makespan, peak_in_flight
+from dsx3d.pipeline.zb_v_order import BUILD_DEFAULT, VCosts, best_plan, run_plan
 
 if TYPE_CHECKING:
     from dsx3d.boundary_types import HFConfig
@@ -41,7 +42,7 @@ def _zbv(pp: int, micro_batches: int, costs: Ratios | None) -> tuple[float, tupl
         return units_b + (units_b - units_a) / pp * (micro_batches - base - pp), held
     plan = best_plan(pp, micro_batches, VCosts(*costs)) if costs else run_plan(pp, micro_batches, BUILD_DEFAULT, VCosts())
     total = sum(costs) if costs else 3.0
-    return makespan(plan) / (CHUNKS * total), tuple(peak_held(plan, r) for r in range(pp))
+    return makespan(plan) / (CHUNKS * total), tuple(peak_in_flight(plan, r) for r in range(pp))
 
 
 def pipeline_units(pp: int, micro_batches: int, costs: Ratios | None = None) -> float:

@@ -29,6 +29,7 @@ import functools
 from dataclasses import dataclass
 
 from dsx3d.pipeline.split import rank_of, stage_of
+from dsx3d.pipeline.zb_greedy import makespan
 
 VOp = tuple[str, int, int]
 """("F" | "B" | "W", stage, micro-batch)."""
@@ -170,19 +171,6 @@ def simulate(orders: list[list[VOp]], costs: VCosts) -> VPlan:
         if not moved:
             raise RuntimeError(f"ZB-V order deadlocks at {pos}")
     return tuple(tuple(row) for row in plan)
-
-
-def makespan(plan: VPlan) -> float:
-    return max(x.end for row in plan for x in row)
-
-
-def peak_held(plan: VPlan, rank: int) -> int:
-    """The most chunk activations rank `rank` holds at once (F run, W not yet)."""
-    held = peak = 0
-    for x in plan[rank]:
-        held += {"F": 1, "W": -1}.get(x.op[0], 0)
-        peak = max(peak, held)
-    return peak
 
 
 @functools.lru_cache(maxsize=256)

@@ -73,7 +73,7 @@ class ZeroBubbleVSchedule(InterleavedSchedule):
         for name, s, j in zb_v_order.rank_program(plan, r):
             c = 0 if s == r else 1
             if name == "F":
-                yield [x for x in self.forward(c, j) if not isinstance(x, (ChunkRecvAct, ChunkSendAct))]
+                yield self.compute(c, j)  # the program has its receive and send
             else:
                 yield [_TRANSFERS[name](c * m + j, chunk=c)]
         yield [SendsDone()]
@@ -93,8 +93,7 @@ def _v_costs(costs: Any) -> zb_v_order.VCosts | None:
 def install_zero_bubble_v(engine: PipeEngine, costs: tuple[float, float, float] | str | None = None) -> None:
     """Run `engine` (a PipelineEngine over a module built with two V-placed chunks) on ZB-V."""
     prepare_deferred_weight_grads(engine, NAME)
-    install_interleaved(engine, 2, shape="v")
-    rt_schedule = engine._train_schedule
+    rt = install_interleaved(engine, 2, shape="v")
     table = dict(engine._INSTRUCTION_MAP)
     chunk_backward = table[ChunkBackward]
     reduce_grads = table[ds_schedule.ReduceGrads]
@@ -118,8 +117,8 @@ def install_zero_bubble_v(engine: PipeEngine, costs: tuple[float, float, float] 
     measure = MeasuredCosts(engine) if costs == "auto" else None
 
     def train_schedule() -> ZeroBubbleVSchedule:
-        base = rt_schedule()  # sets the runtime's micro-batch count
-        schedule = ZeroBubbleVSchedule(micro_batches=base.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
+        rt.begin(engine, engine.micro_batches, forward_only=False)
+        schedule = ZeroBubbleVSchedule(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
         schedule.chunks, schedule.forward_only = 2, False
         schedule.costs = (_v_costs(measure.before_step()) if measure is not None else fixed) or zb_v_order.BUILD_DEFAULT
         return schedule

@@ -114,7 +114,7 @@ def _zb_v_bounds(row: dict[str, Any], p: int, m: int, agreed: zb_greedy.Costs | 
     real = zb_v_order.VCosts(*(statistics.fmean(x for x in c[k] if x is not None) for k in ("F", "B", "W")))
     for key, costs in (("analytic", build), ("simulated", real)):
         plan = zb_v_order.run_plan(p, m, build, costs)
-        row[key] = rounded(1 - 2 * m * (costs.f + costs.b + costs.w) / zb_v_order.makespan(plan), 3)
+        row[key] = rounded(1 - 2 * m * (costs.f + costs.b + costs.w) / zb_greedy.makespan(plan), 3)
 
 
 def compare(

@@ -13,12 +13,12 @@ from dsx3d.models.known_families import tiny_config
 from dsx3d.pipeline import one_f_one_b, zb_h1, zb_v
 from dsx3d.pipeline.registry import get_schedule, planner_options
 from dsx3d.pipeline.split import looped_placement, rank_of, stage_of
+from dsx3d.pipeline.zb_greedy import peak_in_flight
 from dsx3d.pipeline.zb_v_order import (
     BUILD_DEFAULT,
     VCosts,
     best_plan,
     makespan,
-    peak_held,
     rank_program,
     run_plan,
     simulate,
@@ -67,7 +67,7 @@ def _check_plan(p: int, m: int, costs: VCosts) -> None:
         for s in (stage_of(r, 0, p, "v"), stage_of(r, 1, p, "v")):  # each stage's F and B in micro-batch order
             for kind in "FB":
                 assert [x.op[2] for x in row if x.op[:2] == (kind, s)] == list(range(m))
-        assert peak_held(plan, r) <= 2 * p  # 1F1B's first stage: p micro-batches of two chunks each
+        assert peak_in_flight(plan, r) <= 2 * p  # 1F1B's first stage: p micro-batches of two chunks each
 
 
 @pytest.mark.parametrize("p,m", SHAPES)
