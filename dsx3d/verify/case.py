@@ -110,13 +110,25 @@ class ParityCase(HasDegrees):
 
 
 def make_batches(case: ParityCase) -> torch.Tensor:
-    """(steps, B, seq_len) random token ids, fixed by the seed."""
+    """(steps, B, seq_len) random token ids, fixed by the seed, without the config's padding token.
+
+    HF initialises the padding token's embedding row to zero, and text does not carry padding as input. A
+    sequence that starts with it keeps a hidden state of exactly zero through every layer of a model whose
+    biases start at zero (causal attention sees only that position), and RMSNorm's gradient at zero is
+    1/sqrt(eps): through GLM-4's four norms a layer (eps 1.6e-7) it overflows fp32 in plain HF itself. A drawn
+    padding id is replaced by the next id."""
     g = torch.Generator().manual_seed(case.seed + 1)
-    vocab = case.config.get_text_config().vocab_size
+    text = case.config.get_text_config()
+    vocab = text.vocab_size
     if case.data == "pattern":
         start = torch.randint(0, vocab, (case.steps, case.global_batch, 1), generator=g)
-        return (start + torch.arange(case.seq_len)) % vocab
-    return torch.randint(0, vocab, (case.steps, case.global_batch, case.seq_len), generator=g)
+        ids = (start + torch.arange(case.seq_len)) % vocab
+    else:
+        ids = torch.randint(0, vocab, (case.steps, case.global_batch, case.seq_len), generator=g)
+    pad = getattr(text, "pad_token_id", None)
+    if isinstance(pad, int) and 0 <= pad < vocab and vocab > 1:
+        ids = torch.where(ids == pad, (pad + 1) % vocab, ids)
+    return ids
 
 
 def micro_batch(case: ParityCase, batch: torch.Tensor, k: int, dp_rank: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -190,12 +191,13 @@ def _reference(
     batches: torch.Tensor,
     replay: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> Reference:
-    """`run_reference`, with a config that plain transformers cannot train refused as the user's input."""
-    try:
-        return run_reference(case, model, batches, replay=replay)
-    except (RuntimeError, ValueError, IndexError) as err:  # plain transformers on one process, no dsx3d code
-        from dsx3d.errors import UserError
+    """`run_reference`, with a config that plain transformers cannot train refused as the user's input: one it
+    raises on, or one whose own loss or gradient norm is not finite (then there is nothing to compare)."""
+    from dsx3d.errors import UserError
 
+    try:
+        ref = run_reference(case, model, batches, replay=replay)
+    except (RuntimeError, ValueError, IndexError) as err:  # plain transformers on one process, no dsx3d code
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise UserError.single(
             "model config",
@@ -203,6 +205,15 @@ def _reference(
             f"transformers itself cannot train this config on one process ({type(err).__name__}: {first})",
             "fix the config so that the plain HF model runs (head counts, sizes), then verify it",
         ) from None
+    for step, (loss, norm) in enumerate(zip(ref.losses, ref.norms, strict=True), start=1):
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise UserError.single(
+                "model config",
+                case.config.model_type,
+                f"plain HF on one process gives loss {loss}, gradient norm {norm} in step {step}: no reference to compare with",
+                "change the sizes, the norm epsilon or the initialisation so that the plain HF model trains, then verify it",
+            )
+    return ref
 
 
 def run_parity(
