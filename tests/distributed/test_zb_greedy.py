@@ -92,11 +92,3 @@ def test_zb_h1_parity_with_a_cost_aware_order(case: tuple[str, int, int, int, in
     costs = zb_greedy.Costs.uniform(pp, *MEASURED)
     assert zb_greedy.best_plan(pp, m, costs) != zb_greedy.best_plan(pp, m, zb_greedy.Costs.uniform(pp))
     assert _ok(ParityCase(config, dp=dp, tp=tp, pp=pp, micro_batches=m, steps=2, schedule="zb-h1", zb_costs=MEASURED))
-
-
-def test_zb_costs_in_the_recipe_must_be_three_positive_numbers() -> None:
-    from test_schedule_option import _recipe
-
-    assert _recipe(schedule="zb-h1", zb_costs=[1, 1.35, 0.6]).parallel.zb_costs == MEASURED
-    with pytest.raises(Exception, match="zb_costs"):
-        _recipe(schedule="zb-h1", zb_costs=[1, 0, 0.6])

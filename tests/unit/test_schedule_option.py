@@ -44,3 +44,9 @@ def test_zb_h1_shortens_the_estimated_pipeline() -> None:
         assert schedules.schedule_bubble("zb-h1", p, m) < schedules.schedule_bubble("1f1b", p, m)
         assert max(schedules.held_micro_batches("zb-h1", s, p, m) for s in range(p)) == min(p, m)
     assert schedules.pipeline_units("zb-h1", 1, 4) == 4
+
+
+def test_zb_costs_in_the_recipe_must_be_three_positive_numbers() -> None:
+    assert _recipe(schedule="zb-h1", zb_costs=[1, 1.35, 0.6]).parallel.zb_costs == (1.0, 1.35, 0.6)
+    with pytest.raises(Exception, match="zb_costs"):
+        _recipe(schedule="zb-h1", zb_costs=[1, 0, 0.6])
