@@ -21,7 +21,7 @@ from dsx3d.cli.layout_flags import add_cp_argument
 from dsx3d.cli.registry import summary
 from dsx3d.errors import Problem, UserError
 from dsx3d.estimate.schedules import schedule_bubble
-from dsx3d.pipeline.registry import DEFAULT_SCHEDULE
+from dsx3d.pipeline.registry import DEFAULT_SCHEDULE, get_schedule
 from dsx3d.pipeline.split import stage_layers_for
 from dsx3d.plan.layout import Layout, bubble_fraction
 from dsx3d.recipe.hf_config import load_hf_config
@@ -130,24 +130,38 @@ def _plan_from_recipe(args: argparse.Namespace) -> Plan:
         data["cluster"]["gpus_per_node"] = args.gpus_per_node
     if getattr(args, "nodes", None) is not None:  # --nodes comes with the --auto options
         data["cluster"]["nodes"] = args.nodes
+    chosen = getattr(args, "schedule", None)
+    if chosen not in (None, "any"):
+        _choose_schedule(data["parallel"], chosen)
     recipe = recipe_from_dict(data, source=args.recipe)  # the flags obey the recipe's bounds too
     hf_config = load_hf_config(recipe.model)
     problems = check_recipe(recipe, world_size=args.world_size, hf_config=hf_config)
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise UserError(errors)
-    chosen = getattr(args, "schedule", None)
     layout = recipe.layout(args.world_size)
     return Plan(
         layout=layout,
         micro_batches=recipe.train.gradient_accumulation_steps,
-        schedule=recipe.parallel.schedule if chosen in (None, "any") else chosen,
+        schedule=recipe.parallel.schedule,
         warnings=[str(p) for p in problems] + [str(p) for p in _cp_warnings(layout, "parallel.cp")],
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
         stage_layers=stage_layers_for(
             hf_config, recipe.parallel.pp * recipe.parallel.virtual_stages, recipe.train.seq_len, recipe.parallel.stage_layers
         ),
     )
+
+
+def _choose_schedule(parallel: dict[str, Any], name: str) -> None:
+    """`--schedule NAME` on a recipe: the recipe as if it named that schedule, with the virtual stages it runs (one
+    for a single-chunk schedule; the schedule's own count where the recipe has one), so that the checker sees the
+    combination and the split is the one the engine would run."""
+    chunks = get_schedule(name).virtual_stages
+    v = 1 if chunks == 1 else (parallel.get("virtual_stages") or 1)
+    v = chunks if v == 1 else v
+    if (parallel.get("schedule"), parallel.get("virtual_stages")) != (name, v):
+        log.info("parallel.schedule = %s, parallel.virtual_stages = %s (from --schedule)", name, v)
+    parallel.update(schedule=name, virtual_stages=v)
 
 
 def _plan_from_flags(args: argparse.Namespace) -> Plan:
@@ -276,8 +290,9 @@ def render_plan(plan: Plan) -> str:
         bounds = ", ".join(f"{a}->{b}" for a, b in d["pp_node_crossings"])
         lines.append(f"pipelines change node between stages {bounds}")
     if plan.stage_layers is not None:
-        chunked = len(plan.stage_layers) > lay.pp  # virtual stages: stage c pp + r is chunk c of rank r
-        where = f" (virtual stages; rank r holds stages r, r + {lay.pp}, ...)" if chunked else ""
+        chunked = len(plan.stage_layers) > lay.pp  # virtual stages, placed as dsx3d.pipeline.split.stage_of
+        held = f"r and {2 * lay.pp - 1} - r" if get_schedule(plan.schedule).placement == "v" else f"r, r + {lay.pp}, ..."
+        where = f" (virtual stages; rank r holds stages {held})" if chunked else ""
         lines.append(f"decoder layers per stage: {plan.stage_layers}{where}")
     if d["tied_groups"]:
         lines.append(f"tied embedding groups (first and last stage): {_groups(d['tied_groups'])}")

@@ -33,6 +33,22 @@ def test_plan_recipe_prints_table_and_bubble(capsys: pytest.CaptureFixture[str])
     assert "tied embedding" not in out  # the tiny Llama unties embedding and head
 
 
+@pytest.mark.parametrize(
+    "schedule, layers, held", [("zb-v", [1, 1, 1, 1], "r and 3 - r"), ("interleaved-1f1b", [1, 1, 1, 1], "r, r + 2"), ("1f1b", [3, 1], None)]
+)
+def test_plan_recipe_with_another_schedule_shows_its_split(
+    schedule: str, layers: list[int], held: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--schedule` on a recipe of 1f1b: the checker and the split see the schedule with the chunks it runs."""
+    assert main(["plan", str(TINY), "--schedule", schedule, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["schedule"], data["stage_layers"]) == (schedule, layers)
+    assert main(["plan", str(TINY), "--schedule", schedule]) == 0
+    out = capsys.readouterr().out
+    assert (f"rank r holds stages {held}" in out) if held else "virtual stages" not in out
+    assert main(["plan", str(TINY), "--schedule", schedule, "--pp", "1", "--dp", "4"]) == (0 if schedule == "1f1b" else 2)
+
+
 def test_plan_json_is_exactly_one_object(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*REFERENCE_FLAGS, "--json"]) == 0
     out = capsys.readouterr().out
