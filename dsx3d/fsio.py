@@ -48,7 +48,7 @@ def write_atomic(
     behind on failure (a full disk included)."""
     target = Path(path)
     make_dirs(target.parent)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{_temp_stem(target.name)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -88,7 +88,7 @@ def staging_dir(final: str | Path) -> Path:
     """A fresh, empty directory beside `final` (same filesystem, so publishing is a rename)."""
     final = Path(final)
     make_dirs(final.parent)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    return Path(tempfile.mkdtemp(prefix=f".{_temp_stem(final.name)}.tmp-", dir=final.parent))
 
 
 def share_tree(
@@ -150,11 +150,42 @@ def atomic_dir(final: str | Path, *, replace: bool = True) -> Iterator[Path]:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
 
+NAME_MAX = 255
+"""Bytes in one path component that Linux's file systems allow (ext4, xfs, btrfs, tmpfs; limits.h)."""
+PATH_MAX = 4096
+"""Bytes in a whole path that Linux's system calls accept."""
+TEMP_STEM = 200
+"""Bytes of a target's name kept in the names of its temporary files and staging directories, so that a
+target whose name fits NAME_MAX gets temporary names that fit too (a dot, 8 random characters, a suffix)."""
+
+
+def name_problem(path: str | Path) -> str | None:
+    """Why the system would refuse `path` as too long (None when it would not), said before any file call
+    fails with ENAMETOOLONG: a component over NAME_MAX bytes, or the whole over PATH_MAX."""
+    raw = os.fsencode(Path(path).expanduser())
+    longest = max((len(part) for part in raw.split(b"/")), default=0)
+    if longest > NAME_MAX:
+        return f"has a name of {longest} bytes, and file systems allow {NAME_MAX}"
+    if len(raw) >= PATH_MAX:
+        return f"is {len(raw)} bytes long, and the system allows {PATH_MAX - 1}"
+    return None
+
+
+def _temp_stem(name: str) -> str:
+    stem = name[:TEMP_STEM]
+    while len(os.fsencode(stem)) > TEMP_STEM:  # multi-byte characters
+        stem = stem[:-1]
+    return stem
+
+
 def output_dir_problem(path: str | Path, *, cwd: Path | None = None, home: Path | None = None) -> str | None:
     """Why `path` must not be a run directory (None when it may): dsx3d writes into it and a fresh start
     clears its own files there, so it must be a directory of its own."""
     if not str(path).strip():
         return "is empty"
+    too_long = name_problem(path)
+    if too_long:
+        return too_long
     try:
         target = Path(path).expanduser().resolve()
         cwd = (cwd or Path.cwd()).resolve()

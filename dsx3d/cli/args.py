@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dsx3d.errors import UserError
+from dsx3d.fsio import name_problem
 from dsx3d.recipe.schema import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
 
 MAX_LAYERS = 512
@@ -69,6 +70,9 @@ port = bounded_int(1, 65535)
 def _usable(option: str, path: str) -> Path:
     if not path or "\x00" in path:
         raise UserError.single(option, path, "not a usable path", "pass a file name")
+    too_long = name_problem(path)
+    if too_long:
+        raise UserError.single(option, path, too_long, "use shorter names")
     return Path(path).expanduser()
 
 

@@ -199,3 +199,14 @@ def test_help_and_version_are_quick_to_reach(capsys: pytest.CaptureFixture[str])
     from dsx3d import __version__
 
     assert capsys.readouterr().out.strip() == f"dsx3d {__version__}"
+
+
+@pytest.mark.parametrize("flag", ["-o", "--ds-config"])
+def test_a_file_name_too_long_is_refused_before_writing(tmp_path: Path, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the CLI fuzz: ENAMETOOLONG from the atomic writer ended in a traceback."""
+    long = str(tmp_path / ("a" * 300 + ".json"))
+    args = ["-o", long] if flag == "-o" else ["-o", str(tmp_path / "acc.yaml"), "--ds-config", long]
+    assert main(["accelerate-config", str(TINY), *args]) == 2
+    err = capsys.readouterr().err
+    assert "has a name of 305 bytes" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -87,3 +87,23 @@ def test_share_tree_keeps_executables_executable(tmp_path: Path) -> None:
     script.chmod(0o700)
     fsio.share_tree(tmp_path / "d")
     assert _mode(tmp_path / "d") == 0o755 and _mode(tmp_path / "d" / "data.pt") == 0o644 and _mode(script) == 0o755
+
+
+def test_a_name_that_fits_gets_temporary_names_that_fit(tmp_path: Path) -> None:
+    """The CLI fuzz found a 250-byte name whose temporary file (".NAME.XXXXXXXX.tmp") went over NAME_MAX."""
+    name = "é" * 120 + ".json"  # 245 bytes in UTF-8
+    assert fsio.name_problem(tmp_path / name) is None
+    fsio.write_atomic(tmp_path / name, "{}")
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    staging = fsio.staging_dir(tmp_path / ("d" * 255))
+    assert staging.parent == tmp_path and len(os.fsencode(staging.name)) <= fsio.NAME_MAX
+
+
+@pytest.mark.parametrize(
+    "path, said",
+    [("x" * 256, "a name of 256 bytes"), ("a/" + "é" * 128 + "/b", "a name of 256 bytes"), ("/".join(["d" * 200] * 21), "bytes long")],
+)
+def test_names_the_system_would_refuse_are_said_before_any_file_call(tmp_path: Path, path: str, said: str) -> None:
+    assert said in (fsio.name_problem(tmp_path / path) or "")
+    assert said in (fsio.output_dir_problem(tmp_path / path) or "")
+    assert fsio.name_problem(tmp_path / ("x" * 255)) is None
