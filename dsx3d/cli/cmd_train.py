@@ -113,15 +113,19 @@ def _preview_resume(recipe: Recipe, paths: RunPaths) -> None:
     decide again, the same way, from the same files)."""
     from dsx3d.checkpoint.training.checkpointer import choose_tag
     from dsx3d.checkpoint.training.resume import plan_resume, read_saved
-    from dsx3d.pipeline.module import stage_bounds
+    from dsx3d.pipeline.module import engine_bounds
+    from dsx3d.pipeline.registry import get_schedule
     from dsx3d.recipe.hf_config import load_hf_config
 
     tag, notes = choose_tag(paths.checkpoints)
     if tag is None:
         log.info("--resume: no checkpoint in %s yet: the run starts at step 0", paths.checkpoints)
         return
-    layout = recipe.layout()
-    bounds = stage_bounds(load_hf_config(recipe.model), layout.pp, recipe.train.seq_len, recipe.parallel.stage_layers)
+    layout, par = recipe.layout(), recipe.parallel
+    bounds, _, _ = engine_bounds(  # as the ranks' engine holds them (virtual stages placed on the ranks)
+        load_hf_config(recipe.model), layout.pp, recipe.train.seq_len, par.stage_layers, par.virtual_stages,
+        get_schedule(par.schedule).placement,
+    )
     plan = plan_resume(tag, *read_saved(paths.checkpoints / tag), recipe, layout, bounds)
     for note in [*notes, *plan.notes]:
         log.warning("--resume: %s", note)

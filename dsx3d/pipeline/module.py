@@ -185,6 +185,19 @@ def stage_bounds(config: PretrainedConfig, pp: int, seq_len: int, stage_layers: 
     return bounds_from_stage_layers(stage_layers_for(config, pp, seq_len, stage_layers), num_extra_first=1, num_extra_last=2)
 
 
+def engine_bounds(
+    config: PretrainedConfig, pp: int, seq_len: int, stage_layers: list[int] | None, virtual_stages: int = 1, placement: str = "looped"
+) -> tuple[list[int], list[int] | None, list[list[int]] | None]:
+    """(the ranks' bounds as the engine's module holds them, the items in rank order, each rank's chunk bounds):
+    `stage_bounds` over pp x v stages, and with virtual stages their placement on the ranks (rank r holds
+    stages r, pp + r, ... or r and 2 pp - 1 - r: contiguous for DeepSpeed). A checkpoint records the first."""
+    bounds = stage_bounds(config, pp * virtual_stages, seq_len, stage_layers)
+    if virtual_stages == 1:
+        return bounds, None, None
+    order, ranks, chunks = looped_placement(bounds, pp, virtual_stages, placement)
+    return ranks, order, chunks
+
+
 def pipeline_specs(builder: LayerBuilder, plan: FamilySpec, pp: int, both_ends_on_one_rank: bool = False) -> list[DSLayerSpec]:
     """The pipeline items. A tied embedding is built once per rank from the first spec that rank holds (DeepSpeed
     reuses it for the second): it installs the head too where the rank holds both ends (pp = 1, V placement)."""
@@ -233,10 +246,8 @@ def build_pipeline(
     builder = LayerBuilder(config, plan, tp, source, experts, lora, cp)
     builder.loss_tile_tokens = loss_tile_tokens
     specs = pipeline_specs(builder, plan, layout.pp, both_ends_on_one_rank=placement == "v")
-    bounds = stage_bounds(config, layout.pp * virtual_stages, seq_len, stage_layers)
-    chunks, order = None, None
-    if virtual_stages > 1:  # rank r holds stages r, pp + r, ... (or r and 2 pp - 1 - r): contiguous for DeepSpeed
-        order, bounds, chunks = looped_placement(bounds, layout.pp, virtual_stages, placement)
+    bounds, order, chunks = engine_bounds(config, layout.pp, seq_len, stage_layers, virtual_stages, placement)
+    if order is not None:
         specs = [specs[i] for i in order]
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ inside the save, the `latest` update or the deletion of an old tag), injects its
   a damaged checkpoint is named by it; every launch that finishes the run exports the reference's weights
   (to 1e-6). A last launch without a fault finishes the chain.
 
-    python -m scripts.faults.campaign [--trials 20] [--kinds sigterm-owner,...] [--seed 36] [--work DIR]
+    python -m scripts.faults.campaign [--trials 20] [--kinds sigterm-owner,...] [--seed 36] [--schedule zb-v] [--work DIR]
 
 Prints the seed, one line per trial and the table: fault, trials, clean ends, exact resumes, worst time to
 end. Exit 0 when every trial is clean and exact.
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsx3d.pipeline.registry import SCHEDULE_NAMES
 from scripts.faults import job
 from scripts.faults.inject import (
     COMPLETED,
@@ -219,7 +220,7 @@ def _inject_and_check(
     return trial
 
 
-def run_campaign(kinds: list[str], trials: int, seed: int, work: Path) -> list[Trial]:
+def run_campaign(kinds: list[str], trials: int, seed: int, work: Path, schedule: str = "1f1b") -> list[Trial]:
     disk = Disk(work / "disk")
     mounted = can_mount()
     if mounted:
@@ -232,7 +233,7 @@ def run_campaign(kinds: list[str], trials: int, seed: int, work: Path) -> list[T
             kinds = [k for k in kinds if k not in NEEDS_MOUNTS]
     try:
         cache = work / "cache"
-        ref_recipe = job.write_recipe(work / "reference.yaml", work / "reference", cache)
+        ref_recipe = job.write_recipe(work / "reference.yaml", work / "reference", cache, schedule)
         ref_proc = job.start(ref_recipe, work, work / "reference.log", "--overwrite")
         if job.wait(ref_proc, LAUNCH_TIMEOUT_S) != 0:
             raise SystemExit((work / "reference.log").read_text()[-3000:])
@@ -241,7 +242,7 @@ def run_campaign(kinds: list[str], trials: int, seed: int, work: Path) -> list[T
         step_s = (rows[-1]["time"] - rows[0]["time"]) / max(1, len(rows) - 1)
         print(f"reference: {len(rows)} steps, {step_s * 1e3:.0f} ms per step with its saves", flush=True)
         out = disk.root / "run"
-        chain = Chain(work, job.write_recipe(work / "recipe.yaml", out, cache), out, disk, reference, step_s)
+        chain = Chain(work, job.write_recipe(work / "recipe.yaml", out, cache, schedule), out, disk, reference, step_s)
         rng = random.Random(seed)
         schedule = [k for k in kinds for _ in range(trials)]
         rng.shuffle(schedule)
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--seed", type=int, default=36)
     p.add_argument("--work", default=None, help="a scratch directory (default: a new temporary one)")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULE_NAMES, help="the job's pipeline schedule")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
@@ -307,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Path(args.work or tempfile.mkdtemp(prefix="dsx3d-faults-")).absolute()
     work.mkdir(parents=True, exist_ok=True)
-    print(f"fault campaign: seed {args.seed}, {args.trials} trials per kind, work dir {work}", flush=True)
+    print(f"fault campaign: seed {args.seed}, {args.trials} trials per kind, schedule {args.schedule}, work dir {work}", flush=True)
     began = time.monotonic()
-    trials = run_campaign(kinds, args.trials, args.seed, work)
+    trials = run_campaign(kinds, args.trials, args.seed, work, args.schedule)
     print("\n" + table(kinds, trials))
     print(
         f"\nseed {args.seed}; {len(trials)} trials in {time.monotonic() - began:.0f} s; load average {os.getloadavg()}"

@@ -23,12 +23,16 @@ HANG_TIMEOUT_S = 10.0
 """The heartbeat timeout the campaign's jobs run with (`--hang-timeout-s`): a stopped rank is named after it."""
 
 
-def write_recipe(path: Path, out: Path, cache: Path) -> Path:
-    """The tiny Llama at dp 1 x tp 1 x pp 2, STEPS steps of 8 micro-batches, a checkpoint every SAVE_INTERVAL, two kept."""
+def write_recipe(path: Path, out: Path, cache: Path, schedule: str = "1f1b") -> Path:
+    """The tiny Llama at dp 1 x tp 1 x pp 2, STEPS steps of 8 micro-batches, a checkpoint every SAVE_INTERVAL, two
+    kept, on the pipeline `schedule` (with the virtual stages the registry gives it, and a layer per stage)."""
+    from dsx3d.pipeline.registry import get_schedule
     from tests.helpers.recipes import tiny_recipe_dict
 
+    chunks = get_schedule(schedule).virtual_stages
     data = tiny_recipe_dict(
-        parallel={"dp": 1, "tp": 1, "pp": 2},
+        model={"config": {"num_hidden_layers": 2 * chunks}},
+        parallel={"dp": 1, "tp": 1, "pp": 2, "schedule": schedule, "virtual_stages": chunks},
         cluster={"nodes": 1, "gpus_per_node": 2},
         train={
             "steps": STEPS,

@@ -95,25 +95,51 @@ def test_checkpoint_export_and_resume_with_virtual_stages(tmp_path: Path, schedu
     assert sum(losses) / len(losses) == pytest.approx(result["eval"], abs=1e-5)
 
 
+def _train_recipe(tmp_path: Path, out: Path, schedule: str) -> Recipe:
+    from tests.helpers.recipes import tiny_recipe_dict
+
+    return recipe_from_dict(
+        tiny_recipe_dict(
+            model={"config": {"num_hidden_layers": 4}},  # one per virtual stage
+            parallel={"dp": 1, "tp": 1, "pp": 2, "schedule": schedule, "virtual_stages": 2},
+            cluster={"nodes": 1, "gpus_per_node": 2},
+            train={"steps": 4, "seq_len": 16, "micro_batch_size": 1, "gradient_accumulation_steps": 4,
+                   "save_interval": 2, "keep_checkpoints": 2, "dtype": "fp32"},
+            data={"cache_dir": str(tmp_path / "cache")},
+            output_dir=str(out),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "schedule", [pytest.param(NAME, marks=pytest.mark.skipif(not os.environ.get("DSX3D_INTERLEAVED_SWEEP"), reason="opt-in")), ZB_V]
+)
+def test_dsx3d_train_resume_accepts_its_own_checkpoint_with_virtual_stages(
+    tmp_path: Path, schedule: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dsx3d train --resume` previews the resume before any rank starts, comparing the tag's recorded stage bounds
+    with the recipe's. Found by the fault campaign under zb-v: the preview computed the bounds of pp stages, not
+    of the pp x v virtual stages as the engine places them on the ranks, and refused every resume of its own run."""
+    from dsx3d.cli import main
+
+    run = tmp_path / "run"
+    recipe = _train_recipe(tmp_path, run, schedule)
+    first = run_ranks(_train, 2, recipe, {"stop_at": 2}, timeout_s=300)[0]
+    assert first.end_step == 2
+    (tmp_path / "r.yaml").write_text(dump_recipe(recipe))
+    assert main(["train", str(tmp_path / "r.yaml"), "--resume", "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "continuing from" in err and "step-000002" in err and "error" not in err
+
+
 @pytest.mark.skipif(not os.environ.get("DSX3D_INTERLEAVED_SWEEP"), reason="opt-in: DSX3D_INTERLEAVED_SWEEP=1")
 @pytest.mark.parametrize("schedule", [NAME, ZB_V])
 def test_dsx3d_train_with_virtual_stages_stops_and_resumes(tmp_path: Path, schedule: str) -> None:
     """`dsx3d.train.train` (what `dsx3d train` runs per rank) at pp 2 x v 2 with evaluation and checkpoints: a run
     stopped after 2 steps and resumed for 2 more gives the losses of an uninterrupted 4-step run."""
-    from tests.helpers.recipes import tiny_recipe_dict
 
     def recipe(out: Path) -> Recipe:
-        return recipe_from_dict(
-            tiny_recipe_dict(
-                model={"config": {"num_hidden_layers": 4}},  # one per virtual stage
-                parallel={"dp": 1, "tp": 1, "pp": 2, "schedule": schedule, "virtual_stages": 2},
-                cluster={"nodes": 1, "gpus_per_node": 2},
-                train={"steps": 4, "seq_len": 16, "micro_batch_size": 1, "gradient_accumulation_steps": 4,
-                       "save_interval": 2, "keep_checkpoints": 2, "dtype": "fp32"},
-                data={"cache_dir": str(tmp_path / "cache")},
-                output_dir=str(out),
-            )
-        )
+        return _train_recipe(tmp_path, out, schedule)
 
     whole = run_ranks(_train, 2, recipe(tmp_path / "whole"), {}, timeout_s=300)[0]
     first = run_ranks(_train, 2, recipe(tmp_path / "resumed"), {"stop_at": 2}, timeout_s=300)[0]
