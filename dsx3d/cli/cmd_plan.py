@@ -156,9 +156,8 @@ def _choose_schedule(parallel: dict[str, Any], name: str) -> None:
     """`--schedule NAME` on a recipe: the recipe as if it named that schedule, with the virtual stages it runs (one
     for a single-chunk schedule; the schedule's own count where the recipe has one), so that the checker sees the
     combination and the split is the one the engine would run."""
-    chunks = get_schedule(name).virtual_stages
-    v = 1 if chunks == 1 else (parallel.get("virtual_stages") or 1)
-    v = chunks if v == 1 else v
+    chunks, own = get_schedule(name).virtual_stages, parallel.get("virtual_stages") or 1
+    v = own if chunks > 1 and own > 1 else chunks
     if (parallel.get("schedule"), parallel.get("virtual_stages")) != (name, v):
         log.info("parallel.schedule = %s, parallel.virtual_stages = %s (from --schedule)", name, v)
     parallel.update(schedule=name, virtual_stages=v)

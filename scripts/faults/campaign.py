@@ -244,10 +244,10 @@ def run_campaign(kinds: list[str], trials: int, seed: int, work: Path, schedule:
         out = disk.root / "run"
         chain = Chain(work, job.write_recipe(work / "recipe.yaml", out, cache, schedule), out, disk, reference, step_s)
         rng = random.Random(seed)
-        schedule = [k for k in kinds for _ in range(trials)]
-        rng.shuffle(schedule)
+        draws = [k for k in kinds for _ in range(trials)]
+        rng.shuffle(draws)
         done: list[Trial] = []
-        for kind in schedule:
+        for kind in draws:
             trial = run_trial(chain, kind, random.Random(rng.random()))
             done.append(trial)
             previous = done[-2] if len(done) > 1 else None
