@@ -99,6 +99,14 @@ PRIVATE_ATTRIBUTES = {
         # and keeps their handles, which dsx3d.pipeline.lean_step removes where they only keep books
         "self._grad_acc_hooks.append(register_grad_hook(param, grad_handling_hook))",
     ),
+    # without ZeRO the pipeline's ReduceGrads reaches buffered_allreduce_fallback, whose arithmetic is an identity
+    # over one fp32 rank without a predivide factor (dsx3d.pipeline.lean_step makes it a no-op there)
+    "deepspeed.runtime.engine.DeepSpeedEngine._reduce_non_expert_gradients": ("self.mpu.get_data_parallel_group()",),
+    "deepspeed.runtime.engine.DeepSpeedEngine.allreduce_bucket": (
+        "if self.communication_data_type != tensor.dtype:",
+        "if self.gradient_predivide_factor() != dp_world_size:",
+        "tensor_to_allreduce.mul_(1. / dp_world_size)",
+    ),
     # attributes PipelineModule.__init__ sets and dsx3d's _partition_layers reads (checked in its source)
     "deepspeed.pipe.PipelineModule.__init__": ("self._grid", "self._topo", "self._partition_layers("),
 }

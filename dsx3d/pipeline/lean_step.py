@@ -1,5 +1,7 @@
 """Per-step work DeepSpeed's PipelineEngine does that a pipeline step does not need, removed (`trim_engine`).
 
+Two kinds are removed. Where neither is provably idle, nothing is touched.
+
 Measured against torch.distributed.pipelining's Schedule1F1B on the same model (scripts/bench/pipeline_peer.py,
 docs/guide/pipeline-schedules.md): with ZeRO stage 1, DeepSpeed's `DeepSpeedZeroOptimizer` registers a hook
 on every parameter's gradient accumulation (`create_gradient_handling_hooks`, zero/stage_1_and_2.py) that runs
@@ -10,13 +12,22 @@ gradient-accumulation attribute, the hook only does bookkeeping: `process_gradie
 `ReduceGrads` instruction (`reduce_gradients(pipeline_parallel=True)` allocates its own buckets). That was
 about 5% of a step's CPU time on a small Llama at pp 2. `trim_engine` removes those hooks where that is
 provably all they do; anything else keeps them.
+
+Without ZeRO, `ReduceGrads` runs DeepSpeed's `buffered_allreduce_fallback`: it flattens every gradient into one
+buffer, all-reduces it over the data-parallel group and copies it back. Over a group of one rank, in fp32,
+without a predivide factor or experts (dsx3d's embeddings give dense gradients), every one of those steps returns its input unchanged
+(`allreduce_bucket`, runtime/engine.py: no cast, no multiply, an all-reduce over one rank), at 3-5 ms per step on
+the first stage of the peer benchmark's Llama. `trim_engine` makes it a no-op there (`reduction_is_identity`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from dsx3d.boundary_types import PipeEngine
+from dsx3d.distributed import comm
 
 
 def bookkeeping_only_hooks(optimizer: Any) -> bool:
@@ -29,8 +40,37 @@ def bookkeeping_only_hooks(optimizer: Any) -> bool:
     return not any(getattr(optimizer, flag, False) for flag in flags)
 
 
+def reduction_is_identity(engine: PipeEngine) -> bool:
+    """Whether `engine`'s gradient reduction at `ReduceGrads` returns every gradient bit for bit as it was: no
+    ZeRO, fp32 gradients communicated in fp32, no predivide factor, no experts, and a data-parallel group of
+    one rank."""
+    return (
+        engine.zero_optimization_stage() == 0
+        and not engine.bfloat16_enabled()
+        and not engine.fp16_enabled()
+        and engine.communication_data_type == torch.float32
+        and engine.gradient_predivide_factor() == 1.0
+        and not engine.has_moe_layers
+        and comm.group_size(engine.mpu.get_data_parallel_group()) == 1
+    )
+
+
+def skip_identity_reduction(engine: PipeEngine) -> bool:
+    """Make `engine`'s data-parallel gradient reduction a no-op where it is an identity; returns whether it did."""
+    if not reduction_is_identity(engine):
+        return False
+
+    def nothing_to_reduce(grads: object = None, elements_per_buffer: int = 0) -> None:
+        return None
+
+    engine.buffered_allreduce_fallback = nothing_to_reduce  # type: ignore[method-assign]
+    return True
+
+
 def trim_engine(engine: PipeEngine) -> int:
-    """Remove ZeRO-1's bookkeeping gradient hooks from a pipeline engine; returns how many were removed."""
+    """Remove ZeRO-1's bookkeeping gradient hooks from a pipeline engine, and its data-parallel reduction where
+    that is an identity; returns how many hooks were removed."""
+    skip_identity_reduction(engine)
     optimizer = getattr(engine, "optimizer", None)
     if not bookkeeping_only_hooks(optimizer):
         return 0

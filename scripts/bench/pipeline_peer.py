@@ -19,7 +19,7 @@ Method: every contender steps once per round, the order reversed every other rou
 barrier before each step; wall seconds per step are the slower rank's; CPU seconds are summed over ranks
 (`time.process_time`: the work, without the wait for a core on a loaded machine). Per round, each
 contender's time over the fastest contender's (the one with the lowest median) at the same m: median and
-range (min, max) of those ratios. First-step losses of all contenders are recorded (same weights and batch:
+range (min, max) of those ratios; and, where torch:1f1b runs, over torch:1f1b's in the same round (paired). First-step losses of all contenders are recorded (same weights and batch:
 they agree to round-off, or the comparison would be void).
 
     python -m scripts.bench.pipeline_peer [--quick] [--micro-batches 8 16] [--rounds 12] [--zero 1]
@@ -49,6 +49,8 @@ TORCH_SCHEDULES = {  # name -> (class name, placement): one stage per rank, loop
     "torch:zbv": ("ScheduleZBVZeroBubble", "v"),
     "torch:dualpipev": ("ScheduleDualPipeV", "v"),
 }
+PAIR_BASE = "torch:1f1b"
+"""Every contender's per-round time is also given over this one's in the same round."""
 DSX3D_SCHEDULES = ("dsx3d:1f1b", "dsx3d:zb-h1", "dsx3d:interleaved-1f1b", "dsx3d:zb-v")
 
 
@@ -200,13 +202,17 @@ def summarise(per_rank: list[dict[str, Any]], m: int, names: list[str]) -> list[
     for n in names:
         ratios = [a / b for a, b in zip(wall[n], wall[fastest])]
         cpu_ratios = [a / b for a, b in zip(cpu[n], cpu[fastest])]
-        rows.append({
+        row = {
             "contender": n, "m": m,
             "s_per_step": statistics.median(wall[n]),
             "ratio_to_fastest": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "cpu_s_per_step": statistics.median(cpu[n]), "cpu_ratio_to_fastest": statistics.median(cpu_ratios),
             "first_loss": first_loss[n],
-        })
+        }
+        if PAIR_BASE in wall:  # the like-for-like question: each round's time over torch's 1F1B's in that round
+            pair = [a / b for a, b in zip(wall[n], wall[PAIR_BASE])]
+            row.update(ratio_to_torch_1f1b=statistics.median(pair), pair_min=min(pair), pair_max=max(pair))
+        rows.append(row)
     rows.sort(key=lambda row: row["s_per_step"])
     return rows
 

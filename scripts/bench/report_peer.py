@@ -15,18 +15,24 @@ def pipeline_peer(r: dict[str, Any], header: list[str]) -> list[str]:
         f"{w['micro_batch']} x {w['seq_len']} tokens, {w['dtype']}, AdamW with global-norm clipping, dsx3d at ZeRO stage "
         f"{w['zero_stage']}; every contender from the same weights and batches, stepped once per round in alternation "
         f"({r['rounds']} timed rounds). `ratio`: per round, the contender's seconds over the fastest contender's (the "
-        "lowest median), median and range; CPU: seconds summed over both ranks (the work, without the wait for a core). "
+        "lowest median), median and range; `over torch:1f1b`: per round, over torch's 1F1B's time in the same "
+        "round; CPU: seconds summed over both ranks (the work, without the wait for a core). "
         "Contenders named `dsx3d:interleaved-1f1b/vN` run N virtual stages per rank (2 otherwise); torch's "
         "interleaved and V-shaped schedules run 2 stages per rank.",
         "",
-        "| m | contender | s/step (median) | ratio to fastest (median, range) | CPU s/step | CPU ratio | first-step loss |",
-        "|---|---|---|---|---|---|---|",
+        "| m | contender | s/step (median) | ratio to fastest (median, range) | over torch:1f1b (median, range) "
+        "| CPU s/step | CPU ratio | first-step loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m, rows in r["tables"].items():
         for row in sorted(rows, key=lambda x: x["s_per_step"]):
+            pair = (
+                f"{row['ratio_to_torch_1f1b']:.3f} ({row['pair_min']:.2f}-{row['pair_max']:.2f})"
+                if "ratio_to_torch_1f1b" in row else "-"
+            )
             out.append(
                 f"| {m} | {row['contender']} | {row['s_per_step']:.3f} | {row['ratio_to_fastest']:.3f} "
-                f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | {row['cpu_s_per_step']:.3f} | "
+                f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) | {pair} | {row['cpu_s_per_step']:.3f} | "
                 f"{row['cpu_ratio_to_fastest']:.3f} | {row['first_loss']:.5f} |"
             )
     out.append("")

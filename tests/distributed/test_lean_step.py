@@ -1,6 +1,7 @@
 """The pipeline engine without ZeRO-1's bookkeeping gradient hooks (dsx3d/pipeline/lean_step.py): they are gone
 where they only count, kept where they do work, and training still equals single-process HF (dp 2 reduces
-through ZeRO-1; zb-h1 defers weight gradients past them)."""
+through ZeRO-1; zb-h1 defers weight gradients past them). Without ZeRO, the data-parallel reduction over a
+group of one rank is skipped, only there: skipping it at dp 2 must fail parity."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+import dsx3d.pipeline.lean_step as lean_step
 from dsx3d.models.known_families import tiny_config
-from dsx3d.pipeline.lean_step import bookkeeping_only_hooks
+from dsx3d.pipeline.lean_step import bookkeeping_only_hooks, reduction_is_identity
 from dsx3d.verify.harness import run_ranks
 from dsx3d.verify.parity import ParityCase, case_recipe, run_verify
 
@@ -48,3 +50,64 @@ def test_zero1_pipeline_engine_has_no_gradient_hooks() -> None:
 def test_parity_without_the_hooks_at_dp2(schedule: str) -> None:
     case = ParityCase(tiny_config("llama"), dp=2, tp=1, pp=2, micro_batches=3, steps=2, schedule=schedule)
     assert all(r.ok for r in run_verify(case))
+
+
+def _reduction_skipped(rank: int, case: ParityCase) -> bool:
+    from dsx3d.engine.builder import build_engine
+
+    ds = build_engine(case_recipe(case), hf_config=case.config).ds_engine
+    return "buffered_allreduce_fallback" in vars(ds)  # the instance's own no-op shadows the class's method
+
+
+@pytest.mark.parametrize(
+    ("dp", "zero_stage", "dtype", "skipped"),
+    [(1, 0, "fp32", True), (2, 0, "fp32", False), (1, 1, "fp32", False), (1, 0, "bf16", False)],
+)
+def test_the_reduction_is_skipped_only_over_one_fp32_rank_without_zero(
+    dp: int, zero_stage: int, dtype: str, skipped: bool
+) -> None:
+    case = ParityCase(tiny_config("llama"), dp=dp, tp=1, pp=2, micro_batches=2, steps=1, zero_stage=zero_stage, dtype=dtype)
+    assert run_ranks(_reduction_skipped, dp * 2, case) == [skipped] * (dp * 2)
+
+
+class _Engine:
+    """The engine methods `reduction_is_identity` reads, at their identity values unless given."""
+
+    def __init__(self, group_size: int = 1, **given: object):
+        import torch
+
+        values = {"zero": 0, "bf16": False, "fp16": False, "predivide": 1.0, "comm": torch.float32, "moe": False, **given}
+        self.zero_optimization_stage = lambda: values["zero"]
+        self.bfloat16_enabled = lambda: values["bf16"]
+        self.fp16_enabled = lambda: values["fp16"]
+        self.gradient_predivide_factor = lambda: values["predivide"]
+        self.communication_data_type = values["comm"]
+        self.has_moe_layers = values["moe"]
+        self.mpu = SimpleNamespace(get_data_parallel_group=lambda: group_size)
+
+
+def test_every_condition_of_an_identity_reduction_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(lean_step.comm, "group_size", lambda group: group)  # the fake group is its size
+    assert reduction_is_identity(_Engine())  # type: ignore[arg-type]
+    for changed in (
+        {"group_size": 2}, {"zero": 1}, {"bf16": True}, {"fp16": True}, {"predivide": 2.0},
+        {"comm": torch.bfloat16}, {"moe": True},
+    ):
+        assert not reduction_is_identity(_Engine(**changed)), changed  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_parity_without_the_reduction_at_dp1_zero0() -> None:
+    case = ParityCase(tiny_config("llama"), dp=1, tp=1, pp=2, micro_batches=3, steps=2, zero_stage=0)
+    assert all(r.ok for r in run_verify(case))
+
+
+@pytest.mark.slow
+def test_skipping_the_reduction_at_dp2_breaks_parity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: the same skip over two data-parallel ranks leaves each rank's gradient
+    unaveraged, and verify sees it (the ranks are forked after the patch)."""
+    monkeypatch.setattr(lean_step, "reduction_is_identity", lambda engine: True)
+    case = ParityCase(tiny_config("llama"), dp=2, tp=1, pp=2, micro_batches=3, steps=2, zero_stage=0)
+    assert not any(r.ok for r in run_verify(case))
