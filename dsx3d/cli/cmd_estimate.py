@@ -37,7 +37,7 @@ from dsx3d.estimate import (
     shape_from_hf_config,
     shape_from_params,
 )
-from dsx3d.pipeline.registry import SCHEDULE_NAMES, get_schedule
+from dsx3d.pipeline.registry import SCHEDULE_NAMES, chunks_for
 from dsx3d.recipe.schema import (
     MAX_BATCH,
     MAX_GPUS_PER_NODE,
@@ -196,7 +196,7 @@ def build(args: argparse.Namespace) -> tuple[ModelShape, Setup, Hardware]:
         sequence_parallel=args.sequence_parallel,
         reduce_bucket_size=args.reduce_bucket_size,
         schedule=args.schedule,
-        virtual_stages=get_schedule(args.schedule).virtual_stages if args.schedule else None,
+        virtual_stages=chunks_for(args.schedule, setup.virtual_stages) if args.schedule else None,
     )
     setup = replace(
         setup,

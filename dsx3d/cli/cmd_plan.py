@@ -21,7 +21,7 @@ from dsx3d.cli.layout_flags import add_cp_argument
 from dsx3d.cli.registry import summary
 from dsx3d.errors import Problem, UserError
 from dsx3d.estimate.schedules import schedule_bubble
-from dsx3d.pipeline.registry import DEFAULT_SCHEDULE, get_schedule
+from dsx3d.pipeline.registry import DEFAULT_SCHEDULE, chunks_for, get_schedule
 from dsx3d.pipeline.split import stage_layers_for
 from dsx3d.plan.layout import Layout, bubble_fraction
 from dsx3d.recipe.hf_config import load_hf_config
@@ -153,11 +153,9 @@ def _plan_from_recipe(args: argparse.Namespace) -> Plan:
 
 
 def _choose_schedule(parallel: dict[str, Any], name: str) -> None:
-    """`--schedule NAME` on a recipe: the recipe as if it named that schedule, with the virtual stages it runs (one
-    for a single-chunk schedule; the schedule's own count where the recipe has one), so that the checker sees the
-    combination and the split is the one the engine would run."""
-    chunks, own = get_schedule(name).virtual_stages, parallel.get("virtual_stages") or 1
-    v = own if chunks > 1 and own > 1 else chunks
+    """`--schedule NAME` on a recipe: the recipe as if it named that schedule, with the virtual stages it runs
+    (`registry.chunks_for`), so that the checker sees the combination and the split is the one the engine would run."""
+    v = chunks_for(name, parallel.get("virtual_stages"))
     if (parallel.get("schedule"), parallel.get("virtual_stages")) != (name, v):
         log.info("parallel.schedule = %s, parallel.virtual_stages = %s (from --schedule)", name, v)
     parallel.update(schedule=name, virtual_stages=v)

@@ -31,6 +31,16 @@ def get_schedule(name: str) -> ScheduleSpec:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULE_NAMES)}") from None
 
 
+def chunks_for(name: str, given: int | None) -> int:
+    """The chunks per rank schedule `name` runs for a recipe whose `parallel.virtual_stages` is `given`: a looped
+    schedule of several chunks (interleaved 1F1B) keeps a count of 2 or more that the recipe gives; every other
+    schedule runs its own (one chunk, or the V's two). `plan --schedule` and `estimate --schedule` ask this."""
+    spec = get_schedule(name)
+    if spec.virtual_stages > 1 and spec.placement == "looped" and given is not None and given > 1:
+        return given
+    return spec.virtual_stages
+
+
 def measured_cost_schedules() -> tuple[str, ...]:
     return tuple(s.name for s in _SPECS if s.measured_costs)
 

@@ -49,6 +49,31 @@ def test_plan_recipe_with_another_schedule_shows_its_split(
     assert main(["plan", str(TINY), "--schedule", schedule, "--pp", "1", "--dp", "4"]) == (0 if schedule == "1f1b" else 2)
 
 
+def _interleaved_v3_recipe(tmp_path: Path) -> Path:
+    data = yaml.safe_load(TINY.read_text())
+    data["model"]["config"]["num_hidden_layers"] = 6
+    data["parallel"].update(schedule="interleaved-1f1b", virtual_stages=3)
+    path = tmp_path / "v3.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("schedule, chunks", [("interleaved-1f1b", 3), ("zb-v", 2), ("1f1b", 1)])
+def test_plan_and_estimate_schedule_keep_a_looped_recipes_chunks(
+    schedule: str, chunks: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On an interleaved recipe of 3 chunks, `--schedule` keeps 3 for a schedule of any chunk count and gives a
+    fixed-count schedule its own (zb-v: the V's two; they were 3, refused by zb-v's checker, and estimate
+    forced 2 on interleaved-1f1b), in both commands."""
+    recipe = _interleaved_v3_recipe(tmp_path)
+    assert main(["plan", str(recipe), "--schedule", schedule, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["stage_layers"]) == 2 * chunks
+    assert main(["estimate", str(recipe), "--schedule", schedule, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["virtual_stages"] == chunks
+    assert main(["estimate", "--params", "1B", "--layers", "8", "--pp", "2", "--schedule", schedule, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["virtual_stages"] == min(chunks, 2)  # no recipe: its own
+
+
 def test_plan_json_is_exactly_one_object(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*REFERENCE_FLAGS, "--json"]) == 0
     out = capsys.readouterr().out
