@@ -1,6 +1,6 @@
-"""Per-step work DeepSpeed's PipelineEngine does that a pipeline step does not need, removed (`trim_engine`).
-
-Two kinds are removed. Where neither is provably idle, nothing is touched.
+"""Per-step work DeepSpeed's PipelineEngine does that a pipeline step does not need, removed (`trim_engine`):
+ZeRO-1's bookkeeping hooks and, without ZeRO, a gradient reduction over one rank. Each only where it provably
+does nothing; everywhere else the engine is left as DeepSpeed built it.
 
 Measured against torch.distributed.pipelining's Schedule1F1B on the same model (scripts/bench/pipeline_peer.py,
 docs/guide/pipeline-schedules.md): with ZeRO stage 1, DeepSpeed's `DeepSpeedZeroOptimizer` registers a hook
@@ -15,9 +15,10 @@ provably all they do; anything else keeps them.
 
 Without ZeRO, `ReduceGrads` runs DeepSpeed's `buffered_allreduce_fallback`: it flattens every gradient into one
 buffer, all-reduces it over the data-parallel group and copies it back. Over a group of one rank, in fp32,
-without a predivide factor or experts (dsx3d's embeddings give dense gradients), every one of those steps returns its input unchanged
-(`allreduce_bucket`, runtime/engine.py: no cast, no multiply, an all-reduce over one rank), at 3-5 ms per step on
-the first stage of the peer benchmark's Llama. `trim_engine` makes it a no-op there (`reduction_is_identity`).
+without a predivide factor or experts (dsx3d's embeddings give dense gradients), each of those steps returns its
+input unchanged (`allreduce_bucket`, runtime/engine.py: no cast, no multiply, an all-reduce over one rank); it
+took 3-5 ms per step on the first stage of the peer benchmark's Llama. `trim_engine` makes it a no-op there
+(`reduction_is_identity`).
 """
 
 from __future__ import annotations
