@@ -99,8 +99,14 @@ def test_every_condition_of_an_identity_reduction_is_needed(monkeypatch: pytest.
 
 
 @pytest.mark.slow
-def test_parity_without_the_reduction_at_dp1_zero0() -> None:
-    case = ParityCase(tiny_config("llama"), dp=1, tp=1, pp=2, micro_batches=3, steps=2, zero_stage=0)
+@pytest.mark.parametrize(
+    ("family", "tp", "tied"), [("llama", 1, False), ("qwen3", 2, True)], ids=["llama-tp1", "qwen3-tp2-tied"]
+)
+def test_parity_without_the_reduction_at_dp1_zero0(family: str, tp: int, tied: bool) -> None:
+    """With TP and tied embeddings too: the tied copies are still summed at `ReduceTiedGrads`, the shards
+    clipped as one model."""
+    config = tiny_config(family, tie_word_embeddings=tied)
+    case = ParityCase(config, dp=1, tp=tp, pp=2, micro_batches=3, steps=2, zero_stage=0)
     assert all(r.ok for r in run_verify(case))
 
 
