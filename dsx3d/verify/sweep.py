@@ -36,6 +36,14 @@ LAYOUTS: list[tuple[tuple[int, int, int], int]] = [
     ((2, 1, 1), 3),
     ((2, 2, 1), 3),
 ]
+SWEEP_LAYOUTS: list[tuple[tuple[int, int, int], int]] = [
+    *LAYOUTS,
+    # pipelines without ZeRO, drawn by the opt-in sweep only (CI's fixed sample keeps its draws): at dp 1 in fp32
+    # the engine skips the data-parallel reduction (dsx3d.pipeline.lean_step); at dp 2 it runs
+    ((1, 2, 2), 0),
+    ((1, 1, 4), 0),
+    ((2, 1, 2), 0),
+]
 
 
 @dataclass(frozen=True)
