@@ -66,11 +66,6 @@ def get_world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 
 
-def group_size(group: ProcessGroup | None) -> int:
-    """The number of ranks in `group` (None: the world)."""
-    return dist.get_world_size(group) if is_initialized() else 1
-
-
 def new_group(ranks: list[int]) -> ProcessGroup:
     """A process group over `ranks` (every rank of the world must call this, in the same order)."""
     return dist.new_group(ranks)

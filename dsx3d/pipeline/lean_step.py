@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from dsx3d.boundary_types import PipeEngine
-from dsx3d.distributed import comm
 
 
 def bookkeeping_only_hooks(optimizer: Any) -> bool:
@@ -52,7 +51,7 @@ def reduction_is_identity(engine: PipeEngine) -> bool:
         and engine.communication_data_type == torch.float32
         and engine.gradient_predivide_factor() == 1.0
         and not engine.has_moe_layers
-        and comm.group_size(engine.mpu.get_data_parallel_group()) == 1
+        and engine.mpu.get_data_parallel_world_size() == 1  # the grid's size of the group the reduction uses
     )
 
 

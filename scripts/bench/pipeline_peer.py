@@ -19,8 +19,9 @@ Method: every contender steps once per round, the order reversed every other rou
 barrier before each step; wall seconds per step are the slower rank's; CPU seconds are summed over ranks
 (`time.process_time`: the work, without the wait for a core on a loaded machine). Per round, each
 contender's time over the fastest contender's (the one with the lowest median) at the same m: median and
-range (min, max) of those ratios; and, where torch:1f1b runs, over torch:1f1b's in the same round (paired). First-step losses of all contenders are recorded (same weights and batch:
-they agree to round-off, or the comparison would be void).
+range (min, max) of those ratios; and, where torch:1f1b runs, over torch:1f1b's in the same round (paired).
+First-step losses of all contenders are recorded (same weights and batch: they agree to round-off, or the
+comparison would be void).
 
     python -m scripts.bench.pipeline_peer [--quick] [--micro-batches 8 16] [--rounds 12] [--zero 1]
         [--only torch:1f1b dsx3d:1f1b dsx3d:1f1b/z0 dsx3d:interleaved-1f1b/v4] [--no-write]
