@@ -107,6 +107,26 @@ PRIVATE_ATTRIBUTES = {
         "if self.gradient_predivide_factor() != dp_world_size:",
         "tensor_to_allreduce.mul_(1. / dp_world_size)",
     ),
+    # ZeRO-1 over one fp32 rank: reduce_gradients' pass before its epilogue moves each gradient through a bucket
+    # and an average over that rank, the epilogue builds the partition (dsx3d.pipeline.lean_step runs it alone)
+    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.reduce_gradients": (
+        "self.reduce_ready_partitions_and_remove_grads(param, i)",
+        "self.overlapping_partition_gradients_reduce_epilogue()",
+    ),
+    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.overlapping_partition_gradients_reduce_epilogue": (
+        "self.independent_gradient_partition_epilogue()",
+    ),
+    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue": (
+        "self.reduce_ipg_grads()",
+        "self.averaged_gradients[i] = self.get_flat_partition(",
+    ),
+    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.average_tensor": (
+        "tensor.div_(dist.get_world_size(group=self.dp_process_group) / float(self.sequence_parallel_size))",
+    ),
+    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.gradient_reduction_w_predivide": (
+        "if self.gradient_predivide_factor != 1.0:",
+        "tensor_to_allreduce.div_(dp_world_size / float(self.sequence_parallel_size))",
+    ),
     # attributes PipelineModule.__init__ sets and dsx3d's _partition_layers reads (checked in its source)
     "deepspeed.pipe.PipelineModule.__init__": ("self._grid", "self._topo", "self._partition_layers("),
 }
