@@ -10,17 +10,25 @@ it, posted (`dsx3d.distributed.pending_sends`): a stage waits only for what its 
 torch.distributed.pipelining's Schedule1F1B does. The arithmetic is unchanged (the same passes on the same
 micro-batches, gradients accumulated in the same order), so losses and weights are bitwise those of
 `TrainSchedule`.
+
+Each stage also posts the receive of its next micro-batch's activations as soon as the last ones are copied
+out of the receive buffer, and of its next gradients as soon as the backward pass has used the last ones
+(`dsx3d.distributed.posted_recvs`). Gloo moves a payload only once its receive is posted; a receive posted when
+the pass needs it left the transfer to the sender's transport thread, competing with the sender's next pass
+for its core, while the receiver waited.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from dsx3d.boundary_types import PipeEngine
 from dsx3d.distributed.pending_sends import PendingSends
+from dsx3d.distributed.posted_recvs import PostedRecvs
 
 if TYPE_CHECKING:
     from dsx3d.recipe.schema import Recipe
@@ -94,23 +102,75 @@ def add_posted_sends(table: dict[type, Any], sends: PendingSends) -> None:
     table[PostGrad] = post(table[ds_schedule.SendGrad])
 
 
+def prepost_receives(engine: PipeEngine) -> bool:
+    """Whether `engine`'s pipeline receives can be posted ahead: DeepSpeed receives every micro-batch's
+    activations and gradients into the same buffers (shapes fixed after the first, nothing partitioned over TP)."""
+    return not (engine.dynamic_shape or engine.is_pipe_partitioned or engine.is_grad_partitioned)
+
+
+def _tensors(buffers: Any) -> list[torch.Tensor]:
+    return [buffers] if isinstance(buffers, torch.Tensor) else list(buffers)
+
+
+def add_posted_receives(table: dict[type, Any], acts: PostedRecvs, grads: PostedRecvs, remaining: list[int]) -> None:
+    """Give an engine's instruction table receives that wait for posted ones, and post the next: a stage's
+    next activations into its receive buffers once `RecvActivation` has copied them out, its next gradients
+    into its gradient buffers once `BackwardPass` has used them, while `remaining` (activations, gradients)
+    more are due in this step."""
+    recv_act, recv_grad, backward = (
+        table[ds_schedule.RecvActivation], table[ds_schedule.RecvGrad], table[ds_schedule.BackwardPass]
+    )
+
+    def receive_activation(self: PipeEngine, buffer_id: int) -> None:
+        with acts.receiving(ds_p2p):
+            recv_act(self, buffer_id)
+        if remaining[0] > 0:
+            remaining[0] -= 1
+            acts.post(_tensors(self.pipe_recv_buf), int(ds_p2p._grid.stage_to_global(stage_id=self.prev_stage)))
+
+    def receive_gradient(self: PipeEngine, buffer_id: int) -> None:
+        with grads.receiving(ds_p2p):
+            recv_grad(self, buffer_id)
+
+    def backward_then_post(self: PipeEngine, buffer_id: int) -> None:
+        backward(self, buffer_id)
+        if remaining[1] > 0 and not self.is_last_stage():
+            remaining[1] -= 1
+            grads.post(_tensors(self.grad_layer), int(ds_p2p._grid.stage_to_global(stage_id=self.next_stage)))
+
+    table[ds_schedule.RecvActivation] = receive_activation
+    table[ds_schedule.RecvGrad] = receive_gradient
+    table[ds_schedule.BackwardPass] = backward_then_post
+
+
 def install_posted_1f1b(engine: PipeEngine) -> None:
     """Run `engine`'s training steps on `Posted1F1BSchedule`: its own copy of the instruction table gains the
-    posted sends, and every send of a step is waited for before the step's first reduce."""
-    sends = PendingSends()
+    posted sends and, where `prepost_receives`, receives posted ahead; every send of a step is waited for
+    before the step's first reduce, when no receive is left posted."""
+    sends, acts, grads, remaining = PendingSends(), PostedRecvs(), PostedRecvs(), [0, 0]
     table = dict(engine._INSTRUCTION_MAP)
     reduce_tied = table[ds_schedule.ReduceTiedGrads]
+    ahead = prepost_receives(engine)
 
     def reduce_tied_after_sends(self: PipeEngine) -> None:
         sends.wait()
+        if acts.pending() or grads.pending():
+            raise RuntimeError(f"1f1b: {acts.pending() + grads.pending()} receives still posted at the end of the step")
         reduce_tied(self)
 
     add_posted_sends(table, sends)
+    if ahead:
+        add_posted_receives(table, acts, grads, remaining)
     table[ds_schedule.ReduceTiedGrads] = reduce_tied_after_sends
     engine._INSTRUCTION_MAP = table
-    engine._train_schedule = lambda: Posted1F1BSchedule(
-        micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id
-    )
+
+    def train_schedule() -> Posted1F1BSchedule:
+        # receives to post after each kind's first in the step: m - 1 on stages that receive that kind
+        later = engine.micro_batches - 1 if ahead else 0
+        remaining[:] = [0 if engine.is_first_stage() else later, 0 if engine.is_last_stage() else later]
+        return Posted1F1BSchedule(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
+
+    engine._train_schedule = train_schedule
 
 
 def install_for_recipe(engine: PipeEngine, recipe: Recipe) -> None:
