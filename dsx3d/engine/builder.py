@@ -29,6 +29,7 @@ from dsx3d.distributed.groups import DataTensorParallelGroups
 from dsx3d.distributed.tensor_parallel.context import TPContext
 from dsx3d.distributed.tensor_parallel.random import seed_ranks
 from dsx3d.engine.bf16_norm import count_empty_as_zero
+from dsx3d.engine.chunked_adam import step_engine_in_pieces
 from dsx3d.engine.fp16_wrapper_state import undo_initialising_step
 from dsx3d.errors import UserError
 from dsx3d.models.lora import LoraSpec
@@ -290,6 +291,7 @@ def build_engine(
         optimizer=client_optimizer(params) if client_optimizer is not None else None,
     )
     undo_initialising_step(engine)  # the fp16 wrappers' zero-gradient step would put AdamW one count ahead
+    step_engine_in_pieces(engine)  # Adam over a flat CPU partition in pieces (dsx3d/engine/chunked_adam.py)
     if layout.pp > 1:
         release_last_stage_outputs(engine)
         count_empty_as_zero(engine)  # a stage without decoder layers may count no gradient in the norm

@@ -82,6 +82,10 @@ PRIVATE_HOOKS: list[tuple[str, str, tuple[str, ...] | None]] = [
     # wrapped on the engine's optimizer instance (dsx3d.engine.bf16_norm)
     ("deepspeed", "runtime.bf16_optimizer.BF16_Optimizer.get_grads_for_norm", ("self", "for_clipping")),
     ("deepspeed", "monitor.monitor.MonitorMaster.write_events", ("self", "event_list")),
+    # wrapped on the torch Adam instance inside DeepSpeed's optimizer wrappers (dsx3d.engine.chunked_adam)
+    ("torch", "optim.adam.Adam._init_group", (
+        "self", "group", "params_with_grad", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps",
+    )),
 ]
 PRIVATE_ATTRIBUTES = {
     # the engine dispatches through `self._INSTRUCTION_MAP` and asks `self._train_schedule()` (an instance's own
@@ -127,6 +131,10 @@ PRIVATE_ATTRIBUTES = {
         "if self.gradient_predivide_factor != 1.0:",
         "tensor_to_allreduce.div_(dp_world_size / float(self.sequence_parallel_size))",
     ),
+    # Adam in pieces (dsx3d.engine.chunked_adam): the step hands Adam the lists `_init_group` fills, and the
+    # single-tensor path adds one to each step tensor it is given and reads the count from it
+    "torch.optim.adam.Adam.step": ("self._init_group(",),
+    "torch.optim.adam._single_tensor_adam": ("step_t += 1", "step = _get_value(step_t)"),
     # attributes PipelineModule.__init__ sets and dsx3d's _partition_layers reads (checked in its source)
     "deepspeed.pipe.PipelineModule.__init__": ("self._grid", "self._topo", "self._partition_layers("),
 }
