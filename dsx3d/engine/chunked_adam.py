@@ -8,8 +8,8 @@ whole-tensor temporaries on every step (the square root of the second moment, it
 correction), 8.6 MB each. glibc serves an allocation that large with `mmap` and returns it with `munmap` on
 free; its dynamic threshold only moves to the size just freed, and a request of exactly that size is still
 `>=` the threshold, so every step maps those temporaries afresh and faults in each of their 4 KiB pages:
-about 5,000 minor faults a step on that rank, and the optimizer step took 16.5 ms of Adam where torch's
-AdamW over the same values held in 46 separate tensors took 9 ms (cProfile, 6 steps).
+about 5,000 minor faults a step on that rank. cProfile put 16.5 ms a step in that Adam; torch's `AdamW.step`
+over the same values held in 46 separate tensors took 9 ms (timed).
 
 Adam is elementwise: each value of the parameter, gradient and both moments is updated from its own values
 and the shared step count. `step_in_pieces` makes the optimizer's `_init_group` hand Adam views of `PIECE`
