@@ -17,8 +17,8 @@ elements of each large CPU tensor instead of the whole; the first view of a tens
 step counter (Adam adds one to it once) and the others a copy of it (their additions are dropped), so the
 state keeps its tensors and its step, and checkpoints are unchanged. `PIECE` is a multiple of every CPU
 vector width, so each value takes the same vector or scalar kernel path as in the whole tensor: the weights
-and moments equal Adam's over the whole tensor bit for bit (tests/distributed/test_chunked_adam.py, with
-one thread and with two, amsgrad too).
+and moments equal Adam's over the whole tensor bit for bit (tests/unit/test_chunked_adam.py, with one thread
+and with two, amsgrad too; tests/distributed/test_chunked_adam_engine.py on ZeRO-1, ZeRO-2 and bf16 engines).
 
 The engine builder applies it to the torch optimizer inside DeepSpeed's optimizer wrappers, the one that
 steps flat partitions (`step_engine_in_pieces`); without a wrapper (ZeRO-0 in fp32) Adam steps the model's
@@ -94,9 +94,9 @@ def basic_optimizer(engine: Any) -> Any:
     return None
 
 
-def step_engine_in_pieces(engine: Any, piece: int | None = None) -> bool:
+def step_engine_in_pieces(engine: Any) -> bool:
     """`step_in_pieces` on the torch optimizer inside `engine`'s optimizer wrapper, the one that steps DeepSpeed's
     flat partitions; returns whether it applied. Without a wrapper (ZeRO-0 in fp32) the optimizer steps the
     model's own parameters, tensor by tensor as torch does, and is left alone."""
     inner = basic_optimizer(engine)
-    return inner is not None and inner is not engine.optimizer and step_in_pieces(inner, piece)
+    return inner is not None and inner is not engine.optimizer and step_in_pieces(inner)
