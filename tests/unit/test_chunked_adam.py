@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsx3d.engine.chunked_adam import basic_optimizer, step_engine_in_pieces, step_in_pieces
 
@@ -93,3 +95,17 @@ def test_only_an_optimizer_inside_a_wrapper_is_stepped_in_pieces() -> None:
     wrapped = type("Engine", (), {"optimizer": _Wrapper(_Wrapper(adam))})()
     assert basic_optimizer(wrapped) is adam and step_engine_in_pieces(wrapped)
     assert basic_optimizer(type("Engine", (), {"optimizer": None})()) is None
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    sizes=st.lists(st.integers(1, 20_000), min_size=1, max_size=4),
+    piece_vectors=st.integers(1, 64),
+    steps=st.integers(1, 4),
+    amsgrad=st.booleans(),
+)
+def test_pieces_equal_the_whole_tensor_on_drawn_shapes(sizes: list[int], piece_vectors: int, steps: int, amsgrad: bool) -> None:
+    """Drawn tensor sizes, piece lengths (multiples of 64 values, every CPU vector width) and step counts."""
+    whole = _train(sizes, None, steps=steps, amsgrad=amsgrad)
+    pieces = _train(sizes, 64 * piece_vectors, steps=steps, amsgrad=amsgrad)
+    _same(whole, pieces)
