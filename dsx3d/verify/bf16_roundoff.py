@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsx3d.models.buffer_dtypes import cast_buffers_as_hf
+
 BF16_U = 2.0**-8
 """bf16's unit round-off: 8 significant bits, a value is rounded to within 2^-8 of itself (relative)."""
 BF16_DRAWS = 4.0
@@ -50,14 +52,16 @@ class Bf16Roundoff:
 
 
 def bf16_like_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` cast as DeepSpeed's
-    engine casts a bf16 model: parameters to bf16, buffers kept in their dtype (a rotary `inv_freq` rounded to
-    bf16 would turn every position's angle by up to 2^-9 of itself, a different computation from the one the 3D
-    side runs)."""
+    """A copy of `model` cast as dsx3d's engine casts a bf16 model: parameters to bf16 (DeepSpeed's cast),
+    buffers to the dtype HF gives them in a bf16 model (`dsx3d.models.buffer_dtypes`: a rotary `inv_freq` stays
+    fp32, a buffer HF computes in the default dtype becomes bf16)."""
     shadow = copy.deepcopy(model)
     for p in shadow.parameters():
         if p.is_floating_point():
             p.data = p.data.to(torch.bfloat16)
+    config = getattr(model, "config", None)
+    if config is not None:
+        cast_buffers_as_hf(shadow, config, torch.bfloat16)
     return shadow
 
 
