@@ -164,7 +164,10 @@ class CPContext:
             core = _core_attention(attn, config._attn_implementation)
             split = tp if _heads_split(attn) else 1  # a plan that keeps attention whole: all heads here
             heads = config.num_attention_heads // split
-            kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            # the key/value heads the attention function gets: HF's repeat them by the module's
+            # num_key_value_groups (1 where a family has none, as GPT-NeoX, whose config may still carry an
+            # unused num_key_value_heads)
+            kv = config.num_attention_heads // getattr(attn, "num_key_value_groups", 1)
             attn.__dict__["_dsx3d_ulysses"] = ulysses(
                 attn=core,
                 batch_size=1,
