@@ -32,7 +32,7 @@ from dsx3d.engine.bf16_norm import count_empty_as_zero
 from dsx3d.engine.chunked_adam import step_engine_in_pieces
 from dsx3d.engine.fp16_wrapper_state import undo_initialising_step
 from dsx3d.errors import UserError
-from dsx3d.models.buffer_dtypes import cast_buffers_as_hf
+from dsx3d.models.buffer_dtypes import cast_buffers_as_hf, run_dtype_of
 from dsx3d.models.lora import LoraSpec
 from dsx3d.models.sequential import SequentialLM, build_sequential
 from dsx3d.models.shape import model_dim
@@ -146,15 +146,6 @@ class Engine3D:
             return local_hf_shards(self.module, self.placement.tp)
 
 
-def _half_dtype(ds_config: dict[str, Any]) -> torch.dtype | None:
-    """bf16 or fp16 where the DeepSpeed config enables it, else None (fp32)."""
-    if ds_config.get("bf16", {}).get("enabled"):
-        return torch.bfloat16
-    if ds_config.get("fp16", {}).get("enabled"):
-        return torch.float16
-    return None
-
-
 def _zero3_partitioner(ds_config: dict[str, Any], mpu: DataTensorParallelGroups) -> Callable[[torch.nn.Module], None] | None:
     """With ZeRO-3, partition each model item over the DP group as soon as its weights are read (what
     `deepspeed.zero.Init` does to a module built inside it), so a rank never holds the whole model; the
@@ -165,10 +156,10 @@ def _zero3_partitioner(ds_config: dict[str, Any], mpu: DataTensorParallelGroups)
         return None
     import deepspeed
 
-    dtype = _half_dtype(ds_config)
+    dtype = run_dtype_of(ds_config)
 
     def partition(item: torch.nn.Module) -> None:
-        if dtype is not None:
+        if dtype != torch.float32:
             for p in item.parameters():
                 if p.is_floating_point() and p.dtype != dtype:
                     p.data = p.data.to(dtype)
@@ -285,9 +276,8 @@ def build_engine(
             loss_tile_tokens=recipe.train.loss_tile_tokens,
             cp=cp,
         )
-    half = _half_dtype(ds_config)
-    if half is not None:  # buffers as HF's model in that dtype has them; DeepSpeed casts only the parameters
-        cast_buffers_as_hf(module, hf_config, half)
+    # bf16/fp16: buffers as HF's model in that dtype has them (DeepSpeed casts only the parameters)
+    cast_buffers_as_hf(module, hf_config, run_dtype_of(ds_config))
     import deepspeed
 
     params: Any = param_groups(module) if param_groups is not None else [p for p in module.parameters() if p.requires_grad]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
@@ -27,6 +29,15 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 """(module class's qualified name, buffer name)."""
+
+
+def run_dtype_of(ds_config: Mapping[str, Any]) -> torch.dtype:
+    """The dtype a DeepSpeed config computes in: bf16 or fp16 where it enables one, else fp32."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
 
 
 def hf_buffer_dtypes(config: PretrainedConfig, dtype: torch.dtype) -> dict[Key, torch.dtype]:

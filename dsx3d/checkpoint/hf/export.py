@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
 
-from dsx3d.boundary_types import HFProcessor, JSONObject
+from dsx3d.boundary_types import HFProcessor
 from dsx3d.checkpoint.hf.lora_export import merged_weights
 from dsx3d.checkpoint.hf.names import expected_params, meta_model, to_hub_names
 from dsx3d.checkpoint.hf.writer import (
@@ -41,6 +41,7 @@ from dsx3d.checkpoint.hf.writer import (
 from dsx3d.distributed import comm
 from dsx3d.errors import RunFailure, UserError
 from dsx3d.fsio import WRITE_ERRNOS
+from dsx3d.models.buffer_dtypes import run_dtype_of
 from dsx3d.models.lora import is_adapter_name
 from dsx3d.models.shards import local_shape
 
@@ -103,11 +104,7 @@ def hub_entries(
 
 def run_dtype(engine: Engine3D) -> torch.dtype:
     """The dtype the run computes in: what its export holds by default."""
-    if cast(JSONObject, engine.ds_config.get("bf16", {})).get("enabled"):
-        return torch.bfloat16
-    if cast(JSONObject, engine.ds_config.get("fp16", {})).get("enabled"):
-        return torch.float16
-    return torch.float32
+    return run_dtype_of(engine.ds_config)
 
 
 def export_hf(
