@@ -17,7 +17,8 @@ What is compared, and why it is round-off-proof yet sharp (`Criteria`):
   fp32 master weights, `dsx3d.verify.master_weights`);
 - every step from the same weights: the reference takes step t from the weights the 3D run had after step
   t - 1 (in bf16 its fp32 masters; the reference's own optimizer state carries on, and holds the gradients of
-  the same points), so that no step inherits the difference an earlier step was allowed. In bf16 a step's
+  the same points), so that no step inherits the difference an earlier step was allowed; each step is compared
+  with the reference's own result of it (`reference.sgd_steps`), not with where the next step starts. In bf16 a step's
   gradient round-off moves the next step's loss by a scalar draw that a bf16 shadow on its own trajectory
   could cancel by chance (dsx3d.verify.bf16_roundoff);
 - with AdamW: every step's weights element by element. Adam amplifies such a difference without bound over
@@ -58,10 +59,11 @@ from dsx3d.verify.clip_check import applied_norm_check, clipped_gradient_roundin
 from dsx3d.verify.reference import (  # noqa: F401
     Reference,
     _accumulate_grads,
-    _optimizer,
     build_reference,
     hf_name,
+    rename,
     run_reference,
+    sgd_steps,
 )
 
 if TYPE_CHECKING:
@@ -250,9 +252,7 @@ def run_parity(
     replay = [None if step is None else {n: step[h] for n, h in names.items()} for step in held]
     ref = _reference(case, model, batches, replay)
     seconds_ref, seconds_3d = time.perf_counter() - t1, t1 - t0
-    ref.snapshots = [{hf_name(n): t for n, t in snap.items()} for snap in ref.snapshots]
-    ref.adam_slack = [{hf_name(n): t for n, t in step.items()} for step in ref.adam_slack]
-    ref.update_slack = [{hf_name(n): d for n, d in step.items()} for step in ref.update_slack]
+    rename(ref, hf_name)
     criteria = CRITERIA[case.dtype]
     checks = [
         _relative_check("loss", ref.losses, losses_3d, criteria.loss_rtol, ref.loss_slack),
@@ -265,7 +265,7 @@ def run_parity(
     elif case.optimizer == "sgd":
         after = [*merged]  # parameters after step t, t = 1..steps
         before = [initial, *after[:-1]]
-        checks.append(_gradient_check(ref.snapshots, before, after, criteria, ref.update_slack))
+        checks.append(_gradient_check(sgd_steps(ref), before, after, criteria, ref.update_slack))
         if masters:  # bf16: the fp32 masters (dsx3d.verify.master_weights)
             before, after = masters[:-1], masters[1:]
         if case.grad_clip > 0:
@@ -317,23 +317,23 @@ def _relative_check(
 
 
 def _gradient_check(
-    ref_snapshots: list[dict[str, torch.Tensor]],
+    ref_steps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
     before: list[dict[str, torch.Tensor]],
     after: list[dict[str, torch.Tensor]],
     criteria: Criteria,
     update_slack: list[dict[str, float]] | None = None,
 ) -> Check:
-    """SGD: each step's weight change (= -lr x clipped gradient), tensor by tensor; `update_slack` (bf16) adds
-    per step and tensor what bf16 round-off explains."""
+    """SGD: each step's weight change (= -lr x clipped gradient), tensor by tensor, against the reference's own
+    step (`reference.sgd_steps`); `update_slack` adds per step and tensor what round-off explains."""
     worst, where, ok = 0.0, "", True
-    for t in range(len(after)):
-        ref_delta = {n: ref_snapshots[t + 1][n] - ref_snapshots[t][n] for n in ref_snapshots[t]}
+    for t, ((ref_start, ref_end), got_before, got_after) in enumerate(zip(ref_steps, before, after, strict=True)):
+        ref_delta = {n: ref_end[n] - ref_start[n] for n in ref_start}
         total = sum(float((d.double() ** 2).sum()) for d in ref_delta.values()) ** 0.5
         for name, d_ref in ref_delta.items():
-            d_3d = after[t][name] - before[t][name].float()
+            d_3d = got_after[name] - got_before[name].float()
             # each side rounds W - lr g to fp32 once: one unit in the last place of an element is forgiven; a
             # side storing a coarser dtype rounds W_t and W_t+1 to within stored_u |W| each
-            w0, w1 = ref_snapshots[t][name].abs(), ref_snapshots[t + 1][name].abs()
+            w0, w1 = ref_start[name].abs(), ref_end[name].abs()
             spacing = torch.maximum(FP32_EPS * torch.maximum(w1, w0), criteria.stored_u * (w0 + w1))
             excess = ((d_3d.double() - d_ref.double()).abs() - spacing.double()).clamp(min=0)
             err = float(excess.norm())

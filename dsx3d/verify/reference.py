@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +16,7 @@ from dsx3d.verify.bf16_roundoff import (
 )
 from dsx3d.verify.case import CRITERIA, ParityCase, micro_batch
 from dsx3d.verify.reference_clip import clip_by_exact_norm
-from dsx3d.verify.topk_ties import flip_change, recording, score_spreads
+from dsx3d.verify.topk_ties import flip_change, fp32_spreads, recording, score_spreads
 
 
 def build_reference(case: ParityCase) -> torch.nn.Module:
@@ -48,6 +47,9 @@ class Reference:
     norms: list[float]
     snapshots: list[dict[str, torch.Tensor]]
     """Parameters before each step and after the last (SGD), or after each step (AdamW)."""
+    after: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """SGD: the parameters after each step, from the ones it took that step from (snapshots[t]). With `replay`
+    the next step starts from the parallel run's weights, so snapshots[t + 1] is not this run's own result."""
     adam_slack: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """AdamW, per step: per element, how far round-off amplified by Adam can move a weight in that step
     (module docstring of dsx3d.verify.parity)."""
@@ -59,6 +61,19 @@ class Reference:
     """SGD in bf16, per step and tensor: how far bf16 round-off moves the weight change (dsx3d.verify.bf16_roundoff)."""
     undecided: list[int] = field(default_factory=list)
     """bf16, per step with top-k choices: how many were within bf16's round-off (dsx3d.verify.topk_ties)."""
+
+
+def rename(ref: Reference, name: Callable[[str], str]) -> None:
+    """Every per-parameter record of `ref` keyed by `name(parameter)`."""
+    ref.snapshots = [{name(n): t for n, t in step.items()} for step in ref.snapshots]
+    ref.after = [{name(n): t for n, t in step.items()} for step in ref.after]
+    ref.adam_slack = [{name(n): t for n, t in step.items()} for step in ref.adam_slack]
+    ref.update_slack = [{name(n): d for n, d in step.items()} for step in ref.update_slack]
+
+
+def sgd_steps(ref: Reference) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """SGD: per step, (the weights the reference took it from, its own weights after it)."""
+    return list(zip(ref.snapshots[:-1], ref.after, strict=True))
 
 
 def _optimizer(case: ParityCase, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -137,12 +152,13 @@ def run_reference(
             ref.snapshots.append({n: p.detach().clone() for n, p in named})
         opt.zero_grad(set_to_none=True)
         rng = torch.get_rng_state()
-        # bf16: the inputs of every top-k choice, in this step and in the shadow (dsx3d.verify.topk_ties)
+        # the inputs of every top-k choice, in this step and (bf16) in the shadow (dsx3d.verify.topk_ties)
         ref_calls: list[torch.Tensor] = []
+        choices: list[tuple[int, int, bool]] = []
         shadow_calls: list[torch.Tensor] = []
         ref_tokens: list[torch.Tensor] = []
         shadow_tokens: list[torch.Tensor] = []
-        with recording(ref_calls) if case.dtype == "bf16" else contextlib.nullcontext():
+        with recording(ref_calls, choices):
             if case.dtype == "bf16" and accumulate is _accumulate_grads:
                 total = _accumulate_grads(case, model, batch, ref_tokens)
             else:
@@ -170,18 +186,21 @@ def run_reference(
             ref.update_slack.append({n: BF16_DRAWS * d for n, d in rf.update[0].items()})
             bf16_grad = rf.grad[0]
             spreads = score_spreads(ref_calls, [shadow_calls])
-            if any(spreads):
-                torch.set_rng_state(rng)
-                flipped, flip_loss, flip_norm, undecided = flip_change(
-                    spreads, lambda: accumulate(case, model, batch), named, unclipped, total, case.seed * 1000 + t  # noqa: B023
-                )
-                ref.undecided.append(undecided)
-                if undecided:
-                    ref.loss_slack[-1] += 2 * flip_loss
-                    ref.norm_slack[-1] += 2 * flip_norm
-                    for n, d in flipped.items():
-                        ref.update_slack[-1][n] = ref.update_slack[-1].get(n, 0.0) + 2 * case.lr * clip * float(d.double().norm())
-            torch.set_rng_state(after)
+        else:
+            ref.update_slack.append({})
+            spreads = fp32_spreads(ref_calls, choices)
+        if any(spreads):
+            torch.set_rng_state(rng)
+            flipped, flip_loss, flip_norm, undecided = flip_change(
+                spreads, lambda: accumulate(case, model, batch), named, unclipped, total, case.seed * 1000 + t  # noqa: B023
+            )
+            ref.undecided.append(undecided)
+            if undecided:
+                ref.loss_slack[-1] += 2 * flip_loss
+                ref.norm_slack[-1] += 2 * flip_norm
+                for n, d in flipped.items():
+                    ref.update_slack[-1][n] = ref.update_slack[-1].get(n, 0.0) + 2 * case.lr * clip * float(d.double().norm())
+        torch.set_rng_state(after)
         if case.optimizer != "sgd":
             for n, p in named:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -198,8 +217,7 @@ def run_reference(
                 slack[n] += (2 * case.lr * delta / (v_hat.sqrt() + case.adam_eps)).clamp(max=4 * case.lr)
             ref.adam_slack.append({n: s.clone() for n, s in slack.items()})
         opt.step()
-        if case.optimizer != "sgd":
-            ref.snapshots.append({n: p.detach().clone() for n, p in named})
+        (ref.after if case.optimizer == "sgd" else ref.snapshots).append({n: p.detach().clone() for n, p in named})
         ref.losses.append(total)
         ref.norms.append(float(norm))
     if case.optimizer == "sgd":

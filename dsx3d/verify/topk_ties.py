@@ -1,5 +1,5 @@
-"""Discrete choices that bf16 can make the other way: top-k selections (MoE routing) decided by less than
-bf16's round-off of the scores they compare.
+"""Discrete choices that a correct layout can make the other way: top-k selections (MoE routing) decided by
+less than the round-off of the scores they compare (bf16's, and below, fp32's).
 
 A router picks each token's experts with `torch.topk` over its scores. Where the k-th and the (k+1)-th score
 of a token lie closer together than bf16 moves them, a correct bf16 run may pick the (k+1)-th expert: a
@@ -15,8 +15,14 @@ is within 2 x BF16_DRAWS of it: each of the two scores may move by BF16_DRAWS ti
 It then recomputes the fp32 step with the undecided selections taken the other way (the (k+1)-th instead of
 the k-th): all of them, a random half, and the other half (flips of different tokens can cancel in one
 element, as the propagated change's random and coherent probes do), and allows twice the largest change of
-each gradient element, of the loss and of the norm. A selection decided by more than that is not forgiven, and
-an fp32 run records nothing.
+each gradient element, of the loss and of the norm. A selection decided by more than that is not forgiven.
+
+fp32 has the same edge, narrower: a layout sums the hidden states in another order (tensor-parallel partial
+sums, another reduction), so each router score moves by a few units in the last place, and a selection whose
+margin is within that can go the other way (a generated Flint case at dp 2 x tp 2 had a margin of 6e-8 on
+scores of 0.64, one ulp, and the run took the other expert). An fp32 run has no shadow to measure the scale
+on, so it takes FP32_SCORE_ULPS units in the last place of each call's largest score (`fp32_spreads`) and
+recomputes what those flips change in the same way.
 """
 
 from __future__ import annotations
@@ -49,12 +55,15 @@ def _decides(x: torch.Tensor, k: int, dim: int) -> bool:
 
 
 @contextlib.contextmanager
-def recording(calls: list[torch.Tensor]) -> Iterator[None]:
-    """Append the input (fp32, detached) of every top-k call that makes a choice, in call order."""
+def recording(calls: list[torch.Tensor], choices: list[tuple[int, int, bool]] | None = None) -> Iterator[None]:
+    """Append the input (fp32, detached) of every top-k call that makes a choice, in call order, and its
+    (k, dim, largest) to `choices`."""
 
     def topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> object:
         if _decides(x, k, dim):
             calls.append(x.detach().float().clone())
+            if choices is not None:
+                choices.append((k, dim, largest))
         return _TOPK(x, k, dim=dim, largest=largest, sorted=sorted)
 
     with _topk_replaced(topk):
@@ -70,6 +79,31 @@ def score_spreads(ref: list[torch.Tensor], others: list[list[torch.Tensor]]) -> 
             continue
         for i, (a, b) in enumerate(zip(run, ref, strict=True)):
             spreads[i] = max(spreads[i], float((a - b).abs().max()))
+    return spreads
+
+
+FP32_SCORE_ULPS = 16.0
+"""fp32: the round-off scale of a router's scores in units in the last place of the call's largest score; a
+selection is undecided within BF16_DRAWS times that (64 ulp, about 8e-6 of the largest score). Generous,
+because what it forgives is recomputed, not assumed: a flip that does not explain a difference forgives
+nothing."""
+
+
+def _margins(x: torch.Tensor, k: int, dim: int, largest: bool) -> torch.Tensor:
+    top = _TOPK(x.movedim(dim, -1), k + 1, dim=-1, largest=largest, sorted=True)
+    return (top.values[..., k - 1] - top.values[..., k]).abs()
+
+
+def fp32_spreads(calls: list[torch.Tensor], choices: list[tuple[int, int, bool]]) -> list[float]:
+    """Per recorded top-k call of an fp32 step (`recording`'s inputs and choices): its round-off scale
+    (FP32_SCORE_ULPS ulp of its largest score), or 0 where no selection of the call is within BF16_DRAWS times
+    it, so that a step without an undecided selection is not recomputed."""
+    eps = torch.finfo(torch.float32).eps
+    spreads = []
+    for x, (k, dim, largest) in zip(calls, choices, strict=True):
+        spread = FP32_SCORE_ULPS * eps * float(x.abs().max())
+        undecided = bool((_margins(x, k, dim, largest) <= BF16_DRAWS * spread).any())
+        spreads.append(spread if undecided else 0.0)
     return spreads
 
 

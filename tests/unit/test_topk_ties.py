@@ -1,4 +1,4 @@
-"""Top-k choices bf16 can make the other way (dsx3d.verify.topk_ties): a selection whose margin lies within
+"""Top-k choices a correct layout can make the other way (dsx3d.verify.topk_ties): a selection whose margin lies within
 BF16_DRAWS times its call's score round-off is taken the other way by the flip probes, a decided one never;
 the recorder sees every choosing top-k call, through torch.topk and Tensor.topk alike."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsx3d.verify.bf16_roundoff import BF16_DRAWS
-from dsx3d.verify.topk_ties import flipping, recording, score_spreads
+from dsx3d.verify.topk_ties import FP32_SCORE_ULPS, flipping, fp32_spreads, recording, score_spreads
 
 SCORES = torch.tensor(
     [
@@ -59,3 +59,17 @@ def test_spreads_are_per_call_and_skip_a_run_of_other_calls() -> None:
     shadow = [torch.full((2, 4), 1e-3), torch.tensor([0.0, -2e-3, 0.0])]
     other = [torch.ones(5)]  # another sequence of calls: says nothing
     assert score_spreads(ref, [shadow, other]) == pytest.approx([1e-3, 2e-3])
+
+
+def test_fp32_spreads_only_for_a_call_with_a_margin_within_64_ulp() -> None:
+    calls: list[torch.Tensor] = []
+    choices: list[tuple[int, int, bool]] = []
+    tie = torch.tensor([[0.64, 0.5, 0.5 - 2**-24, 0.1]])  # 2nd and 3rd one ulp apart
+    with recording(calls, choices):
+        tie.topk(2, dim=1)
+        torch.topk(SCORES.detach(), 2)  # 1e-3 apart at best: decided in fp32
+        torch.topk(tie.t(), 1, dim=0, largest=False)
+    assert choices == [(2, 1, True), (2, -1, True), (1, 0, False)]
+    spreads = fp32_spreads(calls, choices)
+    assert spreads[0] == pytest.approx(FP32_SCORE_ULPS * torch.finfo(torch.float32).eps * 0.64)
+    assert spreads[1] == 0.0 and spreads[2] == 0.0  # smallest two of the column: 0.1 and 0.5 - 2^-24, decided
