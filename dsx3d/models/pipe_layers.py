@@ -187,10 +187,19 @@ class LayerBuilder:
 
     def head_params(self) -> tuple[nn.Parameter, nn.Parameter | None]:
         """The untied LM head's vocab-row shard (and its bias, if the family has one)."""
+        holder = self._head_holder(weight=True)
+        return holder._parameters["weight"], holder._parameters.get("bias")  # type: ignore[return-value]
+
+    def head_bias(self) -> nn.Parameter | None:
+        """A tied head's own bias shard, where the family's head has one (Phi): the weight is the embedding's."""
+        return self._head_holder(weight=False)._parameters.get("bias")
+
+    def _head_holder(self, weight: bool) -> nn.Module:
         meta = getattr(self.skeleton.lm, self.plan.head_name)
         rows = self.padded_vocab // self.tp.size
         holder = nn.Module()
-        holder.register_parameter("weight", nn.Parameter(torch.empty(rows, meta.weight.shape[1], device="meta")))
+        if weight:
+            holder.register_parameter("weight", nn.Parameter(torch.empty(rows, meta.weight.shape[1], device="meta")))
         if getattr(meta, "bias", None) is not None:
             holder.register_parameter("bias", nn.Parameter(torch.empty(rows, device="meta")))
         if self.tp.size > 1:
@@ -199,7 +208,7 @@ class LayerBuilder:
         materialize(holder, f"{self.plan.head_name}.", self.source, self.tp.rank)
         if self.lora is not None:
             lora.freeze(holder)
-        return holder._parameters["weight"], holder._parameters.get("bias")  # type: ignore[return-value]
+        return holder
 
     def release_source(self) -> None:
         """Let the weight source drop what it has read so far (a fresh initialisation keeps each module it
@@ -363,8 +372,9 @@ class TiedEmbeddingPipe(nn.Module):
         self.builder = [builder]
         self.embed = builder.own_embedding()
         self.extras = nn.ModuleList(builder.own_prologue_extras() if on_first_stage else [])
+        self.head_bias = builder.head_bias() if on_last_stage else None
         if on_last_stage:
-            builder.install_head(self.embed.weight)  # type: ignore[arg-type]
+            builder.install_head(self.embed.weight, self.head_bias)  # type: ignore[arg-type]
 
     def forward(self, inputs: object) -> tuple[torch.Tensor, ...]:
         return embed_forward(self.builder[0], inputs, self.training)

@@ -7,12 +7,15 @@ fresh initialisation) and, in dsx3d.checkpoint, safetensors files read slice by 
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from dsx3d.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class WeightSource(Protocol):
@@ -108,3 +111,19 @@ def materialize(module: nn.Module, prefix: str, source: WeightSource, tp_rank: i
                 if hasattr(param, attr):
                     setattr(new, attr, getattr(param, attr))
             sub._parameters[pname] = new
+        _load_buffers(sub, f"{prefix}{sub_name}." if sub_name else prefix, source)
+
+
+def _load_buffers(module: nn.Module, prefix: str, source: WeightSource) -> None:
+    """The persistent buffers of `module` itself that `source` holds, over the values the module computed, as
+    `from_pretrained` does (a checkpoint's trained router bias; MiniMax's decays as saved, in bf16 when saved
+    so). A buffer of another shape than the module's (one its layout changed) keeps the computed value."""
+    for bname, buf in list(module._buffers.items()):
+        name = f"{prefix}{bname}"
+        if buf is None or bname in module._non_persistent_buffers_set or buf.is_meta or not source.has(name):
+            continue
+        tensor = source.load(name)
+        if tuple(tensor.shape) != tuple(buf.shape):
+            log.warning("%s: the weights hold shape %s, the model %s: keeping the computed value", name, tuple(tensor.shape), tuple(buf.shape))
+            continue
+        module._buffers[bname] = tensor.detach().to(buf.dtype, copy=True)

@@ -74,6 +74,18 @@ class StagedPipelineModule(PipelineModule):
                 if weight.grad is not None:
                     comm.all_reduce_sum(weight.grad, tied["group"])
 
+    def _index_tied_modules(self) -> dict[str, Any]:
+        """DeepSpeed's, which marks every parameter of a tied module on the later stages as a replica (left out
+        of the gradient norm); only the tied weights are: a tied head's own bias (Phi) lives on the last stage
+        alone and counts there."""
+        comms: dict[str, Any] = super()._index_tied_modules()
+        for key, tied in comms.items():
+            shared = {id(self._recursive_getattr(self.tied_modules[key], a)) for a in tied["weight_attr"]}
+            for p in self.tied_modules[key].parameters():
+                if id(p) not in shared:
+                    p.ds_pipe_replicated = False
+        return comms
+
     def _partition_layers(self, method: str = "") -> None:
         self.parts = list(self._dsx3d_bounds)
         self._dsx3d_tp.bind(self._grid.get_slice_parallel_group())

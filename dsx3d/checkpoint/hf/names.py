@@ -84,12 +84,16 @@ class LoadPlan:
     """model name -> checkpoint name (possibly renamed), read slice by slice."""
     fused: dict[str, FusedGroup] = field(default_factory=dict)
     """model name -> the group that produces it (every target of a group maps to the same object)."""
+    buffers: dict[str, str] = field(default_factory=dict)
+    """model name -> checkpoint name of a persistent buffer the checkpoint holds: `from_pretrained` loads it
+    over what the model computes (a router's trained `e_score_correction_bias`, MiniMax's decays as saved),
+    and so does dsx3d."""
     ignored: list[str] = field(default_factory=list)
-    """Checkpoint tensors deliberately not loaded: tied aliases, buffers the model rebuilds itself."""
+    """Checkpoint tensors deliberately not loaded: tied aliases."""
     problems: list[Problem] = field(default_factory=list)
 
     def provides(self, name: str) -> bool:
-        return name in self.direct or name in self.fused
+        return name in self.direct or name in self.fused or name in self.buffers
 
 
 def plan_load(
@@ -109,6 +113,7 @@ def plan_load(
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     meta_sd = model.state_dict()
     expected = expected_params(model, config)
+    buffers = set(meta_sd) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
     ignorable = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     plan = LoadPlan()
 
@@ -147,8 +152,10 @@ def plan_load(
                     )
                 )
             plan.direct[renamed] = key
+        elif renamed in buffers:
+            plan.buffers[renamed] = key
         elif renamed in meta_sd:
-            plan.ignored.append(key)  # a tied alias or a buffer the model computes itself
+            plan.ignored.append(key)  # a tied alias
         else:
             unexpected(key, renamed)
     for group in groups.values():

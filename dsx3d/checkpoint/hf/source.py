@@ -67,6 +67,8 @@ class CheckpointSource:
     ) -> torch.Tensor:
         if name in self.plan.direct:
             return self.files.read(self.plan.direct[name], dim, start, stop, self.dtype)
+        if name in self.plan.buffers:
+            return self.files.read(self.plan.buffers[name], dim, start, stop, self.dtype)
         group = self.plan.fused[name]
         if dim == 0 and stop is not None:
             subset = expert_subset(group, start, stop)
@@ -126,7 +128,7 @@ def checkpoint_source(
         raise UserError(problems)
     if plan.ignored:
         log.info(
-            "checkpoint %s: not loading %d tensors the model rebuilds itself (%s)",
+            "checkpoint %s: not loading %d tied aliases (%s)",
             root,
             len(plan.ignored),
             ", ".join(plan.ignored[:3]),
