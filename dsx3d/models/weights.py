@@ -126,4 +126,4 @@ def _load_buffers(module: nn.Module, prefix: str, source: WeightSource) -> None:
         if tuple(tensor.shape) != tuple(buf.shape):
             log.warning("%s: the weights hold shape %s, the model %s: keeping the computed value", name, tuple(tensor.shape), tuple(buf.shape))
             continue
-        module._buffers[bname] = tensor.detach().to(buf.dtype, copy=True)
+        module._buffers[bname] = tensor.detach().to(buf.dtype, copy=not getattr(source, "fresh_tensors", False))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -89,9 +90,10 @@ because what it forgives is recomputed, not assumed: a flip that does not explai
 nothing."""
 
 
-def _margins(x: torch.Tensor, k: int, dim: int, largest: bool) -> torch.Tensor:
-    top = _TOPK(x.movedim(dim, -1), k + 1, dim=-1, largest=largest, sorted=True)
-    return (top.values[..., k - 1] - top.values[..., k]).abs()
+def _top_and_margin(x: torch.Tensor, k: int, dim: int, largest: bool) -> tuple[Any, torch.Tensor]:
+    """The k + 1 best candidates along `dim` (moved last), and each selection's margin: k-th minus (k+1)-th."""
+    top = _TOPK(x.detach().movedim(dim, -1), k + 1, dim=-1, largest=largest, sorted=True)
+    return top, (top.values[..., k - 1] - top.values[..., k]).abs()
 
 
 def fp32_spreads(calls: list[torch.Tensor], choices: list[tuple[int, int, bool]]) -> list[float]:
@@ -102,7 +104,7 @@ def fp32_spreads(calls: list[torch.Tensor], choices: list[tuple[int, int, bool]]
     spreads = []
     for x, (k, dim, largest) in zip(calls, choices, strict=True):
         spread = FP32_SCORE_ULPS * eps * float(x.abs().max())
-        undecided = bool((_margins(x, k, dim, largest) <= BF16_DRAWS * spread).any())
+        undecided = bool((_top_and_margin(x, k, dim, largest)[1] <= BF16_DRAWS * spread).any())
         spreads.append(spread if undecided else 0.0)
     return spreads
 
@@ -120,8 +122,7 @@ def flipping(spreads: list[float], choose: Callable[[int, torch.Size], torch.Ten
         i = next(counter)
         spread = spreads[i] if i < len(spreads) else 0.0
         with torch.no_grad():
-            top = _TOPK(x.detach().movedim(dim, -1), k + 1, dim=-1, largest=largest, sorted=True)
-            margin = (top.values[..., k - 1] - top.values[..., k]).abs()
+            top, margin = _top_and_margin(x, k, dim, largest)
             take = (margin <= BF16_DRAWS * spread) & choose(i, margin.shape)
             index = top.indices[..., :k].clone()
             index[..., k - 1] = torch.where(take, top.indices[..., k], index[..., k - 1])
