@@ -63,6 +63,10 @@ def _padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
 SHARD_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shard_slot", "allreduce", "group_name")
 """What a sharded parameter carries: DeepSpeed's TP marks, dsx3d's expert slot, DeepSpeed's MoE marks."""
 
+BUFFER_NAMES = "_dsx3d_buffer_hf_names"
+"""The attribute of a module that maps its persistent buffers to their HF names (set by `materialize`; on
+the module, not the tensor, because casts and moves replace a buffer's tensor)."""
+
 
 def shard_of(param: torch.Tensor, tp_rank: int) -> tuple[int, int] | None:
     """(dim, index) of a parameter that holds piece `index` of equal pieces of the full tensor along `dim`:
@@ -120,10 +124,25 @@ def _load_buffers(module: nn.Module, prefix: str, source: WeightSource) -> None:
     so). A buffer of another shape than the module's (one its layout changed) keeps the computed value."""
     for bname, buf in list(module._buffers.items()):
         name = f"{prefix}{bname}"
-        if buf is None or bname in module._non_persistent_buffers_set or buf.is_meta or not source.has(name):
+        if buf is None or bname in module._non_persistent_buffers_set:
+            continue
+        module.__dict__.setdefault(BUFFER_NAMES, {})[bname] = name  # what the HF export writes it as
+        if buf.is_meta or not source.has(name):
             continue
         tensor = source.load(name)
         if tuple(tensor.shape) != tuple(buf.shape):
             log.warning("%s: the weights hold shape %s, the model %s: keeping the computed value", name, tuple(tensor.shape), tuple(buf.shape))
             continue
         module._buffers[bname] = tensor.detach().to(buf.dtype, copy=not getattr(source, "fresh_tensors", False))
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """{key in `module.state_dict()`: (HF name, tensor)} of the persistent buffers `materialize` named, as
+    `save_pretrained` writes them (a router's `e_score_correction_bias`, Gemma 4's `layer_scalar`)."""
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for sub_name, sub in module.named_modules():
+        for bname, hf_name in sub.__dict__.get(BUFFER_NAMES, {}).items():
+            buf = sub._buffers.get(bname)
+            if buf is not None and bname not in sub._non_persistent_buffers_set:
+                out[f"{sub_name}.{bname}" if sub_name else bname] = (hf_name, buf)
+    return out

@@ -23,7 +23,7 @@ from torch import nn
 
 from dsx3d.boundary_types import HFProcessor
 from dsx3d.checkpoint.hf.lora_export import merged_weights
-from dsx3d.checkpoint.hf.names import expected_params, meta_model, to_hub_names
+from dsx3d.checkpoint.hf.names import expected_params, hf_buffer_shapes, meta_model, to_hub_names
 from dsx3d.checkpoint.hf.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     Entry,
@@ -44,19 +44,28 @@ from dsx3d.fsio import WRITE_ERRNOS
 from dsx3d.models.buffer_dtypes import run_dtype_of
 from dsx3d.models.lora import is_adapter_name
 from dsx3d.models.shards import local_shape
+from dsx3d.models.weights import persistent_buffers
 
 if TYPE_CHECKING:
     from dsx3d.engine.builder import Engine3D
 
 log = logging.getLogger("dsx3d")
 
-Described = tuple[str, str, tuple[int, ...], int | None, bool]
-"""(hf name, layer key, local shape, TP dim or None, split over the EP group) of one parameter."""
+Described = tuple[str, str, tuple[int, ...], int | None, bool, torch.dtype | None]
+"""(hf name, layer key, local shape, TP dim or None, split over the EP group, own dtype) of one tensor: a
+parameter (own dtype None: written in the export's dtype) or a persistent buffer (written in its own dtype,
+as `save_pretrained` writes a model's state dict)."""
+
+
+def _layer_key(name: str) -> str:
+    """The pipeline item a module path lies in: "3" for the third pipeline layer, "tied_modules.embed" for
+    the tied embedding."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "tied_modules" else parts[0]
 
 
 def describe_params(module: nn.Module) -> list[Described]:
-    """This rank's parameters in module order, once each. The layer key is the pipeline item holding it
-    ("3" for the third pipeline layer, "tied_modules.embed" for the tied embedding). LoRA adapters are not
+    """This rank's parameters in module order, once each, then its persistent buffers. LoRA adapters are not
     part of the HF model (`dsx3d.checkpoint.hf.lora_export` writes them)."""
     out: list[Described] = []
     seen: set[str] = set()
@@ -65,10 +74,12 @@ def describe_params(module: nn.Module) -> list[Described]:
         if name is None or name in seen or is_adapter_name(name):
             continue
         seen.add(name)
-        parts = pname.split(".")
-        layer = ".".join(parts[:2]) if parts[0] == "tied_modules" else parts[0]
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
-        out.append((name, layer, local_shape(p), dim, getattr(p, "allreduce", True) is False))
+        out.append((name, _layer_key(pname), local_shape(p), dim, getattr(p, "allreduce", True) is False, None))
+    for key, (name, buf) in persistent_buffers(module).items():
+        if name not in seen:
+            seen.add(name)
+            out.append((name, _layer_key(key), tuple(buf.shape), None, False, buf.dtype))
     return out
 
 
@@ -94,11 +105,17 @@ def stage_groups(
     return stages
 
 
+def _hf_buffers_only(tensors: list[Described], buffers: dict[str, tuple[int, ...]]) -> list[Described]:
+    """A rank's tensors without the buffers the HF model has not, or has in another shape (one a layout
+    changed): `from_pretrained` computes those itself."""
+    return [d for d in tensors if d[5] is None or buffers.get(d[0]) == d[2]]
+
+
 def hub_entries(
     model: Any, layer: list[Described], full: dict[str, tuple[int, ...]], dtype: torch.dtype
 ) -> Group:
     """The output tensors of one layer under hub names, computed on meta tensors."""
-    meta = {name: torch.empty(full[name], dtype=dtype, device="meta") for name, *_ in layer}
+    meta = {d[0]: torch.empty(full[d[0]], dtype=d[5] or dtype, device="meta") for d in layer}
     return [Entry(name, tuple(t.shape), dtype) for name, t in to_hub_names(model, meta).items()]
 
 
@@ -127,12 +144,15 @@ def export_hf(
     full = {name: tuple(p.shape) for name, p in expected_params(model, engine.hf_config).items()}
     place = engine.placement
     described = comm.all_gather_object((place.pp, place.dp, place.tp, describe_params(engine.module)))
+    buffers = hf_buffer_shapes(model)
+    described = [(*rank, _hf_buffers_only(tensors, buffers)) for *rank, tensors in described]  # type: ignore[misc]
     stages = stage_groups(described, engine.layout.pp)  # type: ignore[arg-type]
-    exported = {d[0] for layers in stages for layer in layers for d in layer}
+    exported = {d[0] for layers in stages for layer in layers for d in layer if d[5] is None}
     if exported != set(full):
         raise RuntimeError(
             f"export plan mismatch: missing {sorted(set(full) - exported)}, extra {sorted(exported - set(full))}"
         )
+    full.update(buffers)
     segments = [[hub_entries(model, layer, full, dtype) for layer in layers] for layers in stages]
     files = plan_files(segments, parse_size(max_shard_size))
 
@@ -201,6 +221,7 @@ def _write_stage(
     builder = engine.module.dsx3d_builder
     tp_group, ep_group = builder.tp.group, builder.experts.group
     params = {getattr(p, "hf_name", None): p for p in engine.module.parameters()}
+    buffers = {name: buf for name, buf in persistent_buffers(engine.module).values()}
     merged = merged_weights(engine.module) if merge_lora else {}
     layers = iter(stages[place.pp])
     error: tuple[str, int | None] | None = None  # (message, errno of a failed write)
@@ -211,12 +232,16 @@ def _write_stage(
                 writer = SafetensorsWriter(staging / f.name, f.entries)
             except OSError as err:
                 error = error or (f"rank {place.rank}: {err}", err.errno)
+        dtypes = {e.name: e.dtype for e in f.entries}
         for _ in f.groups:
             layer = next(layers)
             tensors = {}
-            with engine.gathered(params[name] for name, *_ in layer):
-                for name, _, _, dim, expert in layer:
+            with engine.gathered(params[d[0]] for d in layer if d[5] is None):
+                for name, _, _, dim, expert, own in layer:
                     if replica and not expert:
+                        continue
+                    if own is not None:  # a persistent buffer: whole on every rank
+                        tensors[name] = buffers[name].detach().to(own)
                         continue
                     t = (merged[name]() if name in merged else params[name].detach()).to(dtype)
                     if dim is not None and layout.tp > 1:
@@ -233,7 +258,7 @@ def _write_stage(
             if writer is not None and error is None:
                 try:
                     for hub_name, tensor in to_hub_names(model, tensors).items():
-                        writer.write(hub_name, tensor.to(dtype))
+                        writer.write(hub_name, tensor.to(dtypes[hub_name]))
                 except (OSError, RuntimeError) as err:
                     error = (f"rank {place.rank}, {f.name}: {err}", getattr(err, "errno", None))
         if writer is not None and error is None:

@@ -57,6 +57,13 @@ def expected_params(model: HFModel, config: PretrainedConfig) -> dict[str, torch
     return {name: p for name, p in model.named_parameters() if name not in aliases}
 
 
+def hf_buffer_shapes(model: HFModel) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every persistent buffer of the model: what `save_pretrained` writes besides the
+    parameters and `from_pretrained` loads over the computed values."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in params}
+
+
 @dataclass
 class FusedGroup:
     """Checkpoint tensors that one transformers `WeightConverter` turns into model tensors (e.g. the
@@ -113,7 +120,7 @@ def plan_load(
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     meta_sd = model.state_dict()
     expected = expected_params(model, config)
-    buffers = set(meta_sd) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = set(hf_buffer_shapes(model))
     ignorable = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     plan = LoadPlan()
 

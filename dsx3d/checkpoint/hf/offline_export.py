@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from dsx3d.checkpoint.hf.names import expected_params, meta_model, to_hub_names
+from dsx3d.checkpoint.hf.names import expected_params, hf_buffer_shapes, meta_model, to_hub_names
 from dsx3d.checkpoint.hf.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     Entry,
@@ -58,7 +58,7 @@ from dsx3d.models.pipe_layers import (
     LayerBuilder,
     TiedEmbeddingPipe,
 )
-from dsx3d.models.weights import slice_along
+from dsx3d.models.weights import persistent_buffers, slice_along
 from dsx3d.recipe.hf_config import dimension_problems, load_hf_config
 from dsx3d.recipe.schema import Recipe, load_recipe
 
@@ -85,6 +85,9 @@ class Item:
 
     params: list[ItemParam]
     buffers: frozenset[str]
+    hf_buffers: dict[str, str] = field(default_factory=dict)
+    """Key in the layer file -> HF name of each persistent buffer the export writes (in its own dtype, as
+    `save_pretrained` does)."""
 
     def file_keys(self, tp: int, ep: int) -> list[tuple[int, int]]:
         """(TP rank, EP index) of its files, in expert-slot order."""
@@ -135,7 +138,8 @@ def pipeline_items(config: PretrainedConfig, tp: int, ep: int = 1) -> list[Item]
         buffers = frozenset(module.state_dict()) - {
             k for k, _ in module.named_parameters(remove_duplicate=False)
         }
-        items.append(Item(item, buffers))
+        named = {key: name for key, (name, _) in persistent_buffers(module).items()}
+        items.append(Item(item, buffers, named))
     return items
 
 
@@ -169,11 +173,13 @@ def run_config(tag_dir: Path, trust_remote_code: bool = False) -> tuple[Recipe, 
 
 def check_files(
     located: ItemFiles, items: list[Item], tp: int, ep: int = 1
-) -> tuple[list[Problem], torch.dtype | None]:
-    """Every problem with the files at once (missing, unreadable, wrong keys or shapes), and the dtype they
-    hold. Files are memory-mapped: only their pickled index is read."""
+) -> tuple[list[Problem], torch.dtype | None, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """Every problem with the files at once (missing, unreadable, wrong keys or shapes), the dtype they
+    hold, and the shape and dtype of each named persistent buffer they hold (by HF name). Files are
+    memory-mapped: only their pickled index is read."""
     problems: list[Problem] = []
     dtype: torch.dtype | None = None
+    found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     files = located.files
     ranks = sorted({t for per_tp in files.values() for t, _ in per_tp})
     if ranks and ranks != list(range(tp)):
@@ -218,6 +224,9 @@ def check_files(
                 )
                 continue
             keys = {p.key for p in item.params} | item.buffers
+            for key, name in item.hf_buffers.items():
+                if key in sd and name not in found:
+                    found[name] = (tuple(sd[key].shape), sd[key].dtype)
             for p in item.params:
                 if p.key not in sd:
                     problems.append(
@@ -240,7 +249,7 @@ def check_files(
     for problem in problems:
         if problem not in unique:
             unique.append(problem)
-    return unique, dtype
+    return unique, dtype, found
 
 
 def export_checkpoint(
@@ -278,18 +287,23 @@ def export_checkpoint(
         tied=resolve_family(config).tied,
         dp=_dp_of(tag_dir, recipe),
     )
-    problems, found_dtype = check_files(located, items, tp, ep)
+    problems, found_dtype, found_buffers = check_files(located, items, tp, ep)
     if problems:
         raise UserError(problems)
     dtype = dtype or found_dtype or torch.float32
     model = meta_model(config)
     full = {name: tuple(p.shape) for name, p in expected_params(model, config).items()}
+    items = _with_hf_buffers(items, hf_buffer_shapes(model), found_buffers)
     groups = [
         [
-            Entry(n, tuple(t.shape), dtype)
+            Entry(n, tuple(t.shape), t.dtype)
             for n, t in to_hub_names(
                 model,
-                {p.hf_name: torch.empty(full[p.hf_name], dtype=dtype, device="meta") for p in item.params},
+                {p.hf_name: torch.empty(full[p.hf_name], dtype=dtype, device="meta") for p in item.params}
+                | {
+                    name: torch.empty(found_buffers[name][0], dtype=found_buffers[name][1], device="meta")
+                    for name in item.hf_buffers.values()
+                },
             ).items()
         ]
         for item in items
@@ -307,6 +321,17 @@ def export_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
     log.info("exported %s (%s, tp=%d, ep=%d, %d items) to %s (%s)", tag_dir, located.kind, tp, ep, len(items), out, dtype)
     return out
+
+
+def _with_hf_buffers(
+    items: list[Item], shapes: dict[str, tuple[int, ...]], found: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> list[Item]:
+    """The items with only the buffers the files hold in the HF model's shape (a checkpoint written before
+    dsx3d named them, or a buffer a layout changed, is left to `from_pretrained` to compute)."""
+    return [
+        replace(item, hf_buffers={k: n for k, n in item.hf_buffers.items() if n in found and found[n][0] == shapes.get(n)})
+        for item in items
+    ]
 
 
 def _dp_of(tag_dir: Path, recipe: Recipe) -> int:
@@ -331,6 +356,7 @@ def _write(
     numbered = iter(enumerate(items))
     for f in shard_files:
         writer = SafetensorsWriter(staging / f.name, f.entries)
+        dtypes = {e.name: e.dtype for e in f.entries}
         for _ in f.groups:
             i, item = next(numbered)
             shards = [located.read(located.files[i][key], i) for key in item.file_keys(tp, ep)]  # slot order
@@ -344,8 +370,9 @@ def _write(
                         p.dim, 0, full[p.hf_name][p.dim]
                     )
                 tensors[p.hf_name] = t.to(dtype)
+            tensors |= {name: shards[0][key] for key, name in item.hf_buffers.items()}  # after, as planned
             for name, tensor in to_hub_names(model, tensors).items():
-                writer.write(name, tensor.to(dtype))
+                writer.write(name, tensor.to(dtypes[name]))
             del shards, tensors
         writer.close()
 
