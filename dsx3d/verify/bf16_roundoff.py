@@ -14,7 +14,8 @@ in fp32 as DeepSpeed's engine leaves them, bf16 forward and backward, each micro
 accumulated in fp32, the global norm and clipping in fp32). The distance of that shadow from the
 fp32 reference is the round-off of one bf16 evaluation of this model on this data, per quantity; the 3D
 side rounds in a different order (TP shards, stage boundaries, reduction order), so its distance is
-another draw of the same size. verify allows `BF16_DRAWS` times the shadow's distance on top of fp32's
+another draw of the same size. Under TP the shadow also rounds each partial sum a TP reduction adds, as the
+parallel run does (`dsx3d.verify.tp_rounding`): without it, a tp-way run rounds more often than its shadow. verify allows `BF16_DRAWS` times the shadow's distance on top of fp32's
 criterion, and, for stored weights, each element's own rounding to bf16 (u |w|): the 3D side hands back
 its bf16 parameters.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsx3d.models.buffer_dtypes import cast_buffers_as_hf
+from dsx3d.verify.tp_rounding import round_as_tp
 
 BF16_U = 2.0**-8
 """bf16's unit round-off: 8 significant bits, a value is rounded to within 2^-8 of itself (relative)."""
@@ -68,10 +70,15 @@ def bf16_like_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
 def bf16_shadow(
     model: torch.nn.Module,
     accumulate: Callable[[torch.nn.Module], float],
+    tp: int = 1,
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and fp32 gradients (unclipped) of `model`'s current weights run in bf16; `accumulate(m)` runs the
-    step's micro-batches through `m` and returns the mean loss (each micro-batch's backward into .grad)."""
+    step's micro-batches through `m` and returns the mean loss (each micro-batch's backward into .grad). With
+    `tp` > 1 the TP-sharded linears round their partial sums as a tp-way run does (`dsx3d.verify.tp_rounding`)."""
     shadow = bf16_like_deepspeed(model)
+    config = getattr(model, "config", None)
+    if config is not None:
+        round_as_tp(shadow, config, tp)
     named = [(n, p) for n, p in shadow.named_parameters() if p.requires_grad]
     for _, p in named:
         p.grad = None

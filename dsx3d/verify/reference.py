@@ -176,7 +176,7 @@ def run_reference(
             torch.set_rng_state(rng)
             with recording(shadow_calls):
                 shadow_loss, shadow_grads = bf16_shadow(
-                    model, lambda m: _accumulate_grads(case, m, batch, shadow_tokens)  # noqa: B023
+                    model, lambda m: _accumulate_grads(case, m, batch, shadow_tokens), case.tp  # noqa: B023
                 )
             rf = Bf16Roundoff()
             record_step(rf, total, norm, unclipped, shadow_loss, shadow_grads, case.lr, max_norm)
