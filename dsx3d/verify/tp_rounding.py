@@ -47,12 +47,15 @@ def _column_forward(linear: nn.Linear, tp: int, x: torch.Tensor) -> torch.Tensor
 
 
 def round_as_tp(model: nn.Module, config: PretrainedConfig, tp: int) -> int:
-    """Make `model` (an HF CausalLM, in place) compute its TP-sharded linears piece by piece as a tp-way run
-    does; returns how many it changed. A model it cannot read the plan on (a PEFT wrapper) is left alone."""
+    """Make `model` (an HF CausalLM, or a PEFT model around one; in place) compute its TP-sharded linears piece
+    by piece as a tp-way run does; returns how many it changed. A linear PEFT wrapped (a LoRA target) is no
+    longer a plain linear: it is left whole."""
     if tp <= 1:
         return 0
     spec = resolve_family(config)
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    unwrap = getattr(model, "get_base_model", None)  # PEFT's: the CausalLM with the adapters injected
+    lm = unwrap() if callable(unwrap) else model
+    base = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
     if not isinstance(base, nn.Module):
         return 0
     changed = 0
@@ -63,7 +66,7 @@ def round_as_tp(model: nn.Module, config: PretrainedConfig, tp: int) -> int:
                 forward = _row_forward if sharding.row else _column_forward
                 sub.forward = functools.partial(forward, sub, tp)  # type: ignore[method-assign]
                 changed += 1
-    head = getattr(model, spec.head_name, None)
+    head = getattr(lm, spec.head_name, None)
     if isinstance(head, nn.Linear):  # vocab-parallel: rows split over TP, the input gradient summed
         head.forward = functools.partial(_column_forward, head, tp)  # type: ignore[method-assign]
         changed += 1

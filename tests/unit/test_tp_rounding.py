@@ -50,3 +50,13 @@ def test_bf16_rounds_each_partial_sum() -> None:
     (dx,) = torch.autograd.grad(_column_forward(linear, 2, x), x, dy)
     summed = dy[:, :16] @ linear.weight[:16] + dy[:, 16:] @ linear.weight[16:]
     assert torch.equal(dx, summed)  # the input gradient: the bf16 sum of the pieces' gradients
+
+
+def test_a_lora_reference_keeps_its_adapted_linears_whole() -> None:
+    """verify's LoRA reference is a PEFT model: the linears it wraps are left whole, the others split."""
+    from dsx3d.verify.case import ParityCase
+    from dsx3d.verify.reference import build_reference
+
+    case = ParityCase(tiny_config("llama"), tp=2, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    model = build_reference(case)
+    assert round_as_tp(model, case.config, 2) == 5 * case.config.num_hidden_layers + 1
