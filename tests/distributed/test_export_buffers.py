@@ -46,8 +46,13 @@ def _export_rank(rank: int, recipe: Recipe, tmp: Path) -> None:
     export_hf(engine, tmp / "export")
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["pp2", "tp2"])
-def test_router_biases_are_exported_as_loaded(tmp_path: Path, tp: int, pp: int) -> None:
+@pytest.mark.parametrize(
+    "tp,pp,dtype", [(1, 2, "fp32"), (2, 1, "fp32"), (1, 2, "bf16")], ids=["pp2", "tp2", "pp2-bf16"]
+)
+def test_router_biases_are_exported_as_loaded(tmp_path: Path, tp: int, pp: int, dtype: str) -> None:
+    """The oracle is transformers: the export equals what `from_pretrained` at the run's dtype and then
+    `save_pretrained` write (in bf16: the weights rounded, the router biases kept in fp32, as GLM-4-MoE's
+    `_keep_in_fp32_modules_strict` keeps them)."""
     from dsx3d.checkpoint.hf.offline_export import export_checkpoint
 
     config = tiny_config("glm4_moe")
@@ -61,20 +66,25 @@ def test_router_biases_are_exported_as_loaded(tmp_path: Path, tp: int, pp: int) 
             original.get_buffer(name).add_(torch.rand_like(original.get_buffer(name)))
     src = tmp_path / "hf"
     original.save_pretrained(src)
+    oracle = src
+    if dtype == "bf16":
+        oracle = tmp_path / "hf-bf16"
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(oracle)
+        assert {load_file(f)[biases[0]].dtype for f in oracle.glob("*.safetensors") if biases[0] in load_file(f)} == {torch.float32}
 
-    case = ParityCase(config, dp=1, tp=tp, pp=pp)
+    case = ParityCase(config, dp=1, tp=tp, pp=pp, dtype=dtype)
     recipe = case_recipe(case)
     recipe.model = ModelSection(name_or_path=str(src))
     run_ranks(_export_rank, case.world_size, recipe, tmp_path)
 
-    saved, exported = _tensors(src), _tensors(tmp_path / "export")
+    saved, exported = _tensors(oracle), _tensors(tmp_path / "export")
     assert set(saved) == set(exported), set(saved) ^ set(exported)
     for name in saved:
         assert saved[name].dtype == exported[name].dtype and torch.equal(saved[name], exported[name]), name
     reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    for name in biases:
-        assert torch.equal(reloaded.get_buffer(name), original.get_buffer(name)), name
+    for name in biases:  # fp32 in either run: the trained biases, unrounded
+        assert torch.equal(reloaded.get_buffer(name).float(), original.get_buffer(name)), name
 
     offline = export_checkpoint(tmp_path / "checkpoints", tmp_path / "offline", tag=TAG)
     again = _tensors(offline)

@@ -116,7 +116,7 @@ def hub_entries(
 ) -> Group:
     """The output tensors of one layer under hub names, computed on meta tensors."""
     meta = {d[0]: torch.empty(full[d[0]], dtype=d[5] or dtype, device="meta") for d in layer}
-    return [Entry(name, tuple(t.shape), dtype) for name, t in to_hub_names(model, meta).items()]
+    return [Entry(name, tuple(t.shape), t.dtype) for name, t in to_hub_names(model, meta).items()]
 
 
 def run_dtype(engine: Engine3D) -> torch.dtype:
