@@ -15,9 +15,9 @@ accumulated in fp32, the global norm and clipping in fp32). The distance of that
 fp32 reference is the round-off of one bf16 evaluation of this model on this data, per quantity; the 3D
 side rounds in a different order (TP shards, stage boundaries, reduction order), so its distance is
 another draw of the same size. Under TP the shadow also rounds each partial sum a TP reduction adds, as the
-parallel run does (`dsx3d.verify.tp_rounding`): without it, a tp-way run rounds more often than its shadow. verify allows `BF16_DRAWS` times the shadow's distance on top of fp32's
-criterion, and, for stored weights, each element's own rounding to bf16 (u |w|): the 3D side hands back
-its bf16 parameters.
+parallel run does (`dsx3d.verify.tp_rounding`): without it, a tp-way run rounds more often than its shadow.
+verify allows `BF16_DRAWS` times the shadow's distance on top of fp32's criterion, and, for stored weights,
+each element's own rounding to bf16 (u |w|): the 3D side hands back its bf16 parameters.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
@@ -57,9 +58,9 @@ def expected_params(model: HFModel, config: PretrainedConfig) -> dict[str, torch
     return {name: p for name, p in model.named_parameters() if name not in aliases}
 
 
-def hf_buffer_shapes(model: HFModel) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every persistent buffer of the model: what `save_pretrained` writes besides the
-    parameters and `from_pretrained` loads over the computed values."""
+def hf_buffer_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every persistent buffer of a model (or of one of its modules): what `save_pretrained`
+    writes besides the parameters and `from_pretrained` loads over the computed values."""
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     return {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in params}
 

@@ -135,9 +135,7 @@ def pipeline_items(config: PretrainedConfig, tp: int, ep: int = 1) -> list[Item]
             split = expert or (getattr(p, "tensor_model_parallel", False) and tp > 1)
             dim = p.partition_dim if split else None  # type: ignore[attr-defined]
             item.append(ItemParam(key, p.hf_name, tuple(p.shape), dim, expert))  # type: ignore[attr-defined]
-        buffers = frozenset(module.state_dict()) - {
-            k for k, _ in module.named_parameters(remove_duplicate=False)
-        }
+        buffers = frozenset(hf_buffer_shapes(module))
         named = {key: name for key, (name, _) in persistent_buffers(module).items()}
         items.append(Item(item, buffers, named))
     return items
